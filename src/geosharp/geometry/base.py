@@ -1,0 +1,142 @@
+"""The one interface every geometry implements (SPEC §4–§6).
+
+A :class:`Geometry` is a Riemannian metric on the parameters of one *block* (a GL(h) block of
+attention, a set of diagonal-net pairs, or a plain tensor with the adaptive metric), bound to a
+fixed **base point** — the trained weights. Base-point work (Gram matrices, their inverses and
+eigendecompositions) happens once, in the constructor; every method afterwards is a few batched
+matmuls. The sharpness ascent only ever talks to this interface, so it never needs to ask which
+geometry it holds (the geoopt design).
+
+Points and tangent vectors are tuples of tensors with the shapes of the block's parameters:
+``(G, H)`` for a GL(h) block, ``(u, v)`` for a diagonal net, ``(w,)`` for a plain tensor.
+Blocks may carry leading batch dimensions (e.g. layers × heads); :meth:`Geometry.inner` returns
+one value per batch element, so the squared norm of a perturbation spread over many blocks is
+``sum(geom.norm_sq(xi).sum() for geom, xi in ...)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from geosharp.geometry._validate import check_order, check_steps
+
+Tangent = tuple[Tensor, ...]
+Point = tuple[Tensor, ...]
+
+#: Default number of RK4 steps for ``order="exact"`` geodesics.
+DEFAULT_RK4_STEPS = 10
+
+
+class Geometry(ABC):
+    """A metric on one block of parameters at a fixed base point.
+
+    Subclasses implement :meth:`inner`, :meth:`project`, :meth:`riemannian_grad`,
+    :meth:`christoffel_at` and :meth:`random_tangent`; :meth:`geodesic` follows from them
+    (order 1: ``w + ξ``; order 2: ``w + ξ − ½ Γ_w(ξ, ξ)``; exact: RK4 on ``γ̈ = −Γ_γ(γ̇, γ̇)``),
+    and subclasses with closed-form geodesics override it.
+    """
+
+    point: Point
+
+    # -- metric ---------------------------------------------------------------------------
+    @abstractmethod
+    def inner(self, a: Tangent, b: Tangent) -> Tensor:
+        """Metric inner product ``⟨a, b⟩`` at the base point, one value per batch element."""
+
+    def norm_sq(self, xi: Tangent) -> Tensor:
+        """Squared metric norm ``⟨ξ, ξ⟩``, one value per batch element."""
+        return self.inner(xi, xi)
+
+    # -- quotient structure -----------------------------------------------------------------
+    @abstractmethod
+    def project(self, xi: Tangent) -> Tangent:
+        """Horizontal projection: remove the component of ``ξ`` along the symmetry orbit."""
+
+    @abstractmethod
+    def riemannian_grad(self, egrad: Tangent) -> Tangent:
+        """Riemannian gradient ``g⁻¹ e`` of a Euclidean gradient ``e``."""
+
+    # -- geodesics --------------------------------------------------------------------------
+    @abstractmethod
+    def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
+        """Christoffel quadratic form ``Γ_p(ξ, ξ)`` with the metric evaluated at ``point``."""
+
+    def christoffel(self, xi: Tangent) -> Tangent:
+        """Christoffel quadratic form ``Γ(ξ, ξ)`` at the base point."""
+        return self.christoffel_at(self.point, xi)
+
+    def geodesic(
+        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
+    ) -> Point:
+        """Point reached at ``t = 1`` along the geodesic from the base point with velocity ``ξ``.
+
+        Args:
+            xi: Initial velocity (a tangent vector).
+            order: ``1`` (straight line ``w + ξ``), ``2`` (``w + ξ − ½Γ(ξ, ξ)``, SPEC Eq. 5,
+                error ``O(‖ξ‖³)``) or ``"exact"`` (fixed-step RK4 of the geodesic ODE).
+            steps: Number of RK4 steps for ``order="exact"``.
+
+        Returns:
+            The end point, a tuple shaped like :attr:`point`. Differentiable in ``ξ``.
+        """
+        order = check_order(order)
+        if order == 1:
+            return tuple(p + x for p, x in zip(self.point, xi))
+        if order == 2:
+            gamma = self.christoffel(xi)
+            return tuple(p + x - 0.5 * g for p, x, g in zip(self.point, xi, gamma))
+        return self._rk4(xi, check_steps(steps))
+
+    def _rk4(self, xi: Tangent, steps: int) -> Point:
+        """Integrate ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(point, ξ)`` to ``t = 1`` with classic RK4."""
+        dt = 1.0 / steps
+        x, v = self.point, xi
+
+        def accel(p: Point, vel: Tangent) -> Tangent:
+            return tuple(-g for g in self.christoffel_at(p, vel))
+
+        def add(a: Tangent, b: Tangent, s: float) -> Tangent:
+            return tuple(ai + s * bi for ai, bi in zip(a, b))
+
+        for _ in range(steps):
+            k1x, k1v = v, accel(x, v)
+            x2, v2 = add(x, k1x, dt / 2), add(v, k1v, dt / 2)
+            k2x, k2v = v2, accel(x2, v2)
+            x3, v3 = add(x, k2x, dt / 2), add(v, k2v, dt / 2)
+            k3x, k3v = v3, accel(x3, v3)
+            x4, v4 = add(x, k3x, dt), add(v, k3v, dt)
+            k4x, k4v = v4, accel(x4, v4)
+            x = tuple(
+                xi_ + dt / 6 * (a + 2 * b + 2 * c + d)
+                for xi_, a, b, c, d in zip(x, k1x, k2x, k3x, k4x)
+            )
+            v = tuple(
+                vi + dt / 6 * (a + 2 * b + 2 * c + d)
+                for vi, a, b, c, d in zip(v, k1v, k2v, k3v, k4v)
+            )
+        return x
+
+    # -- sampling -----------------------------------------------------------------------------
+    @abstractmethod
+    def random_tangent(
+        self,
+        generator: torch.Generator | None = None,
+        scale: float = 1.0,
+        horizontal: bool = True,
+    ) -> Tangent:
+        """Isotropic Gaussian tangent vector in the metric, ``ξ ~ N(0, scale² g⁻¹)``.
+
+        Args:
+            generator: Random generator (on the block's device) for reproducibility.
+            scale: Standard deviation in the metric's own coordinates (``ρ`` for average-case
+                sharpness).
+            horizontal: Project the sample horizontally (SPEC §6, average-case).
+        """
+
+    # -- conveniences -------------------------------------------------------------------------
+    def zeros(self) -> Tangent:
+        """The zero tangent vector."""
+        return tuple(torch.zeros_like(p) for p in self.point)
