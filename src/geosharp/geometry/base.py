@@ -68,9 +68,7 @@ class Geometry(ABC):
         """Christoffel quadratic form ``Γ(ξ, ξ)`` at the base point."""
         return self.christoffel_at(self.point, xi)
 
-    def geodesic(
-        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
-    ) -> Point:
+    def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """Point reached at ``t = 1`` along the geodesic from the base point with velocity ``ξ``.
 
         Args:
@@ -84,10 +82,10 @@ class Geometry(ABC):
         """
         order = check_order(order)
         if order == 1:
-            return tuple(p + x for p, x in zip(self.point, xi))
+            return tuple(p + x for p, x in zip(self.point, xi, strict=True))
         if order == 2:
             gamma = self.christoffel(xi)
-            return tuple(p + x - 0.5 * g for p, x, g in zip(self.point, xi, gamma))
+            return tuple(p + x - 0.5 * g for p, x, g in zip(self.point, xi, gamma, strict=True))
         return self._rk4(xi, check_steps(steps))
 
     def _rk4(self, xi: Tangent, steps: int) -> Point:
@@ -99,7 +97,7 @@ class Geometry(ABC):
             return tuple(-g for g in self.christoffel_at(p, vel))
 
         def add(a: Tangent, b: Tangent, s: float) -> Tangent:
-            return tuple(ai + s * bi for ai, bi in zip(a, b))
+            return tuple(ai + s * bi for ai, bi in zip(a, b, strict=True))
 
         for _ in range(steps):
             k1x, k1v = v, accel(x, v)
@@ -111,11 +109,11 @@ class Geometry(ABC):
             k4x, k4v = v4, accel(x4, v4)
             x = tuple(
                 xi_ + dt / 6 * (a + 2 * b + 2 * c + d)
-                for xi_, a, b, c, d in zip(x, k1x, k2x, k3x, k4x)
+                for xi_, a, b, c, d in zip(x, k1x, k2x, k3x, k4x, strict=True)
             )
             v = tuple(
                 vi + dt / 6 * (a + 2 * b + 2 * c + d)
-                for vi, a, b, c, d in zip(v, k1v, k2v, k3v, k4v)
+                for vi, a, b, c, d in zip(v, k1v, k2v, k3v, k4v, strict=True)
             )
         return x
 

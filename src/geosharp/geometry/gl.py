@@ -1,0 +1,432 @@
+r"""Riemannian geometry of a GL(h) symmetry block (SPEC §4).
+
+A GL(h) block is a pair ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` on which the network depends only through
+``G Hᵀ``. The group GL(h) acts by ``(G, H) ↦ (G A⁻¹, H Aᵀ)``; in self-attention every head has two
+such blocks, ``(W_Q, W_K)`` and ``(W_V, W_O)``. Sharpness is measured on the quotient manifold
+(weights modulo this action) with one of two GL(h)-invariant metrics, built from the damped Gram
+matrices ``M_G = GᵀG + εI`` and ``M_H = HᵀH + εI`` of the **base point**:
+
+.. code-block:: text
+
+    inv:  ⟨η, ζ⟩ = tr(M_G⁻¹ η_Gᵀ ζ_G) + tr(M_H⁻¹ η_Hᵀ ζ_H)
+    mix:  ⟨η, ζ⟩ = tr(M_H η_Gᵀ ζ_G)  + tr(M_G η_Hᵀ ζ_H)
+
+Vertical vectors (along the orbit) are ``(−GΩ, HΩᵀ)``; horizontal ones are metric-orthogonal to
+all of them (inv: ``ξ_Gᵀ G M_H = M_G Hᵀ ξ_H``; mix: ``Gᵀ ξ_G M_H = M_G ξ_Hᵀ H``). Both metrics are
+exactly invariant, and the horizontal projection exactly idempotent, at ``ε = 0``; ``ε > 0`` is
+the paper's relaxation for near-singular blocks (SPEC §4) and perturbs both by ``O(ε/σ²_min)``.
+
+Every function is batched over any leading dimensions (e.g. ``layers × heads``), differentiable,
+and dtype/device agnostic. :class:`GLGeometry` factorizes the base point once (eigendecompositions
+of the ``h × h`` Gram matrices); the module-level functions are conveniences that build one per
+call.
+
+Example:
+    >>> import torch
+    >>> from geosharp.geometry import gl
+    >>> g = torch.Generator().manual_seed(0)
+    >>> G = torch.randn(4, 6, 3, dtype=torch.float64, generator=g)   # 4 heads, n=6, h=3
+    >>> H = torch.randn(4, 5, 3, dtype=torch.float64, generator=g)
+    >>> geom = gl.GLGeometry(G, H, metric="inv")
+    >>> xi = geom.project((0.1 * torch.randn_like(G), 0.1 * torch.randn_like(H)))
+    >>> Gp, Hp = geom.geodesic(xi, order=2)
+    >>> A = torch.randn(4, 3, 3, dtype=torch.float64, generator=g)  # a random group element
+    >>> geom_A = gl.GLGeometry(*gl.act(G, H, A), metric="inv")
+    >>> GpA, HpA = geom_A.geodesic(gl.act_tangent(*xi, A), order=2)
+    >>> bool(torch.allclose(GpA @ HpA.mT, Gp @ Hp.mT))  # the perturbed function is invariant
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from geosharp.geometry._validate import (
+    check_eps,
+    check_like,
+    check_metric,
+    check_order,
+    check_steps,
+    check_tensor,
+    singular_threshold,
+)
+from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+
+#: Default damping of the Gram matrices. ``0`` keeps the metrics exactly GL(h)-invariant;
+#: a rank-deficient block then raises an error that suggests ``eps > 0``.
+DEFAULT_EPS = 0.0
+
+
+def _eye_like(M: Tensor) -> Tensor:
+    return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+
+
+def _gram(X: Tensor, eps: float) -> Tensor:
+    """Damped Gram matrix ``XᵀX + εI`` (batched)."""
+    M = X.mT @ X
+    if eps:
+        M = M + eps * _eye_like(M)
+    return M
+
+
+def _spd_funcs(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition ``M = U diag(λ) Uᵀ`` of a batch of symmetric matrices."""
+    lam, U = torch.linalg.eigh(M)
+    return lam, U
+
+
+def _apply_spectral(lam: Tensor, U: Tensor, f: Tensor) -> Tensor:
+    """``U diag(f) Uᵀ`` where ``f`` is a function of the eigenvalues ``lam``."""
+    return (U * f.unsqueeze(-2)) @ U.mT
+
+
+def _christoffel(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+) -> tuple[Tensor, Tensor]:
+    """SPEC §4 Christoffel quadratic form with given inverse Gram matrices."""
+    if metric == "inv":
+        # Γ_G = −ξ_G M_G⁻¹ (ξ_Gᵀ G + Gᵀ ξ_G) + G M_G⁻¹ ξ_Gᵀ ξ_G, and the same with G → H.
+        XG = xG.mT @ G
+        XH = xH.mT @ H
+        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ (xG.mT @ xG))
+        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ (xH.mT @ xH))
+        return gG, gH
+    # mix: Γ_G = ξ_G (ξ_Hᵀ H + Hᵀ ξ_H) M_H⁻¹ − G ξ_Hᵀ ξ_H M_H⁻¹,
+    #      Γ_H = ξ_H (ξ_Gᵀ G + Gᵀ ξ_G) M_G⁻¹ − H ξ_Gᵀ ξ_G M_G⁻¹.
+    XG = xG.mT @ G
+    XH = xH.mT @ H
+    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ ((xH.mT @ xH) @ MH_inv)
+    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ ((xG.mT @ xG) @ MG_inv)
+    return gG, gH
+
+
+class GLGeometry(Geometry):
+    r"""The geometry of one (batched) GL(h) block at a fixed base point ``(G, H)``.
+
+    All base-point work — Gram matrices, their inverses and square roots, and the
+    eigendecomposition behind the inv-metric Sylvester solve — is done once here, so each method
+    afterwards costs a few batched ``h × h`` and ``n × h`` matmuls.
+
+    Args:
+        G: Left factor, shape ``(..., n, h)``.
+        H: Right factor, shape ``(..., m, h)`` with the same leading dimensions and ``h``.
+        metric: ``"inv"`` or ``"mix"`` (SPEC §4).
+        eps: Damping ``ε ≥ 0`` added to both Gram matrices.
+        name: Name of the block, used in error messages.
+
+    Raises:
+        TypeError: If ``G`` or ``H`` is not a floating tensor, or their dtypes differ.
+        ValueError: On mismatched shapes, an unknown metric, ``eps < 0``, or, at ``eps = 0``, a
+            (numerically) singular Gram matrix.
+    """
+
+    def __init__(
+        self,
+        G: Tensor,
+        H: Tensor,
+        metric: str = "inv",
+        eps: float = DEFAULT_EPS,
+        name: str = "GL block",
+    ) -> None:
+        check_tensor("G", G)
+        check_tensor("H", H)
+        if G.dim() < 2 or H.dim() < 2:
+            raise ValueError(
+                f"G and H must have at least 2 dimensions (..., n, h) and (..., m, h); "
+                f"got shapes {tuple(G.shape)} and {tuple(H.shape)}"
+            )
+        if G.shape[:-2] != H.shape[:-2] or G.shape[-1] != H.shape[-1]:
+            raise ValueError(
+                f"G (..., n, h) and H (..., m, h) must share leading dims and h; got shapes "
+                f"{tuple(G.shape)} and {tuple(H.shape)}"
+            )
+        if G.dtype != H.dtype:
+            raise TypeError(f"G has dtype {G.dtype} but H has {H.dtype}")
+        if G.device != H.device:
+            raise ValueError(f"G is on {G.device} but H is on {H.device}")
+        self.metric = check_metric(metric)
+        self.eps = check_eps(eps)
+        self.name = name
+        self.G, self.H = G, H
+        self.point: Point = (G, H)
+        h = G.shape[-1]
+
+        self.MG = _gram(G, self.eps)
+        self.MH = _gram(H, self.eps)
+        lg, Ug = _spd_funcs(self.MG)
+        lh, Uh = _spd_funcs(self.MH)
+        self._check_rank("G", lg, h)
+        self._check_rank("H", lh, h)
+        self.MG_inv = _apply_spectral(lg, Ug, 1.0 / lg)
+        self.MH_inv = _apply_spectral(lh, Uh, 1.0 / lh)
+        # Square roots for sampling: inv samples Z M_G^{1/2}, mix samples Z M_H^{-1/2}.
+        if self.metric == "inv":
+            self._sample_G = _apply_spectral(lg, Ug, lg.sqrt())
+            self._sample_H = _apply_spectral(lh, Uh, lh.sqrt())
+            # Sylvester solve of SPEC §4 (corrected): A Λ + Λ A = B with A = M_H M_G, A similar
+            # to C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q.
+            MH_sqrt = self._sample_H
+            MH_isqrt = _apply_spectral(lh, Uh, lh.rsqrt())
+            d, Q = torch.linalg.eigh(MH_sqrt @ self.MG @ MH_sqrt)
+            self._S = MH_sqrt @ Q
+            self._S_inv = Q.mT @ MH_isqrt
+            self._denom = d.unsqueeze(-1) + d.unsqueeze(-2)
+        else:
+            self._sample_G = _apply_spectral(lh, Uh, lh.rsqrt())
+            self._sample_H = _apply_spectral(lg, Ug, lg.rsqrt())
+
+    def _check_rank(self, which: str, lam: Tensor, h: int) -> None:
+        lam_max = lam[..., -1:].clamp_min(torch.finfo(lam.dtype).tiny)
+        bad = lam[..., :1] <= singular_threshold(lam.dtype, max(h, 2)) * lam_max
+        if self.eps == 0.0 and bool(bad.any()):
+            lam_min = lam[..., 0].abs().clamp_min(torch.finfo(lam.dtype).tiny)
+            cond = float((lam[..., -1] / lam_min).max())
+            where = ""
+            if lam.dim() > 1:
+                idx = [tuple(i.tolist()) for i in bad.squeeze(-1).nonzero()][:5]
+                where = f" at batch index {idx}"
+            raise ValueError(
+                f"eps=0 but the Gram matrix {which}ᵀ{which} of block '{self.name}'{where} is "
+                f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical squared "
+                f"weight norm) to damp it"
+            )
+        if bool((lam[..., 0] <= 0).any()):
+            raise ValueError(
+                f"the damped Gram matrix {which}ᵀ{which} + eps·I of block '{self.name}' is not "
+                f"positive definite (eps={self.eps}); increase eps"
+            )
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_tangent(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, Tensor]:
+        if not isinstance(xi, (tuple, list)) or len(xi) != 2:
+            raise TypeError(f"{name} must be a pair (xi_G, xi_H) of tensors")
+        check_like(f"{name}_G", xi[0], "G", self.G)
+        check_like(f"{name}_H", xi[1], "H", self.H)
+        return xi[0], xi[1]
+
+    # -- metric -----------------------------------------------------------------------------------
+    def inner(self, a: Tangent, b: Tangent) -> Tensor:
+        """Metric inner product (SPEC §4), one value per leading batch element.
+
+        Uses ``tr(M⁻¹ aᵀ b) = Σ a ⊙ (b M⁻¹)`` for symmetric ``M``.
+        """
+        aG, aH = self._check_tangent(a, "a")
+        bG, bH = self._check_tangent(b, "b")
+        if self.metric == "inv":
+            return (aG * (bG @ self.MG_inv)).sum((-2, -1)) + (aH * (bH @ self.MH_inv)).sum((-2, -1))
+        return (aG * (bG @ self.MH)).sum((-2, -1)) + (aH * (bH @ self.MG)).sum((-2, -1))
+
+    # -- quotient structure -----------------------------------------------------------------------
+    def vertical(self, omega: Tensor) -> Tangent:
+        """The vertical vector ``(−GΩ, HΩᵀ)`` generated by ``Ω ∈ R^{h×h}`` (batched)."""
+        return -self.G @ omega, self.H @ omega.mT
+
+    def lam(self, xi: Tangent) -> Tensor:
+        """The ``Λ`` of the horizontal projection ``P(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (SPEC §4).
+
+        mix: ``Λ = ½ (ξ_Hᵀ H M_H⁻¹ − M_G⁻¹ Gᵀ ξ_G)``. inv (corrected): ``AΛ + ΛA = B`` with
+        ``A = M_H M_G`` and ``B = ξ_Hᵀ H M_G − M_H Gᵀ ξ_G``, solved as ``Λ = S Y S⁻¹``,
+        ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``.
+        """
+        xG, xH = self._check_tangent(xi)
+        if self.metric == "mix":
+            return 0.5 * ((xH.mT @ self.H) @ self.MH_inv - self.MG_inv @ (self.G.mT @ xG))
+        B = (xH.mT @ self.H) @ self.MG - self.MH @ (self.G.mT @ xG)
+        Y = (self._S_inv @ B @ self._S) / self._denom
+        return self._S @ Y @ self._S_inv
+
+    def project(self, xi: Tangent) -> Tangent:
+        """Horizontal projection ``P(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (SPEC §4).
+
+        Exactly the metric-orthogonal projection onto the horizontal space at ``eps = 0``.
+        """
+        L = self.lam(xi)
+        return xi[0] + self.G @ L, xi[1] - self.H @ L.mT
+
+    def horizontal_residual(self, xi: Tangent) -> Tensor:
+        """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (at ``eps=0``).
+
+        inv: ``ξ_Gᵀ G M_H − M_G Hᵀ ξ_H``; mix: ``Gᵀ ξ_G M_H − M_G ξ_Hᵀ H`` (SPEC §4).
+        """
+        xG, xH = self._check_tangent(xi)
+        if self.metric == "inv":
+            return (xG.mT @ self.G) @ self.MH - self.MG @ (self.H.mT @ xH)
+        return (self.G.mT @ xG) @ self.MH - self.MG @ (xH.mT @ self.H)
+
+    def riemannian_grad(self, egrad: Tangent) -> Tangent:
+        """Riemannian gradient: inv ``(e_G M_G, e_H M_H)``; mix ``(e_G M_H⁻¹, e_H M_G⁻¹)``."""
+        eG, eH = self._check_tangent(egrad, "egrad")
+        if self.metric == "inv":
+            return eG @ self.MG, eH @ self.MH
+        return eG @ self.MH_inv, eH @ self.MG_inv
+
+    # -- geodesics --------------------------------------------------------------------------------
+    def christoffel(self, xi: Tangent) -> Tangent:
+        """Christoffel quadratic form ``Γ(ξ, ξ)`` at the base point (SPEC §4)."""
+        xG, xH = self._check_tangent(xi)
+        return _christoffel(self.G, self.H, xG, xH, self.MG_inv, self.MH_inv, self.metric)
+
+    def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
+        """Christoffel form with the (damped) Gram matrices evaluated at ``point``."""
+        G, H = point
+        MG_inv = torch.linalg.inv(_gram(G, self.eps))
+        MH_inv = torch.linalg.inv(_gram(H, self.eps))
+        return _christoffel(G, H, xi[0], xi[1], MG_inv, MH_inv, self.metric)
+
+    def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
+        """Geodesic endpoint at ``t = 1`` (order 1, 2 or ``"exact"``); see :class:`Geometry`."""
+        self._check_tangent(xi)
+        return super().geodesic(xi, order=order, steps=steps)
+
+    # -- sampling ---------------------------------------------------------------------------
+    def random_tangent(
+        self,
+        generator: torch.Generator | None = None,
+        scale: float = 1.0,
+        horizontal: bool = True,
+    ) -> Tangent:
+        """Isotropic Gaussian in the metric (SPEC §6), optionally projected horizontally.
+
+        inv: ``η_G = s Z M_G^{1/2}``, ``η_H = s Z M_H^{1/2}``; mix: ``η_G = s Z M_H^{−1/2}``,
+        ``η_H = s Z M_G^{−1/2}`` with ``Z`` standard normal and ``s = scale``.
+        """
+        zG = torch.randn(
+            self.G.shape, generator=generator, dtype=self.G.dtype, device=self.G.device
+        )
+        zH = torch.randn(
+            self.H.shape, generator=generator, dtype=self.H.dtype, device=self.H.device
+        )
+        xi = (scale * zG @ self._sample_G, scale * zH @ self._sample_H)
+        return self.project(xi) if horizontal else xi
+
+
+# ---------------------------------------------------------------------------------------------
+# Group action
+# ---------------------------------------------------------------------------------------------
+def act(G: Tensor, H: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
+    """Group action ``(G, H) ↦ (G A⁻¹, H Aᵀ)`` of ``A ∈ GL(h)`` (batched; ``A⁻¹`` by a solve).
+
+    Args:
+        G: Shape ``(..., n, h)``.
+        H: Shape ``(..., m, h)``.
+        A: Invertible matrices, shape ``(..., h, h)``.
+
+    Returns:
+        The transformed pair; ``G Hᵀ`` is unchanged.
+    """
+    return _right_solve(G, A), H @ A.mT
+
+
+def act_tangent(xi_G: Tensor, xi_H: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
+    """Push-forward of a tangent vector by the group action: ``(ξ_G A⁻¹, ξ_H Aᵀ)``."""
+    return _right_solve(xi_G, A), xi_H @ A.mT
+
+
+def _right_solve(X: Tensor, A: Tensor) -> Tensor:
+    """``X A⁻¹`` without forming the inverse."""
+    return torch.linalg.solve(A.mT, X.mT).mT
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional API: each call factorizes the base point; use GLGeometry to reuse it.
+# ---------------------------------------------------------------------------------------------
+def inner(
+    G: Tensor,
+    H: Tensor,
+    a_G: Tensor,
+    a_H: Tensor,
+    b_G: Tensor,
+    b_H: Tensor,
+    metric: str = "inv",
+    eps: float = DEFAULT_EPS,
+) -> Tensor:
+    """Metric inner product ``⟨a, b⟩`` at ``(G, H)``; see :class:`GLGeometry`.
+
+    Example:
+        >>> import torch
+        >>> G, H = torch.eye(3, 2, dtype=torch.float64), torch.eye(4, 2, dtype=torch.float64)
+        >>> float(inner(G, H, G, H, G, H, metric="inv"))  # tr(I₂) + tr(I₂)
+        4.0
+    """
+    return GLGeometry(G, H, metric, eps).inner((a_G, a_H), (b_G, b_H))
+
+
+def norm_sq(
+    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
+) -> Tensor:
+    """Squared metric norm ``⟨ξ, ξ⟩`` at ``(G, H)``."""
+    return GLGeometry(G, H, metric, eps).norm_sq((xi_G, xi_H))
+
+
+def project(
+    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
+) -> tuple[Tensor, Tensor]:
+    """Horizontal projection of ``ξ`` at ``(G, H)`` (SPEC §4)."""
+    return GLGeometry(G, H, metric, eps).project((xi_G, xi_H))
+
+
+def christoffel(
+    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
+) -> tuple[Tensor, Tensor]:
+    """Christoffel quadratic form ``(Γ_G, Γ_H) = Γ(ξ, ξ)`` at ``(G, H)`` (SPEC §4)."""
+    return GLGeometry(G, H, metric, eps).christoffel((xi_G, xi_H))
+
+
+def geodesic(
+    G: Tensor,
+    H: Tensor,
+    xi_G: Tensor,
+    xi_H: Tensor,
+    metric: str = "inv",
+    order: int | str = 2,
+    eps: float = DEFAULT_EPS,
+    steps: int = DEFAULT_RK4_STEPS,
+) -> tuple[Tensor, Tensor]:
+    """Geodesic endpoint ``γ(1)`` from ``(G, H)`` with velocity ``ξ`` (SPEC §4).
+
+    Args:
+        G: Left factor ``(..., n, h)``.
+        H: Right factor ``(..., m, h)``.
+        xi_G: Velocity of ``G``.
+        xi_H: Velocity of ``H``.
+        metric: ``"inv"`` or ``"mix"``.
+        order: ``1`` (``w + ξ``), ``2`` (``w + ξ − ½Γ(ξ, ξ)``) or ``"exact"`` (RK4).
+        eps: Gram damping.
+        steps: RK4 steps for ``order="exact"``.
+
+    Returns:
+        ``(G′, H′)``.
+
+    Raises:
+        ValueError: On an unknown order or bad ``steps`` (besides the checks of GLGeometry).
+    """
+    check_order(order)
+    check_steps(steps)
+    return GLGeometry(G, H, metric, eps).geodesic((xi_G, xi_H), order=order, steps=steps)
+
+
+def riemannian_grad(
+    G: Tensor, H: Tensor, e_G: Tensor, e_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
+) -> tuple[Tensor, Tensor]:
+    """Riemannian gradient of the Euclidean gradient ``e = (e_G, e_H)`` at ``(G, H)``."""
+    return GLGeometry(G, H, metric, eps).riemannian_grad((e_G, e_H))
+
+
+def random_tangent(
+    G: Tensor,
+    H: Tensor,
+    metric: str = "inv",
+    generator: torch.Generator | None = None,
+    eps: float = DEFAULT_EPS,
+    scale: float = 1.0,
+    horizontal: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Isotropic Gaussian tangent vector in the metric at ``(G, H)``, projected horizontally."""
+    return GLGeometry(G, H, metric, eps).random_tangent(generator, scale, horizontal)

@@ -1,0 +1,131 @@
+"""Adaptive (element-wise) and Euclidean geometry against dense references (SPEC §5)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.integrate import solve_ivp
+
+from geosharp.geometry.elementwise import (
+    ElementwiseGeometry,
+    EuclideanGeometry,
+    adaptive_norm,
+    linf_norm,
+    project_l2_ball,
+    project_linf_ball,
+)
+
+DT = torch.float64
+
+
+def weights(seed=0, zeros=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 5, generator=g, dtype=DT)
+    if zeros:
+        w[1, 2] = 0.0
+        w[3, 0] = 0.0
+    return w, g
+
+
+def test_inner_grad_norm_match_dense_diagonal_metric():
+    w, g = weights(zeros=False)
+    geom = ElementwiseGeometry(w)
+    a, b = torch.randn(w.shape, generator=g, dtype=DT), torch.randn(w.shape, generator=g, dtype=DT)
+    gd = torch.diag(1.0 / w.reshape(-1) ** 2)
+    assert math.isclose(
+        float(geom.inner((a,), (b,))), float(a.reshape(-1) @ gd @ b.reshape(-1)), rel_tol=1e-12
+    )
+    r = geom.riemannian_grad((a,))[0]
+    assert torch.allclose(r.reshape(-1), torch.linalg.solve(gd, a.reshape(-1)), rtol=1e-12)
+    assert math.isclose(float(geom.norm_sq((a,)).sqrt()), float(adaptive_norm(w, a)), rel_tol=1e-12)
+
+
+def test_zero_weights_are_frozen_never_nan():
+    w, g = weights()
+    geom = ElementwiseGeometry(w)
+    xi = torch.randn(w.shape, generator=g, dtype=DT)
+    for out in (
+        geom.project((xi,))[0],
+        geom.riemannian_grad((xi,))[0],
+        geom.random_tangent(g)[0],
+        geom.christoffel((xi,))[0],
+        geom.geodesic((xi,), order="exact")[0] - w,
+        project_l2_ball(w, xi, 0.1),
+        project_linf_ball(w, xi, 0.1),
+    ):
+        assert bool(torch.isfinite(out).all())
+        assert float(out[1, 2]) == 0.0 and float(out[3, 0]) == 0.0
+    assert bool(torch.isfinite(geom.inner((xi,), (xi,))))
+    # Frozen coordinates do not count in the norm.
+    xi0 = torch.zeros_like(w)
+    xi0[1, 2] = 7.0
+    assert float(geom.norm_sq((xi0,))) == 0.0
+
+
+def test_exact_geodesic_solves_its_ode_and_order2_is_third_order():
+    """ẍ = ẋ²/x (Euler–Lagrange of ẋ²/x²), integrated independently by solve_ivp."""
+    w, g = weights(zeros=False)
+    geom = ElementwiseGeometry(w)
+    xi = torch.randn(w.shape, generator=g, dtype=DT) * w.abs()
+    x0, v0 = w.reshape(-1).numpy(), xi.reshape(-1).numpy()
+    n = x0.size
+
+    def rhs(_, y):
+        x, v = y[:n], y[n:]
+        return np.concatenate([v, v**2 / x])
+
+    errs = []
+    for s in (0.3, 1e-1, 1e-2):
+        sol = solve_ivp(
+            rhs, (0, 1), np.concatenate([x0, s * v0]), method="DOP853", rtol=1e-13, atol=1e-13
+        )
+        ref = torch.from_numpy(sol.y[:n, -1]).reshape(w.shape)
+        exact = geom.geodesic((s * xi,), order="exact")[0]
+        assert float((exact - ref).abs().max()) < 1e-10
+        errs.append(float((geom.geodesic((s * xi,), order=2)[0] - ref).norm()))
+    assert errs[1] / errs[2] >= 500  # O(s³)
+
+
+def test_linf_and_l2_balls():
+    w = torch.tensor([1.0, -2.0, 0.0, 4.0], dtype=DT)
+    xi = torch.tensor([0.5, 0.5, 0.5, -1.0], dtype=DT)
+    box = project_linf_ball(w, xi, 0.2)
+    assert box.tolist() == [0.2, 0.4, 0.0, -0.8]
+    assert math.isclose(float(linf_norm(w, box)), 0.2, rel_tol=1e-15)
+    ball = project_l2_ball(w, xi, 0.1)
+    assert math.isclose(float(adaptive_norm(w, ball)), 0.1, rel_tol=1e-14)
+    small = 1e-3 * torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=DT)
+    assert torch.equal(project_l2_ball(w, small, 0.1), small)  # inside: untouched
+    with pytest.raises(ValueError, match="p must be 2 or inf"):
+        adaptive_norm(w, xi, p=1)
+
+
+def test_adaptive_sampling_scales_with_weights():
+    w = torch.tensor([1.0, -10.0, 0.0], dtype=DT).repeat(20000, 1)
+    g = torch.Generator().manual_seed(3)
+    (z,) = ElementwiseGeometry(w).random_tangent(g, scale=0.5)
+    std = z.std(dim=0)
+    # δ_i ~ N(0, ρ² w_i²): stds 0.5, 5, 0 with ~0.5 % standard error.
+    assert (
+        abs(float(std[0]) - 0.5) < 0.02 and abs(float(std[1]) - 5.0) < 0.2 and float(std[2]) == 0.0
+    )
+
+
+def test_euclidean_geometry_is_flat():
+    w, g = weights()
+    geom = EuclideanGeometry(w)
+    xi = torch.randn(w.shape, generator=g, dtype=DT)
+    assert torch.equal(geom.project((xi,))[0], xi)
+    assert torch.equal(geom.geodesic((xi,), order="exact")[0], w + xi)
+    assert math.isclose(float(geom.norm_sq((xi,))), float((xi**2).sum()), rel_tol=1e-14)
+
+
+def test_bad_input():
+    w, _ = weights()
+    with pytest.raises(TypeError, match="floating dtype"):
+        ElementwiseGeometry(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="xi must have the shape of w"):
+        ElementwiseGeometry(w).project((torch.zeros(3, dtype=DT),))
+    with pytest.raises(TypeError, match="1-tuple"):
+        ElementwiseGeometry(w).project(torch.zeros_like(w))
