@@ -1,0 +1,1 @@
+"""Small runnable demonstrations (``python -m geosharp.demos.<name>``)."""
