@@ -298,3 +298,18 @@ def test_singular_gram_at_zero_eps_suggests_damping():
     geom = GLGeometry(G, H, eps=1e-3)  # damping makes it usable, without NaN
     xi = geom.project((G, H))
     assert all(bool(torch.isfinite(t).all()) for t in xi)
+
+
+def test_float32_projection_of_ill_conditioned_block_stays_accurate():
+    """Float32 inputs, float64 internals: re-projecting an (equivariantly pushed) horizontal
+    vector at an ill-conditioned point changes it by float32 roundoff, not cond(M)² × roundoff
+    (measured: 1.6e-6 with float64 internals, 0.14 with float32 internals on this block)."""
+    G, H, g = random_block((4,), 33, 32, 32, seed=21)
+    A = torch.eye(32, dtype=DT) + torch.randn(4, 32, 32, generator=g, dtype=DT) / 4
+    xi = GLGeometry(G, H, "inv").project((rand_like(G, g), rand_like(H, g)))
+    GA, HA = gl.act(G, H, A)
+    xA = gl.act_tangent(*xi, A)
+    geom32 = GLGeometry(GA.float(), HA.float(), "inv")
+    pA = geom32.project(tuple(x.float() for x in xA))
+    assert pA[0].dtype == torch.float32
+    assert rel(flat(*pA).double(), flat(*xA)) < 1e-3

@@ -99,5 +99,11 @@ def check_steps(steps: Any) -> int:
 
 
 def singular_threshold(dtype: torch.dtype, size: int) -> float:
-    """Relative eigenvalue threshold below which a Gram matrix counts as singular."""
-    return 10.0 * size * torch.finfo(dtype).eps
+    """Relative eigenvalue threshold ``λ_min/λ_max`` below which a Gram matrix ``XᵀX`` is singular.
+
+    ``X`` (of ``dtype``) is numerically rank-deficient when ``σ_min/σ_max ≤ size·eps`` (the
+    usual matrix-rank tolerance); the Gram matrix, factorized in float64, cannot resolve ratios
+    below ``10·size·eps₆₄`` either.
+    """
+    tol = size * torch.finfo(dtype).eps
+    return max(tol * tol, 10.0 * size * torch.finfo(torch.float64).eps)

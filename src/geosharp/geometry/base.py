@@ -88,10 +88,13 @@ class Geometry(ABC):
             return tuple(p + x - 0.5 * g for p, x, g in zip(self.point, xi, gamma, strict=True))
         return self._rk4(xi, check_steps(steps))
 
-    def _rk4(self, xi: Tangent, steps: int) -> Point:
-        """Integrate ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(point, ξ)`` to ``t = 1`` with classic RK4."""
+    def _rk4(self, xi: Tangent, steps: int, point: Point | None = None) -> Point:
+        """Integrate ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(point, ξ)`` to ``t = 1`` with classic RK4.
+
+        ``point`` defaults to the base point (it may be passed in a wider dtype).
+        """
         dt = 1.0 / steps
-        x, v = self.point, xi
+        x, v = (self.point if point is None else point), xi
 
         def accel(p: Point, vel: Tangent) -> Tangent:
             return tuple(-g for g in self.christoffel_at(p, vel))
