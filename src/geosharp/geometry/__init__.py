@@ -10,18 +10,21 @@ Modules:
 Every geometry implements :class:`~geosharp.geometry.base.Geometry`.
 """
 
-from geosharp.geometry import elementwise, gl
+from geosharp.geometry import diagonal, elementwise, gl
 from geosharp.geometry.base import Geometry, Point, Tangent
+from geosharp.geometry.diagonal import DiagonalGeometry
 from geosharp.geometry.elementwise import ElementwiseGeometry, EuclideanGeometry
 from geosharp.geometry.gl import GLGeometry
 
 __all__ = [
+    "DiagonalGeometry",
     "ElementwiseGeometry",
     "EuclideanGeometry",
     "GLGeometry",
     "Geometry",
     "Point",
     "Tangent",
+    "diagonal",
     "elementwise",
     "gl",
 ]

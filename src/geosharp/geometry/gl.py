@@ -39,6 +39,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -124,6 +126,8 @@ class GLGeometry(Geometry):
             ``O((n+m)h²)`` per step, negligible next to a forward pass, while the horizontal
             projection of an ill-conditioned block loses ``cond(M_G)·cond(M_H)`` relative
             accuracy). Inputs and outputs keep the dtype of ``G``.
+        head_names: Optional readable name of every element of the (flattened) leading batch,
+            e.g. ``"encoder.layer.3.attention[QK] head 5"``, used in error messages.
 
     Raises:
         TypeError: If ``G`` or ``H`` is not a floating tensor, or their dtypes differ.
@@ -139,6 +143,7 @@ class GLGeometry(Geometry):
         eps: float = DEFAULT_EPS,
         name: str = "GL block",
         compute_dtype: torch.dtype | None = None,
+        head_names: Sequence[str] | None = None,
     ) -> None:
         check_tensor("G", G)
         check_tensor("H", H)
@@ -159,6 +164,7 @@ class GLGeometry(Geometry):
         self.metric = check_metric(metric)
         self.eps = check_eps(eps)
         self.name = name
+        self.head_names = list(head_names) if head_names is not None else None
         self.G, self.H = G, H
         self.point: Point = (G, H)
         h = G.shape[-1]
@@ -195,6 +201,14 @@ class GLGeometry(Geometry):
         for key, value in factors.items():
             setattr(self, key, value)
 
+    def _raise_singular(self, which: str, names: list[str], cond: float) -> None:
+        shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+        raise ValueError(
+            f"eps=0 but the Gram matrix {which}ᵀ{which} of {len(names)} block(s) {shown} is "
+            f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical squared "
+            f"weight norm) to damp it"
+        )
+
     def _check_rank(self, which: str, lam: Tensor, h: int, dtype: torch.dtype) -> None:
         lam_max = lam[..., -1:].clamp_min(torch.finfo(lam.dtype).tiny)
         bad = lam[..., :1] <= singular_threshold(dtype, max(h, 2)) * lam_max
@@ -202,6 +216,9 @@ class GLGeometry(Geometry):
             lam_min = lam[..., 0].abs().clamp_min(torch.finfo(lam.dtype).tiny)
             cond = float((lam[..., -1] / lam_min).max())
             where = ""
+            if self.head_names is not None:
+                flat_bad = bad.reshape(-1).nonzero().flatten().tolist()
+                return self._raise_singular(which, [self.head_names[i] for i in flat_bad], cond)
             if lam.dim() > 1:
                 idx = [tuple(i.tolist()) for i in bad.squeeze(-1).nonzero()][:5]
                 where = f" at batch index {idx}"
