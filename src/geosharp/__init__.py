@@ -1,11 +1,39 @@
 """geosharp — symmetry-aware (geodesic) sharpness of neural networks.
 
 Layers, each importing only from the ones before it: :mod:`geosharp.geometry` (tensor math) ←
-:mod:`geosharp.symmetry` (finds symmetry blocks in an ``nn.Module``) ← estimators ← studies ← CLI.
+:mod:`geosharp.symmetry` (finds symmetry blocks in an ``nn.Module``) ←
+:mod:`geosharp.estimators` (Auto-PGD, sampling, baselines) ← studies ← CLI.
+
+Example:
+    >>> import geosharp as gs
+    >>> "sharpness" in gs.__all__ and "find_symmetries" in gs.__all__
+    True
 """
 
 from geosharp import geometry
+from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
+from geosharp.estimators.checks import check_geometry, check_invariance
+from geosharp.symmetry import (
+    GLBlock,
+    ParameterSpace,
+    declare_block,
+    find_symmetries,
+    reparametrize,
+)
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__", "geometry"]
+__all__ = [
+    "GLBlock",
+    "ParameterSpace",
+    "SharpnessResult",
+    "__version__",
+    "check_geometry",
+    "check_invariance",
+    "declare_block",
+    "find_symmetries",
+    "geometry",
+    "relative_flatness",
+    "reparametrize",
+    "sharpness",
+]

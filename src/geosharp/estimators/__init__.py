@@ -1,0 +1,18 @@
+"""Sharpness estimators: the perturbation set, Auto-PGD, sampling and baselines (SPEC §2, §6)."""
+
+from geosharp.estimators.apgd import AscentResult, autopgd, checkpoints
+from geosharp.estimators.perturbation import Perturbation
+from geosharp.estimators.relative_flatness import relative_flatness
+from geosharp.estimators.sharpness import SharpnessResult, call_model, eval_mode, sharpness
+
+__all__ = [
+    "AscentResult",
+    "Perturbation",
+    "SharpnessResult",
+    "autopgd",
+    "call_model",
+    "checkpoints",
+    "eval_mode",
+    "relative_flatness",
+    "sharpness",
+]

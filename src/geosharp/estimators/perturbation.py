@@ -1,0 +1,268 @@
+"""The perturbation set of a sharpness measure at a base point (SPEC §2, §5, §6).
+
+A :class:`Perturbation` splits the flat parameter vector ``θ`` of a
+:class:`~geosharp.symmetry.ParameterSpace` into *pieces*, each with its own
+:class:`~geosharp.geometry.Geometry`:
+
+* ``measure="geodesic"``: every group of equally-shaped GL(h) blocks becomes one batched
+  :class:`~geosharp.geometry.GLGeometry` (all heads of all layers in one set of batched
+  matmuls), diagonal pairs a :class:`~geosharp.geometry.diagonal.DiagonalGeometry`, and the
+  remaining coordinates the adaptive :class:`~geosharp.geometry.ElementwiseGeometry` (followed
+  along straight lines, as adaptive sharpness does);
+* ``measure="adaptive"``: one element-wise piece over all of ``θ``;
+* ``measure="euclidean"``: one Euclidean piece over all of ``θ``.
+
+A perturbation ``ξ`` is a list with one tangent tuple per piece; its squared norm is the sum of
+the pieces' squared norms (one global ball, SPEC §5). The perturbed parameters
+``θ′ = endpoint(ξ)`` are a differentiable function of ``ξ``, so one forward and one backward of
+the loss at ``θ′`` give the Euclidean gradient with respect to ``ξ`` (SPEC §6, step 2). All
+base-point work (Gram matrices and their factorizations) happens once, in the constructor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry, GLGeometry
+from geosharp.geometry.base import Tangent
+from geosharp.geometry.diagonal import DiagonalGeometry
+from geosharp.symmetry import ParameterSpace
+
+MEASURES = ("geodesic", "adaptive", "euclidean")
+BLOCK_METRICS = ("inv", "mix", "adaptive")
+
+Xi = list[Tangent]
+
+
+class _ProductElementwise(Geometry):
+    """Element-wise (adaptive) metric on a tuple of tensors, e.g. ``(G, H)`` of a GL block.
+
+    Used for the paper's "no corrected norm" ablation and for ``metric="adaptive"``: the block's
+    coordinates then carry the adaptive metric while still being gathered and scattered as a block.
+    """
+
+    def __init__(self, point: Sequence[Tensor]) -> None:
+        self.parts = [ElementwiseGeometry(p) for p in point]
+        self.point = tuple(point)
+
+    def inner(self, a: Tangent, b: Tangent) -> Tensor:
+        return sum(g.inner((x,), (y,)) for g, x, y in zip(self.parts, a, b, strict=True))
+
+    def project(self, xi: Tangent) -> Tangent:
+        return tuple(g.project((x,))[0] for g, x in zip(self.parts, xi, strict=True))
+
+    def riemannian_grad(self, egrad: Tangent) -> Tangent:
+        return tuple(g.riemannian_grad((e,))[0] for g, e in zip(self.parts, egrad, strict=True))
+
+    def christoffel_at(self, point: Tangent, xi: Tangent) -> Tangent:
+        return tuple(torch.zeros_like(x) for x in xi)
+
+    def geodesic(self, xi: Tangent, order: int | str = 1, steps: int = 10) -> Tangent:
+        return tuple(p + x for p, x in zip(self.point, xi, strict=True))
+
+    def random_tangent(
+        self, generator: torch.Generator | None = None, scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        return tuple(g.random_tangent(generator, scale)[0] for g in self.parts)
+
+
+@dataclass
+class Piece:
+    """One part of ``θ`` with its geometry.
+
+    Attributes:
+        name: Readable name (for summaries and errors).
+        index: Global positions in ``θ``, one tensor per component of the point (``None``: all
+            of ``θ``, a single component).
+        geometry: Geometry used for the horizontal projection and the geodesic.
+        norm_geometry: Geometry of the ball and of the Riemannian gradient (differs from
+            ``geometry`` only in the "no corrected norm" ablation).
+        order: Geodesic order used for this piece.
+    """
+
+    name: str
+    index: tuple[Tensor, ...] | None
+    geometry: Geometry
+    norm_geometry: Geometry
+    order: int | str
+
+
+class Perturbation:
+    """Geometry of the perturbation set of one sharpness measure at the base point ``θ₀``.
+
+    Args:
+        space: The model's parameter space (from :func:`geosharp.find_symmetries`).
+        theta0: Base point, the flat trainable parameters (detached).
+        measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
+        metric: Block metric for ``measure="geodesic"``: ``"inv"``, ``"mix"`` or ``"adaptive"``
+            (blocks keep the element-wise metric: with ``order=1`` this reproduces adaptive
+            sharpness through the block machinery, SPEC §5).
+        order: Geodesic order for symmetry blocks and diagonal pairs: ``1``, ``2`` or
+            ``"exact"``.
+        eps: Gram-matrix damping of the GL(h) blocks.
+        corrected_norm: ``False`` is the paper's ablation: blocks are still projected
+            horizontally and followed along their geodesic, but the ball and the Riemannian
+            gradient use the adaptive element-wise metric.
+        exact_steps: RK4 steps for ``order="exact"``.
+    """
+
+    def __init__(
+        self,
+        space: ParameterSpace,
+        theta0: Tensor,
+        *,
+        measure: str = "geodesic",
+        metric: str = "inv",
+        order: int | str = 2,
+        eps: float = 0.0,
+        corrected_norm: bool = True,
+        exact_steps: int = 10,
+    ) -> None:
+        if measure not in MEASURES:
+            raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+        if measure == "geodesic" and metric not in BLOCK_METRICS:
+            raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
+        self.space = space
+        self.theta0 = theta0.detach()
+        self.measure = measure
+        self.metric = metric
+        self.order = order
+        self.exact_steps = exact_steps
+        device = self.theta0.device
+        self.pieces: list[Piece] = []
+        if measure == "adaptive":
+            g = ElementwiseGeometry(self.theta0, name="all parameters")
+            self.pieces.append(Piece("all parameters (adaptive)", None, g, g, 1))
+            return
+        if measure == "euclidean":
+            g = EuclideanGeometry(self.theta0, name="all parameters")
+            self.pieces.append(Piece("all parameters (euclidean)", None, g, g, 1))
+            return
+        for key, blocks in _group_blocks(space).items():
+            g_idx = torch.cat([b.g_index for b in blocks]).to(device)
+            h_idx = torch.cat([b.h_index for b in blocks]).to(device)
+            G, H = self.theta0[g_idx], self.theta0[h_idx]
+            name = f"{len(blocks)} GL({key[2]}) block(s) n={key[0]}, m={key[1]}"
+            if metric == "adaptive":
+                geom: Geometry = _ProductElementwise((G, H))
+                piece_order: int | str = 1
+            else:
+                heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
+                geom = GLGeometry(G, H, metric=metric, eps=eps, name=name, head_names=heads)
+                piece_order = order
+            norm_geom = geom if corrected_norm else _ProductElementwise((G, H))
+            self.pieces.append(Piece(name, (g_idx, h_idx), geom, norm_geom, piece_order))
+        for pair in space.diagonal_pairs:
+            u_idx, v_idx = pair.u_index.to(device), pair.v_index.to(device)
+            u, v = self.theta0[u_idx], self.theta0[v_idx]
+            if metric == "adaptive":
+                geom, piece_order = _ProductElementwise((u, v)), 1
+            else:
+                geom = DiagonalGeometry(u, v, metric=metric, eps=eps)
+                piece_order = order
+            norm_geom = geom if corrected_norm else _ProductElementwise((u, v))
+            self.pieces.append(Piece(pair.name, (u_idx, v_idx), geom, norm_geom, piece_order))
+        rest = space.rest_index.to(device)
+        if rest.numel():
+            g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
+            self.pieces.append(Piece("other parameters (adaptive)", (rest,), g, g, 1))
+
+    # -- tangent-vector arithmetic -------------------------------------------------------------
+    def zeros(self) -> Xi:
+        """The zero perturbation."""
+        return [p.geometry.zeros() for p in self.pieces]
+
+    @staticmethod
+    def combine(a: Xi, b: Xi, alpha: float = 1.0, beta: float = 1.0) -> Xi:
+        """``alpha·a + beta·b`` piece by piece."""
+        return [
+            tuple(alpha * x + beta * y for x, y in zip(ta, tb, strict=True))
+            for ta, tb in zip(a, b, strict=True)
+        ]
+
+    def norm_sq(self, xi: Xi) -> Tensor:
+        """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""
+        return sum(p.norm_geometry.norm_sq(x).sum() for p, x in zip(self.pieces, xi, strict=True))
+
+    def norm(self, xi: Xi) -> float:
+        """Norm ``‖ξ‖`` as a float."""
+        return float(self.norm_sq(xi).clamp_min(0).sqrt())
+
+    def project(self, xi: Xi) -> Xi:
+        """Horizontal projection of every piece (frozen coordinates zeroed)."""
+        return [p.geometry.project(x) for p, x in zip(self.pieces, xi, strict=True)]
+
+    def riemannian_grad(self, egrad: Xi) -> Xi:
+        """Riemannian gradient in the ball's metric, projected horizontally (SPEC §6, step 3)."""
+        return [
+            p.geometry.project(p.norm_geometry.riemannian_grad(e))
+            for p, e in zip(self.pieces, egrad, strict=True)
+        ]
+
+    def ball(self, xi: Xi, rho: float) -> Xi:
+        """``P_S``: horizontal projection, then radial rescale into ``‖ξ‖ ≤ ρ`` (SPEC §6 step 4)."""
+        xi = self.project(xi)
+        n = self.norm(xi)
+        if n > rho:
+            xi = [tuple(t * (rho / n) for t in x) for x in xi]
+        return xi
+
+    def random(self, generator: torch.Generator | None, scale: float) -> Xi:
+        """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
+        return [p.norm_geometry.random_tangent(generator, scale) for p in self.pieces]
+
+    # -- ℓ∞ (adaptive or plain box) -----------------------------------------------------------
+    def sign_direction(self, egrad: Xi) -> Xi:
+        """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
+        out = []
+        for p, e in zip(self.pieces, egrad, strict=True):
+            scale = p.geometry.abs_w if isinstance(p.geometry, ElementwiseGeometry) else 1.0
+            out.append(tuple(torch.sign(t) * scale for t in e))
+        return out
+
+    def box(self, xi: Xi, rho: float) -> Xi:
+        """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        out = []
+        for p, x in zip(self.pieces, xi, strict=True):
+            if isinstance(p.geometry, ElementwiseGeometry):
+                bound = rho * p.geometry.abs_w
+            else:
+                bound = torch.full_like(x[0], rho)
+            out.append(tuple(torch.maximum(torch.minimum(t, bound), -bound) for t in x))
+        return out
+
+    def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
+        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        out = []
+        for p in self.pieces:
+            x = []
+            for t in p.geometry.point:
+                u = 2 * torch.rand(t.shape, generator=generator, dtype=t.dtype, device=t.device) - 1
+                x.append(u * rho * (t.abs() if isinstance(p.geometry, ElementwiseGeometry) else 1))
+            out.append(tuple(x))
+        return out
+
+    # -- the perturbed parameters -------------------------------------------------------------
+    def endpoint(self, xi: Xi) -> Tensor:
+        """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
+        theta = self.theta0
+        for p, x in zip(self.pieces, xi, strict=True):
+            new = p.geometry.geodesic(x, order=p.order, steps=self.exact_steps)
+            if p.index is None:
+                theta = new[0]
+            else:
+                for idx, value in zip(p.index, new, strict=True):
+                    theta = theta.index_put((idx,), value)
+        return theta
+
+
+def _group_blocks(space: ParameterSpace) -> dict[tuple[int, int, int], list]:
+    """GL blocks grouped by ``(n, m, h)`` so that each group is one batched geometry."""
+    groups: dict[tuple[int, int, int], list] = {}
+    for b in space.gl_blocks:
+        groups.setdefault((b.n, b.m, b.head_dim), []).append(b)
+    return groups

@@ -1,0 +1,404 @@
+"""``gs.sharpness``: adaptive, Euclidean and geodesic sharpness of a model (SPEC §2, §6).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> import geosharp as gs
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+    >>> x, y = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+    >>> res = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], measure="geodesic", rho=0.05)
+    >>> res.value > 0, res.n_forward, res.n_backward   # 20 steps: 21 forwards, 20 backwards
+    (True, 21, 20)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from geosharp.estimators.apgd import autopgd
+from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
+from geosharp.symmetry import ParameterSpace, find_symmetries
+
+MEASURES = ("geodesic", "adaptive", "euclidean")
+KINDS = ("worst", "average")
+NORMS = ("l2", "linf")
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass
+class SharpnessResult:
+    """The sharpness of one model under one measure.
+
+    Attributes:
+        value: Mean over batches of the per-batch sharpness.
+        per_batch: ``max_ξ L_S(w′) − L_S(w)`` (worst case) or the mean loss rise (average case)
+            of every batch.
+        clean_losses: ``L_S(w)`` of every batch.
+        perturbed_losses: ``L_S(w′)`` of every batch (best found, or mean over samples).
+        measure: Name of the measure, e.g. ``"geodesic-inv-o2 worst l2"``.
+        settings: Every setting of the call (ρ, steps, metric, order, ε, seed, ...).
+        time_s: Wall time in seconds.
+        n_forward: Forward passes of the model (clean losses included).
+        n_backward: Backward passes of the model.
+        excluded: Parameters left out (name → reason), e.g. ``requires_grad=False``.
+        traces: For the worst case, the loss at every ascent iterate of every batch.
+    """
+
+    value: float
+    per_batch: list[float]
+    clean_losses: list[float]
+    perturbed_losses: list[float]
+    measure: str
+    settings: dict[str, Any]
+    time_s: float
+    n_forward: int = 0
+    n_backward: int = 0
+    excluded: dict[str, str] = field(default_factory=dict)
+    traces: list[list[float]] = field(default_factory=list)
+
+    @property
+    def std(self) -> float:
+        """Standard deviation of the per-batch values."""
+        n = len(self.per_batch)
+        if n < 2:
+            return 0.0
+        m = self.value
+        return math.sqrt(sum((v - m) ** 2 for v in self.per_batch) / (n - 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.measure} (rho={self.settings.get('rho')}): {self.value:.6g} "
+            f"± {self.std:.2g} over {len(self.per_batch)} batch(es), {self.time_s:.2f} s"
+        )
+
+
+def measure_name(
+    measure: str, metric: str, order: int | str, kind: str, norm: str, corrected_norm: bool = True
+) -> str:
+    """Canonical name of a measure, e.g. ``"geodesic-inv-o2 worst l2"``."""
+    if measure == "geodesic":
+        base = f"geodesic-{metric}-o{order}" + ("" if corrected_norm else "-adaptivenorm")
+    else:
+        base = measure
+    return f"{base} {kind} {norm}"
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def call_model(model: nn.Module, params: Mapping[str, Tensor], inputs: Any) -> Any:
+    """``model(inputs)`` with the given parameters (``functional_call``; no weights copied).
+
+    A dict of inputs is passed as keyword arguments (Hugging Face style), a tuple as positional
+    arguments, anything else as the single argument.
+    """
+    if isinstance(inputs, Mapping):
+        return functional_call(model, dict(params), (), dict(inputs))
+    if isinstance(inputs, tuple):
+        return functional_call(model, dict(params), inputs)
+    return functional_call(model, dict(params), (inputs,))
+
+
+@contextmanager
+def eval_mode(model: nn.Module):
+    """Put ``model`` in eval mode and restore its previous mode afterwards, on any exit."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _check_float(name: str, value: Any, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _progress(iterable: Iterable, enabled: bool | None, desc: str) -> Iterable:
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a light optional dependency
+        return iterable
+    return tqdm(iterable, desc=desc, leave=False)
+
+
+class _Objective:
+    """``ξ ↦ L_S(θ′(ξ))`` on one batch, counting forward and backward passes."""
+
+    def __init__(self, model, loss_fn, space, pert, inputs, targets, counter):
+        self.model, self.loss_fn, self.space, self.pert = model, loss_fn, space, pert
+        self.inputs, self.targets, self.counter = inputs, targets, counter
+
+    def evaluate(self, theta: Tensor) -> Tensor:
+        out = call_model(self.model, self.space.unflatten(theta), self.inputs)
+        loss = self.loss_fn(out, self.targets)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(
+                "loss_fn(outputs, targets) must return a scalar tensor, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+            )
+        self.counter["forward"] += 1
+        return loss.reshape(())
+
+    def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
+        if not need_grad:
+            with torch.no_grad():
+                value = float(self.evaluate(self.pert.endpoint(xi)))
+            if check:
+                self._check(value, xi)
+            return value, None
+        leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in xi]
+        with torch.enable_grad():
+            loss = self.evaluate(self.pert.endpoint(leaves))
+            flat = [t for x in leaves for t in x]
+            grads = torch.autograd.grad(loss, flat, allow_unused=True)
+        self.counter["backward"] += 1
+        value = float(loss.detach())
+        if check:
+            self._check(value, xi)
+        pairs = zip(grads, flat, strict=True)
+        it = iter(g if g is not None else torch.zeros_like(t) for g, t in pairs)
+        return value, [tuple(next(it) for _ in x) for x in leaves]
+
+    def _check(self, value: float, xi: Xi) -> None:
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"the loss became {value} at a perturbation of norm {self.pert.norm(xi):.3g}; "
+                "rho is too large for this model (try a smaller rho)"
+            )
+
+
+def sharpness(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[tuple[Any, Any]],
+    *,
+    measure: str = "geodesic",
+    metric: str = "inv",
+    order: int | str = 2,
+    kind: str = "worst",
+    rho: float = 0.1,
+    steps: int = 20,
+    norm: str = "l2",
+    eps: float = 0.0,
+    seed: int = 0,
+    samples: int = 10,
+    restarts: int = 1,
+    random_init: bool = False,
+    corrected_norm: bool = True,
+    exact_steps: int = 10,
+    space: ParameterSpace | None = None,
+    progress: bool | None = None,
+) -> SharpnessResult:
+    r"""Sharpness of ``model`` on ``batches`` (SPEC §2, §6).
+
+    Worst case: ``E_S[max_{‖ξ‖ ≤ ρ} L_S(γ_ξ(1)) − L_S(w)]``, maximized per batch by Auto-PGD
+    (one forward + one backward per step). Average case: ``E_S E_ξ[L_S(γ_ξ(1)) − L_S(w)]``
+    with ``ξ`` an isotropic Gaussian of standard deviation ``ρ`` in the metric (projected
+    horizontally for geodesic sharpness). The model runs in eval mode through
+    :func:`torch.func.functional_call`: its parameters are never written to, so they are
+    bit-identical afterwards whatever happens, and its train/eval mode is restored. Data are
+    moved to the device of the model's parameters.
+
+    Args:
+        model: Any ``nn.Module``; every parameter with ``requires_grad=True`` is perturbed.
+        loss_fn: ``loss_fn(model(inputs), targets)`` → scalar tensor (mean over the batch).
+        batches: Iterable of ``(inputs, targets)``; ``inputs`` may be a tensor, a tuple
+            (positional arguments) or a dict (keyword arguments).
+        measure: ``"geodesic"`` (symmetry blocks on their quotient manifold, the rest adaptive),
+            ``"adaptive"`` (element-wise, Kwon et al. / Andriushchenko et al.) or
+            ``"euclidean"``.
+        metric: Block metric of geodesic sharpness: ``"inv"``, ``"mix"``, or ``"adaptive"``
+            (block coordinates with the element-wise metric; with ``order=1`` this equals
+            adaptive sharpness, SPEC §5).
+        order: Geodesic order for symmetry blocks: ``1``, ``2`` (paper Eq. 5) or ``"exact"``.
+        kind: ``"worst"`` or ``"average"``.
+        rho: Radius of the ball (worst case) or standard deviation (average case).
+        steps: Auto-PGD iterations (worst case).
+        norm: ``"l2"``, or ``"linf"`` for the adaptive/Euclidean box ``|δ_i| ≤ ρ|w_i|``.
+        eps: Gram-matrix damping of GL(h) blocks (``0``: exactly invariant).
+        seed: Seed of the random start / samples.
+        samples: Noise samples per batch (average case).
+        restarts: Auto-PGD runs per batch; restarts after the first start at random points.
+        random_init: Start the first run at a random point of the sphere as well.
+        corrected_norm: ``False``: the paper's "no corrected norm" ablation.
+        exact_steps: RK4 steps for ``order="exact"``.
+        space: A precomputed :func:`geosharp.find_symmetries` result (default: found here).
+        progress: Show a progress bar over batches (default: when stderr is a terminal).
+
+    Returns:
+        A :class:`SharpnessResult`.
+
+    Raises:
+        ValueError: On an unknown measure, kind, norm or metric, ``rho <= 0``, no batches, or
+            a non-finite clean loss.
+        TypeError: If ``loss_fn`` does not return a scalar tensor.
+        FloatingPointError: If the loss becomes non-finite inside the ball.
+    """
+    t0 = time.perf_counter()
+    if measure not in MEASURES:
+        raise ValueError(
+            f"measure must be one of {MEASURES}, got {measure!r} "
+            "(relative flatness: geosharp.relative_flatness)"
+        )
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm == "linf" and measure == "geodesic":
+        raise ValueError("norm='linf' is defined for measure='adaptive' or 'euclidean' only")
+    if measure == "geodesic" and metric not in BLOCK_METRICS:
+        raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
+    if isinstance(order, bool) or order not in (1, 2, "exact"):
+        raise ValueError(f"order must be one of 1, 2, 'exact', got {order!r}")
+    rho = _check_float("rho", rho)
+    steps = _check_int("steps", steps)
+    samples = _check_int("samples", samples)
+    restarts = _check_int("restarts", restarts)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+    space = space if space is not None else find_symmetries(model)
+    if space.numel() == 0:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    params = dict(model.named_parameters())
+    theta0 = space.flatten(params).detach()
+    device = theta0.device
+    pert = Perturbation(
+        space,
+        theta0,
+        measure=measure,
+        metric=metric,
+        order=order,
+        eps=eps,
+        corrected_norm=corrected_norm,
+        exact_steps=exact_steps,
+    )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    counter = {"forward": 0, "backward": 0}
+    per_batch, clean, perturbed, traces = [], [], [], []
+    name = measure_name(measure, metric, order, kind, norm, corrected_norm)
+    with eval_mode(model):
+        for b, batch in enumerate(_progress(batches, progress, name)):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(f"batch {b} must be a pair (inputs, targets)")
+            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
+            f = _Objective(model, loss_fn, space, pert, inputs, targets, counter)
+            zero = pert.zeros()
+            need_grad = kind == "worst" and not random_init
+            clean_loss, clean_grad = f(zero, True, False) if need_grad else _clean(f, theta0)
+            if not math.isfinite(clean_loss):
+                raise ValueError(
+                    f"the clean loss of batch {b} is {clean_loss}: sharpness is undefined; "
+                    "check the model, the data and loss_fn"
+                )
+            if kind == "average":
+                rises = []
+                for _ in range(samples):
+                    value, _ = f(pert.random(gen, rho), False)
+                    rises.append(value)
+                best = sum(rises) / len(rises)
+            else:
+                best, trace = -math.inf, []
+                for r in range(restarts):
+                    if r == 0 and not random_init:
+                        res = autopgd(pert, f, rho, steps, zero, norm, (clean_loss, clean_grad))
+                    else:
+                        res = autopgd(
+                            pert, f, rho, steps, _random_start(pert, gen, rho, norm), norm
+                        )
+                    if res.best_loss > best:
+                        best, trace = res.best_loss, res.trace
+                best = max(best, clean_loss)
+                traces.append(trace)
+            clean.append(clean_loss)
+            perturbed.append(best)
+            per_batch.append(best - clean_loss)
+    if not per_batch:
+        raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
+    settings = {
+        "measure": measure,
+        "metric": metric if measure == "geodesic" else None,
+        "order": order if measure == "geodesic" else 1,
+        "kind": kind,
+        "rho": rho,
+        "steps": steps if kind == "worst" else None,
+        "norm": norm,
+        "eps": eps,
+        "seed": seed,
+        "samples": samples if kind == "average" else None,
+        "restarts": restarts if kind == "worst" else None,
+        "random_init": random_init,
+        "corrected_norm": corrected_norm,
+        "exact_steps": exact_steps if order == "exact" else None,
+        "n_params": space.numel(),
+        "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
+        "dtype": str(theta0.dtype),
+        "device": str(device),
+    }
+    return SharpnessResult(
+        value=sum(per_batch) / len(per_batch),
+        per_batch=per_batch,
+        clean_losses=clean,
+        perturbed_losses=perturbed,
+        measure=name,
+        settings=settings,
+        time_s=time.perf_counter() - t0,
+        n_forward=counter["forward"],
+        n_backward=counter["backward"],
+        excluded=dict(space.excluded),
+        traces=traces,
+    )
+
+
+def _clean(f: _Objective, theta0: Tensor) -> tuple[float, None]:
+    with torch.no_grad():
+        return float(f.evaluate(theta0)), None
+
+
+def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
+    """A random start: on the sphere of radius ρ (ℓ2, horizontal) or uniform in the box (ℓ∞)."""
+    if norm == "linf":
+        return pert.uniform_box(gen, rho)
+    xi = pert.project(pert.random(gen, 1.0))
+    n = pert.norm(xi)
+    return [tuple(t * (rho / n) for t in x) for x in xi] if n > 0 else xi

