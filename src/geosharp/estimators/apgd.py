@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from geosharp.estimators.perturbation import Perturbation, Xi
 
 #: Momentum of Auto-PGD (SPEC §6, step 5).
@@ -100,38 +102,42 @@ def autopgd(
     eta = 2.0 * rho
     xi, xi_prev = xi0, xi0
     value, egrad = start if start is not None else loss(xi, True)
+    # The ascent direction at the current iterate: the Riemannian gradient (ℓ2) or the Euclidean
+    # gradient whose signs are taken (ℓ∞). Stored with the best iterate for restarts.
+    direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
-    best_egrad = egrad
+    best_direction = direction
     cps = set(checkpoints(steps))
     n_improved, last_cp, eta_at_cp, best_at_cp = 0, 0, eta, value
+    a, b = MOMENTUM, 1.0 - MOMENTUM
     for i in range(steps):
+        # ξ_{k+1} = P(ξ_k + α(z − ξ_k) + (1−α)(ξ_k − ξ_{k−1})) = P(α z + 2(1−α) ξ_k − (1−α) ξ_{k−1})
+        # with z = P(ξ_k + η d_k); computed in place on fresh tensors (few full-size passes).
+        # ξ_k, ξ_{k−1} and the projected direction d_k are horizontal, so every combination is:
+        # the horizontal part of P is the identity here and only the radial rescale remains.
         if norm == "l2":
-            r = pert.riemannian_grad(egrad)
-            rn = pert.norm(r)
-            step = Perturbation.combine(xi, r, 1.0, eta / rn if rn > 0 else 0.0)
-            z = pert.ball(step, rho)
-            cand = Perturbation.combine(
-                Perturbation.combine(xi, z, 1.0 - MOMENTUM, MOMENTUM),
-                Perturbation.combine(xi, xi_prev, 1.0, -1.0),
-                1.0,
-                1.0 - MOMENTUM,
-            )
-            new = pert.ball(cand, rho)
+            rn = pert.norm(direction)
+            scale = eta / rn if rn > 0 else 0.0
+            z = [
+                tuple(torch.add(x, d, alpha=scale) for x, d in zip(tx, td, strict=True))
+                for tx, td in zip(xi, direction, strict=True)
+            ]
+            z = pert.ball(z, rho, inplace=True, project=False)
         else:
-            z = pert.box(Perturbation.combine(xi, pert.sign_direction(egrad), 1.0, eta), rho)
-            cand = Perturbation.combine(
-                Perturbation.combine(xi, z, 1.0 - MOMENTUM, MOMENTUM),
-                Perturbation.combine(xi, xi_prev, 1.0, -1.0),
-                1.0,
-                1.0 - MOMENTUM,
-            )
-            new = pert.box(cand, rho)
+            step = pert.sign_direction(direction)
+            z = pert.box(Perturbation.combine(xi, step, 1.0, eta), rho)
+        for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
+            for t, x, p in zip(tz, tx, tp, strict=True):
+                t.mul_(a).add_(x, alpha=2.0 * b).add_(p, alpha=-b)
+        new = pert.ball(z, rho, inplace=True, project=False) if norm == "l2" else pert.box(z, rho)
         res.step_sizes.append(eta)
         xi_prev, xi = xi, new
         value, egrad = loss(xi, i < steps - 1)
+        if egrad is not None:
+            direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
         res.trace.append(value)
         if value > res.best_loss:
-            res.best_loss, res.best_xi, best_egrad = value, xi, egrad
+            res.best_loss, res.best_xi, best_direction = value, xi, direction
             n_improved += 1
         if i in cps:
             too_few = n_improved < MIN_UPDATE_RATIO * (i - last_cp)
@@ -139,6 +145,6 @@ def autopgd(
             eta_at_cp, best_at_cp, last_cp, n_improved = eta, res.best_loss, i, 0
             if too_few or stalled:
                 eta /= 2.0
-                xi, egrad = res.best_xi, best_egrad
+                xi, direction = res.best_xi, best_direction
                 res.restarts.append(i)
     return res

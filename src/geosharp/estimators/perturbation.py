@@ -170,6 +170,16 @@ class Perturbation:
         if rest.numel():
             g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
             self.pieces.append(Piece("other parameters (adaptive)", (rest,), g, g, 1))
+        # θ′ is assembled by one gather: the pieces' values, concatenated, put back in θ order.
+        # (Pieces cover every coordinate exactly once; the symmetry finder guarantees it.)
+        order = torch.cat([i.reshape(-1) for p in self.pieces for i in p.index])
+        if order.numel() != self.theta0.numel():
+            raise ValueError(
+                f"the symmetry blocks and the rest cover {order.numel()} coordinates of "
+                f"{self.theta0.numel()}: the ParameterSpace is inconsistent"
+            )
+        self._inverse = torch.empty_like(order)
+        self._inverse[order] = torch.arange(order.numel(), device=device)
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
@@ -196,19 +206,43 @@ class Perturbation:
         """Horizontal projection of every piece (frozen coordinates zeroed)."""
         return [p.geometry.project(x) for p, x in zip(self.pieces, xi, strict=True)]
 
-    def riemannian_grad(self, egrad: Xi) -> Xi:
-        """Riemannian gradient in the ball's metric, projected horizontally (SPEC §6, step 3)."""
-        return [
-            p.geometry.project(p.norm_geometry.riemannian_grad(e))
-            for p, e in zip(self.pieces, egrad, strict=True)
-        ]
+    def riemannian_grad(self, egrad: Xi, inplace: bool = False) -> Xi:
+        """Riemannian gradient in the ball's metric, projected horizontally (SPEC §6, step 3).
 
-    def ball(self, xi: Xi, rho: float) -> Xi:
-        """``P_S``: horizontal projection, then radial rescale into ``‖ξ‖ ≤ ρ`` (SPEC §6 step 4)."""
-        xi = self.project(xi)
+        With ``inplace=True`` the element-wise pieces of ``egrad`` are overwritten (``e ⊙ w²``
+        is already zero on frozen coordinates, so it needs no projection).
+        """
+        out = []
+        for p, e in zip(self.pieces, egrad, strict=True):
+            g = p.norm_geometry
+            if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
+                out.append((e[0].mul_(g.w2),))
+            elif isinstance(g, EuclideanGeometry):
+                out.append(tuple(e))
+            else:
+                out.append(p.geometry.project(g.riemannian_grad(e)))
+        return out
+
+    def ball(self, xi: Xi, rho: float, inplace: bool = False, project: bool = True) -> Xi:
+        """``P_S``: horizontal projection, then radial rescale into ``‖ξ‖ ≤ ρ`` (SPEC §6 step 4).
+
+        Args:
+            xi: The perturbation.
+            rho: Radius.
+            inplace: Let the rescale overwrite the (projected) tensors of ``xi``.
+            project: ``False`` when ``xi`` is known to be horizontal already (a linear
+                combination of horizontal vectors), where the projection is the identity.
+        """
+        if project:
+            xi = self.project(xi)
         n = self.norm(xi)
         if n > rho:
-            xi = [tuple(t * (rho / n) for t in x) for x in xi]
+            if inplace:
+                for x in xi:
+                    for t in x:
+                        t.mul_(rho / n)
+            else:
+                xi = [tuple(t * (rho / n) for t in x) for x in xi]
         return xi
 
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
@@ -249,15 +283,13 @@ class Perturbation:
     # -- the perturbed parameters -------------------------------------------------------------
     def endpoint(self, xi: Xi) -> Tensor:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
-        theta = self.theta0
+        values = []
         for p, x in zip(self.pieces, xi, strict=True):
             new = p.geometry.geodesic(x, order=p.order, steps=self.exact_steps)
             if p.index is None:
-                theta = new[0]
-            else:
-                for idx, value in zip(p.index, new, strict=True):
-                    theta = theta.index_put((idx,), value)
-        return theta
+                return new[0]
+            values.extend(v.reshape(-1) for v in new)
+        return torch.cat(values)[self._inverse]
 
 
 def _group_blocks(space: ParameterSpace) -> dict[tuple[int, int, int], list]:

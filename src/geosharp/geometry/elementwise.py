@@ -60,6 +60,7 @@ class ElementwiseGeometry(Geometry):
         self.inv_w2 = torch.where(self.mask, w_safe.reciprocal().square(), torch.zeros_like(w))
         self.w2 = w.square()
         self.abs_w = w.abs()
+        self.has_frozen = not bool(self.mask.all())
 
     def _check(self, xi: Tangent, name: str = "xi") -> Tensor:
         if not isinstance(xi, (tuple, list)) or len(xi) != 1:
@@ -70,9 +71,16 @@ class ElementwiseGeometry(Geometry):
         """``Σ_i a_i b_i / w_i²`` over the non-frozen coordinates (a 0-dim tensor)."""
         return (self._check(a, "a") * self._check(b, "b") * self.inv_w2).sum()
 
+    def norm_sq(self, xi: Tangent) -> Tensor:
+        """``Σ_i ξ_i² / w_i²`` (one temporary, for large tensors)."""
+        x = self._check(xi).reshape(-1)
+        return torch.dot(x, x * self.inv_w2.reshape(-1))
+
     def project(self, xi: Tangent) -> Tangent:
         """Zero the frozen coordinates (``w_i = 0``); the metric has no other symmetry."""
         x = self._check(xi)
+        if not self.has_frozen:
+            return (x,)
         return (torch.where(self.mask, x, torch.zeros_like(x)),)
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:

@@ -304,10 +304,14 @@ class ParameterSpace:
             raise ValueError(
                 f"theta must be a vector of length {self.numel()}, got shape {tuple(theta.shape)}"
             )
-        out = {}
-        for name, shape, off in zip(self.param_names, self.shapes, self.offsets, strict=True):
-            out[name] = theta[off : off + math.prod(shape)].view(shape)
-        return out
+        # One split (its backward is a single cat) rather than a slice per parameter, whose
+        # backward would allocate a zero gradient the size of θ for every parameter.
+        sizes = [math.prod(shape) for shape in self.shapes]
+        parts = torch.split(theta, sizes)
+        return {
+            name: part.view(shape)
+            for name, shape, part in zip(self.param_names, self.shapes, parts, strict=True)
+        }
 
     @torch.no_grad()
     def write_to(self, model: nn.Module, theta: Tensor) -> None:

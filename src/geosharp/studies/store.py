@@ -1,0 +1,313 @@
+"""The results database of a study: SQLite, atomic, resumable.
+
+One file ``study.sqlite`` per study folder holds
+
+* ``meta``: the study's name and configuration (so that a folder is never silently reused by a
+  different study), the geosharp/torch versions;
+* ``models``: one row per trained or loaded model — hyperparameters, train/test metrics, the
+  generalization gap, checkpoint path, seed, training time;
+* ``measurements``: one row per (model, measure, ρ, settings) — the value, the per-batch values,
+  the clean losses, wall time, versions, seed.
+
+Every write is one transaction (``with conn:``), so a run killed at any point leaves only
+complete rows; a rerun asks :meth:`Store.has_measurement` / :meth:`Store.get_model` and skips
+what is done. The database runs in WAL mode so that several processes (shards of a population
+on one machine) can write to it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import geosharp
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS models (
+    model_id TEXT PRIMARY KEY,
+    hparams TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    gap REAL,
+    checkpoint TEXT,
+    seed INTEGER,
+    train_time_s REAL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS measurements (
+    model_id TEXT NOT NULL,
+    measure TEXT NOT NULL,
+    rho REAL,
+    settings_key TEXT NOT NULL,
+    value REAL,
+    per_batch TEXT NOT NULL,
+    clean_losses TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    time_s REAL,
+    versions TEXT NOT NULL,
+    seed INTEGER,
+    created REAL NOT NULL,
+    PRIMARY KEY (model_id, measure, rho, settings_key)
+);
+"""
+
+
+class StudyMismatchError(ValueError):
+    """The output folder holds the database of a different study."""
+
+
+def versions() -> dict[str, str]:
+    """Versions recorded with every measurement."""
+    return {"geosharp": geosharp.__version__, "torch": torch.__version__}
+
+
+def _key(settings: Mapping[str, Any]) -> str:
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+class Store:
+    """A study's SQLite results database.
+
+    Args:
+        path: The database file (created with its folder if missing).
+        study: Name of the study (e.g. ``"diagonal"``).
+        config: The study's configuration; a folder whose database records a different study or
+            configuration is refused unless ``force=True``.
+        force: Reuse the folder anyway, replacing its recorded configuration (rows are kept).
+
+    Raises:
+        StudyMismatchError: If the database belongs to another study or configuration.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     store = Store(pathlib.Path(d) / "study.sqlite", "demo", {"n": 1})
+        ...     store.put_model("m0", hparams={"lr": 0.1}, metrics={"test_loss": 0.2}, gap=0.2)
+        ...     store.put_measurement("m0", "adaptive worst l2", 0.1, {"steps": 20}, 0.5, [0.5])
+        ...     store.has_measurement("m0", "adaptive worst l2", 0.1, {"steps": 20})
+        True
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        study: str,
+        config: Mapping[str, Any],
+        force: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(self.path, timeout=60.0)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        with self.conn:
+            self.conn.executescript(SCHEMA)
+        config_json = json.dumps(config, sort_keys=True, default=str)
+        meta = self.meta()
+        if meta and not force:
+            if meta.get("study") != study:
+                raise StudyMismatchError(
+                    f"{self.path.parent} holds the results of study {meta.get('study')!r}, not "
+                    f"{study!r}; choose another --out folder or pass --force to reuse it"
+                )
+            if meta.get("config") != config_json:
+                raise StudyMismatchError(
+                    f"{self.path.parent} holds study {study!r} with a different configuration "
+                    f"({meta.get('config')} vs {config_json}); choose another --out folder or "
+                    "pass --force to reuse it (finished rows are kept)"
+                )
+        with self.conn:
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                [
+                    ("study", study),
+                    ("config", config_json),
+                    ("versions", json.dumps(versions())),
+                ],
+            )
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- meta ----------------------------------------------------------------------------------
+    def meta(self) -> dict[str, str]:
+        """The ``meta`` table as a dict."""
+        return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The recorded configuration."""
+        return json.loads(self.meta().get("config", "{}"))
+
+    # -- models -------------------------------------------------------------------------------
+    def put_model(
+        self,
+        model_id: str,
+        *,
+        hparams: Mapping[str, Any],
+        metrics: Mapping[str, Any],
+        gap: float,
+        checkpoint: str | None = None,
+        seed: int | None = None,
+        train_time_s: float | None = None,
+    ) -> None:
+        """Record a trained model (atomically; replaces a row with the same id)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    model_id,
+                    json.dumps(dict(hparams), sort_keys=True, default=str),
+                    json.dumps(dict(metrics), sort_keys=True, default=str),
+                    float(gap),
+                    checkpoint,
+                    seed,
+                    train_time_s,
+                    time.time(),
+                ),
+            )
+
+    def get_model(self, model_id: str) -> dict[str, Any] | None:
+        """The row of a model, or ``None``."""
+        rows = self._models("WHERE model_id = ?", (model_id,))
+        return rows[0] if rows else None
+
+    def models(self) -> list[dict[str, Any]]:
+        """All models, ordered by id."""
+        return self._models("ORDER BY model_id", ())
+
+    def _models(self, clause: str, args: tuple) -> list[dict[str, Any]]:
+        cur = self.conn.execute(
+            "SELECT model_id, hparams, metrics, gap, checkpoint, seed, train_time_s "
+            f"FROM models {clause}",
+            args,
+        )
+        out = []
+        for mid, hp, metrics, gap, ckpt, seed, t in cur.fetchall():
+            row = {"model_id": mid, "hparams": json.loads(hp), "gap": gap}
+            row.update(json.loads(metrics))
+            row.update({"checkpoint": ckpt, "seed": seed, "train_time_s": t})
+            out.append(row)
+        return out
+
+    # -- measurements -------------------------------------------------------------------------
+    def has_measurement(
+        self, model_id: str, measure: str, rho: float | None, settings: Mapping[str, Any]
+    ) -> bool:
+        """Whether this (model, measure, ρ, settings) row is already finished."""
+        cur = self.conn.execute(
+            "SELECT 1 FROM measurements WHERE model_id = ? AND measure = ? AND rho IS ? "
+            "AND settings_key = ?",
+            (model_id, measure, rho, _key(settings)),
+        )
+        return cur.fetchone() is not None
+
+    def put_measurement(
+        self,
+        model_id: str,
+        measure: str,
+        rho: float | None,
+        settings: Mapping[str, Any],
+        value: float,
+        per_batch: Iterable[float],
+        clean_losses: Iterable[float] = (),
+        time_s: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Record one measurement (atomically)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    model_id,
+                    measure,
+                    rho,
+                    _key(settings),
+                    float(value),
+                    json.dumps([float(v) for v in per_batch]),
+                    json.dumps([float(v) for v in clean_losses]),
+                    json.dumps(dict(settings), sort_keys=True, default=str),
+                    time_s,
+                    json.dumps(versions()),
+                    seed,
+                    time.time(),
+                ),
+            )
+
+    def measurements(self) -> list[dict[str, Any]]:
+        """All measurements, ordered by model, measure and ρ."""
+        cur = self.conn.execute(
+            "SELECT model_id, measure, rho, value, per_batch, clean_losses, settings, time_s, "
+            "versions, seed FROM measurements ORDER BY model_id, measure, rho"
+        )
+        return [
+            {
+                "model_id": mid,
+                "measure": measure,
+                "rho": rho,
+                "value": value,
+                "per_batch": json.loads(pb),
+                "clean_losses": json.loads(cl),
+                "settings": json.loads(st),
+                "time_s": t,
+                "versions": json.loads(v),
+                "seed": seed,
+            }
+            for mid, measure, rho, value, pb, cl, st, t, v, seed in cur.fetchall()
+        ]
+
+    # -- export ---------------------------------------------------------------------------------
+    def export_csv(self, path: str | Path) -> Path:
+        """Write ``results.csv``: one row per measurement, joined with its model's metrics.
+
+        Returns:
+            The path written.
+        """
+        path = Path(path)
+        models = {m["model_id"]: m for m in self.models()}
+        hp_keys = sorted({k for m in models.values() for k in m["hparams"]})
+        metric_keys = sorted(
+            {
+                k
+                for m in models.values()
+                for k in m
+                if k not in {"model_id", "hparams", "gap", "checkpoint", "seed", "train_time_s"}
+            }
+        )
+        header = ["model_id", "measure", "rho", "value", "gap", *metric_keys]
+        header += [f"hp_{k}" for k in hp_keys] + ["time_s", "n_batches", "per_batch_std"]
+        tmp = path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(header)
+            for r in self.measurements():
+                m = models.get(r["model_id"], {"hparams": {}})
+                pb = r["per_batch"]
+                mean = sum(pb) / len(pb) if pb else float("nan")
+                std = (
+                    (sum((v - mean) ** 2 for v in pb) / (len(pb) - 1)) ** 0.5
+                    if len(pb) > 1
+                    else 0.0
+                )
+                w.writerow(
+                    [r["model_id"], r["measure"], r["rho"], r["value"], m.get("gap")]
+                    + [m.get(k) for k in metric_keys]
+                    + [m["hparams"].get(k) for k in hp_keys]
+                    + [r["time_s"], len(pb), std]
+                )
+        tmp.replace(path)
+        return path
