@@ -28,6 +28,8 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m geosharp.demos.invariance
+	@echo
+	$(VENV)/bin/geosharp study diagonal --out runs/diagonal
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

@@ -179,11 +179,20 @@ def test_damped_exact_geodesic_is_rk4_of_the_damped_ode(metric):
     assert err <= 1e-8, err  # RK4 at h = 1/200, as above
 
 
-def test_mix_closed_form_rejects_velocities_through_the_origin():
+def test_mix_exact_geodesic_continues_through_the_origin_in_function_space():
+    """Past β_i = 0 the mix geodesic is the straight line β(1 + 2b) (Euclidean in β)."""
     u, v, _ = base_point(4)
-    b = torch.full((D,), -0.6, dtype=DT)  # 1 + 2b = −0.2 < 0
-    with pytest.raises(ValueError, match="1 \\+ 2b > 0"):
-        DiagonalGeometry(u, v, "mix").geodesic((u * b, v * b), order="exact")
+    b = torch.linspace(-2.0, 1.0, D, dtype=DT)  # 1 + 2b from −3 to 3, crossing 0
+    up, vp = DiagonalGeometry(u, v, "mix").geodesic((u * b, v * b), order="exact")
+    assert torch.allclose(up * vp, u * v * (1 + 2 * b), rtol=1e-14, atol=1e-15)
+    ok = 1 + 2 * b >= 1e-2  # where the chart is regular: the true geodesic itself
+    assert torch.allclose(up[ok], (u * torch.sqrt(1 + 2 * b))[ok], rtol=1e-14)
+    assert torch.allclose(vp[ok], (v * torch.sqrt(1 + 2 * b))[ok], rtol=1e-14)
+    # and the derivative of the product in b is exact on both sides: d(u′v′)/db = 2uv
+    bb = b.clone().requires_grad_()
+    up, vp = DiagonalGeometry(u, v, "mix").geodesic((u * bb, v * bb), order="exact")
+    (grad,) = torch.autograd.grad((up * vp).sum(), bb)
+    assert torch.allclose(grad, 2 * u * v, rtol=1e-13)
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -587,8 +596,9 @@ def test_closed_forms_edge_cases():
     # Tensors are accepted.
     t = torch.tensor([1.0, -2.0])
     assert closed_form_sharpness_mix(t, t, 0.1) == pytest.approx(0.02, rel=1e-14)
-    with pytest.raises(ValueError, match="reduce rho"):
-        closed_form_sharpness_mix([0.1, 2.0], [1.0, 2.0], 1.0)  # moves β₁ through 0
+    # The maximiser moves β₁ through 0, along the straight line in β: the formula still holds.
+    expected = 2 * math.sqrt(2) * 1.0 * 0.9 + 2.0
+    assert closed_form_sharpness_mix([0.1, 2.0], [1.0, 2.0], 1.0) == pytest.approx(expected)
     with pytest.raises(ValueError, match="same shape"):
         closed_form_sharpness_inv([1.0, 2.0], [1.0], 0.1)
     with pytest.raises(ValueError, match="rho"):

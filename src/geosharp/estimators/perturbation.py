@@ -285,6 +285,10 @@ class Perturbation:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
         values = []
         for p, x in zip(self.pieces, xi, strict=True):
+            if p.order == "exact" and isinstance(p.geometry, DiagonalGeometry):
+                # The closed-form geodesics need an exactly horizontal velocity; iterates are
+                # horizontal only up to roundoff, which P removes (P is the identity on them).
+                x = p.geometry.project(x)
             new = p.geometry.geodesic(x, order=p.order, steps=self.exact_steps)
             if p.index is None:
                 return new[0]

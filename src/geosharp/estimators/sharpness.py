@@ -202,8 +202,9 @@ class _Objective:
     def _check(self, value: float, xi: Xi) -> None:
         if not math.isfinite(value):
             raise FloatingPointError(
-                f"the loss became {value} at a perturbation of norm {self.pert.norm(xi):.3g}; "
-                "rho is too large for this model (try a smaller rho)"
+                f"the loss became {value} at a perturbation of norm {self.pert.norm(xi):.3g}: "
+                "the model or its geometry is numerically unstable there; try a smaller rho, "
+                "or eps > 0 for near-singular symmetry blocks"
             )
 
 

@@ -82,6 +82,9 @@ __all__ = [
 #: (``eps_dtype`` the dtype's machine epsilon). A projected vector is horizontal to a few ulps.
 HORIZONTAL_RTOL_ULPS = 1e3
 
+#: Floor ``τ`` of ``1 + 2b`` in the ``(u, v)`` chart of the continued exact mix geodesic.
+MIX_CHART_FLOOR = 1e-2
+
 
 # ---------------------------------------------------------------------------------------------
 # Horizontal coordinates
@@ -329,9 +332,14 @@ class DiagonalGeometry(Geometry):
 
         - inv, any velocity: ``(u e^{ξ_u/u}, v e^{ξ_v/v})`` (the metric decouples into
           ``du²/u² + dv²/v²``, each a reparametrised line);
-        - mix, horizontal velocity ``b = ξ_u/u = ξ_v/v``: ``(u √(1+2b), v √(1+2b))``. It needs
-          ``1 + 2b_i > 0`` for every coordinate (otherwise the geodesic reaches the singular point
-          ``u_i = v_i = 0`` at ``t = −1/(2b_i) ≤ 1``). "Horizontal" means within
+        - mix, horizontal velocity ``b = ξ_u/u = ξ_v/v``: ``(u √(1+2b), v √(1+2b))``, so
+          ``β′ = β ⊙ (1 + 2b)``. On the quotient the mix metric is ``½‖dβ‖²`` — Euclidean in
+          ``β`` — and its geodesics are the straight lines ``β + 2tb⊙β``, which cross
+          ``β_i = 0`` (a singular point of the ``(u, v)`` chart only) when ``1 + 2b_i ≤ 0``.
+          There the representative ``(u √τ, v (1+2b)/√τ)``, ``τ =`` :data:`MIX_CHART_FLOOR`, of
+          the continued geodesic is returned: its product ``u′v′ = β(1+2b)`` — all a diagonal
+          network sees — and its derivative are exact (for ``1 + 2b_i ≥ τ`` it is the geodesic
+          itself). "Horizontal" means within
           :data:`HORIZONTAL_RTOL_ULPS` machine epsilons, relative; a non-horizontal mix velocity
           falls back to RK4. The closed form is evaluated at ``b = ½(ξ_u/u + ξ_v/v)``, so it
           is the exact endpoint of the projected velocity ``P(ξ)`` and differentiates as such;
@@ -349,8 +357,7 @@ class DiagonalGeometry(Geometry):
             ``(u′, v′)``, differentiable in ``ξ``.
 
         Raises:
-            ValueError: On a bad ``order``/``steps``, or a mix closed form with
-                ``1 + 2b_i ≤ 0``.
+            ValueError: On a bad ``order``/``steps``.
         """
         order = check_order(order)
         xu, xv = self._check_tangent(xi)
@@ -368,15 +375,9 @@ class DiagonalGeometry(Geometry):
         if not horizontal:
             return self._rk4((xu, xv), steps)
         b = 0.5 * (bu + bv)
-        n_bad = int((1.0 + 2.0 * b <= 0).sum())
-        if n_bad:
-            raise ValueError(
-                f"the exact mix geodesic needs 1 + 2b > 0 (b = ξ_u/u = ξ_v/v), violated by {n_bad} "
-                f"coordinate(s): the geodesic reaches the singular point u = v = 0 before t = 1; "
-                f"shrink ξ (or use order=2)"
-            )
-        s = torch.sqrt(1.0 + 2.0 * b)
-        return self.u * s, self.v * s
+        stretch = 1.0 + 2.0 * b
+        s = torch.sqrt(stretch.clamp_min(MIX_CHART_FLOOR))
+        return self.u * s, self.v * (stretch / s)
 
     # -- sampling -------------------------------------------------------------------------------
     def random_tangent(
@@ -451,9 +452,9 @@ def closed_form_sharpness_mix(
 
     Coordinates with ``β_i = 0`` cannot move (``δ_i = 2b_iβ_i = 0``) and are left out of the
     norm (at ``ε = 0`` the geometry is singular there anyway); if every ``β_i = 0`` the value is
-    0. The maximiser ``δ = √2ρ (β − β*)/‖β − β*‖`` must keep ``1 + 2b_i = 1 + δ_i/β_i > 0`` (the
-    geodesic must not reach ``u_i = v_i = 0`` before ``t = 1``); this holds whenever
-    ``√2 ρ |β_i − β*_i| < |β_i| ‖β − β*‖`` and always at ``β = β*``.
+    0. The maximiser ``δ = √2ρ (β − β*)/‖β − β*‖`` may need ``1 + 2b_i = 1 + δ_i/β_i ≤ 0``: the
+    straight line in ``β`` then crosses ``β_i = 0``, which the mix geodesic does too (see
+    :meth:`DiagonalGeometry.geodesic`), so the formula holds for every ``ρ``.
 
     Args:
         beta: Current ``β = u ⊙ v`` (numpy array, tensor or sequence; any shape).
@@ -465,8 +466,7 @@ def closed_form_sharpness_mix(
 
     Raises:
         TypeError: If ``rho`` is not a number.
-        ValueError: On shape mismatch, non-finite input, ``rho < 0``, or if the maximiser needs
-            ``1 + 2b_i ≤ 0`` for some coordinate (reduce ``rho``).
+        ValueError: On shape mismatch, non-finite input or ``rho < 0``.
 
     Example:
         >>> round(closed_form_sharpness_mix([1.0, 2.0, -1.0], [1.0, 2.0, -1.0], 0.1), 12)
@@ -480,16 +480,6 @@ def closed_form_sharpness_mix(
         return 0.0
     diff = np.where(moving, beta - beta_star, 0.0)
     dist = float(np.linalg.norm(diff))
-    if dist > 0:
-        delta = math.sqrt(2.0) * rho * diff / dist
-        ratio = np.divide(delta, beta, out=np.zeros_like(beta), where=moving)
-        n_bad = int(np.sum(1.0 + ratio <= 0))
-        if n_bad:
-            raise ValueError(
-                f"the mix maximiser moves {n_bad} coordinate(s) through β_i = 0 (1 + 2b_i ≤ 0), "
-                f"where the exact mix geodesic ends; the closed form does not apply at "
-                f"rho={rho}: reduce rho"
-            )
     return 2.0 * math.sqrt(2.0) * rho * dist + 2.0 * rho * rho
 
 

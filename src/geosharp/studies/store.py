@@ -77,13 +77,15 @@ class Store:
 
     Args:
         path: The database file (created with its folder if missing).
-        study: Name of the study (e.g. ``"diagonal"``).
+        study: Name of the study (e.g. ``"diagonal"``); ``None`` with ``config=None``.
         config: The study's configuration; a folder whose database records a different study or
-            configuration is refused unless ``force=True``.
+            configuration is refused unless ``force=True``. ``None``: open an existing database
+            as it is (for reading and adding rows), checking and recording nothing.
         force: Reuse the folder anyway, replacing its recorded configuration (rows are kept).
 
     Raises:
         StudyMismatchError: If the database belongs to another study or configuration.
+        FileNotFoundError: If ``config`` is ``None`` and the database does not exist.
 
     Example:
         >>> import tempfile, pathlib
@@ -98,17 +100,21 @@ class Store:
     def __init__(
         self,
         path: str | Path,
-        study: str,
-        config: Mapping[str, Any],
+        study: str | None,
+        config: Mapping[str, Any] | None,
         force: bool = False,
     ) -> None:
         self.path = Path(path)
+        if config is None and not self.path.is_file():
+            raise FileNotFoundError(f"no study database at {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=60.0)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         with self.conn:
             self.conn.executescript(SCHEMA)
+        if config is None:  # open an existing study as it is, writing nothing
+            return
         config_json = json.dumps(config, sort_keys=True, default=str)
         meta = self.meta()
         if meta and not force:
@@ -227,8 +233,12 @@ class Store:
         clean_losses: Iterable[float] = (),
         time_s: float | None = None,
         seed: int | None = None,
+        error: str | None = None,
     ) -> None:
-        """Record one measurement (atomically)."""
+        """Record one measurement (atomically); a failed one has ``value`` NaN and ``error``."""
+        settings = dict(settings)
+        if error is not None:
+            settings = {**settings, "error": error}
         with self.conn:
             self.conn.execute(
                 "INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -236,8 +246,8 @@ class Store:
                     model_id,
                     measure,
                     rho,
-                    _key(settings),
-                    float(value),
+                    _key({k: v for k, v in settings.items() if k != "error"}),
+                    None if error is not None else float(value),
                     json.dumps([float(v) for v in per_batch]),
                     json.dumps([float(v) for v in clean_losses]),
                     json.dumps(dict(settings), sort_keys=True, default=str),
@@ -254,7 +264,7 @@ class Store:
             "SELECT model_id, measure, rho, value, per_batch, clean_losses, settings, time_s, "
             "versions, seed FROM measurements ORDER BY model_id, measure, rho"
         )
-        return [
+        rows = [
             {
                 "model_id": mid,
                 "measure": measure,
@@ -269,6 +279,9 @@ class Store:
             }
             for mid, measure, rho, value, pb, cl, st, t, v, seed in cur.fetchall()
         ]
+        for r in rows:
+            r["error"] = r["settings"].pop("error", None)
+        return rows
 
     # -- export ---------------------------------------------------------------------------------
     def export_csv(self, path: str | Path) -> Path:

@@ -1,0 +1,349 @@
+"""The study pipeline shared by every study: population → sharpness → correlation → report.
+
+A :class:`Study` says what its population is, how to train (or load) a model, on which batches
+and with which loss sharpness is measured, and its measurement plan (measures × ρ). The
+:func:`run_study` loop is the same for all studies and is resumable at the granularity of one
+model (training) and one measurement row: the store records every finished row atomically, so a
+killed run restarts where it stopped and never recomputes or loses a finished row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from geosharp.estimators import relative_flatness, sharpness
+from geosharp.estimators.sharpness import measure_name
+from geosharp.studies.report import ReportPaths, write_report
+from geosharp.studies.store import Store
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """One measure of a plan, evaluated at every ρ of ``rhos``.
+
+    Attributes:
+        kwargs: Keyword arguments of :func:`geosharp.sharpness` (without ``rho``), or
+            ``{"measure": "relative_flatness", "layer": ...}``.
+        rhos: Radii (worst case) or standard deviations (average case); ``(None,)`` for
+            relative flatness.
+    """
+
+    kwargs: dict[str, Any]
+    rhos: tuple[float | None, ...]
+
+    @property
+    def name(self) -> str:
+        """Canonical measure name, e.g. ``"geodesic-inv-o2 worst l2"``."""
+        kw = self.kwargs
+        if kw.get("measure") == "relative_flatness":
+            return "relative_flatness"
+        return measure_name(
+            kw.get("measure", "geodesic"),
+            kw.get("metric", "inv"),
+            kw.get("order", 2),
+            kw.get("kind", "worst"),
+            kw.get("norm", "l2"),
+            kw.get("corrected_norm", True),
+        )
+
+
+@dataclass
+class Shard:
+    """Part ``k`` of ``n`` (1-based) of a population: models ``k−1, k−1+n, …``."""
+
+    k: int
+    n: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """Parse ``"k/n"``.
+
+        Raises:
+            ValueError: If the text is not ``k/n`` with ``1 ≤ k ≤ n``.
+        """
+        try:
+            k, n = (int(x) for x in text.split("/"))
+        except ValueError as err:
+            raise ValueError(f"--shard must look like 2/4, got {text!r}") from err
+        if not 1 <= k <= n:
+            raise ValueError(f"--shard k/n needs 1 <= k <= n, got {text!r}")
+        return cls(k, n)
+
+    def take(self, items: Sequence[Any]) -> list[Any]:
+        """The items of this shard."""
+        return list(items[self.k - 1 :: self.n])
+
+
+class Study(ABC):
+    """What a study is made of; see :func:`run_study` for what is done with it."""
+
+    #: Short name (the CLI's ``geosharp study NAME``), recorded in the store.
+    name: str = "study"
+    #: Title of the report.
+    title: str = "Study"
+    #: Label of the generalization gap in the report.
+    gap_label: str = "generalization gap"
+    #: The paper's τ per measure family (SPEC §7), or ``None``.
+    paper: dict[str, float] | None = None
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Everything that defines the study's results (recorded; a mismatch is refused)."""
+
+    @abstractmethod
+    def population(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(model_id, hyperparameters)`` of every model, in a fixed order."""
+
+    @abstractmethod
+    def train(
+        self,
+        todo: list[tuple[str, dict[str, Any]]],
+        out_dir: Path,
+        store: Store,
+        progress: bool,
+    ) -> None:
+        """Train the models of ``todo`` and record each with :meth:`Store.put_model`."""
+
+    @abstractmethod
+    def load(self, row: dict[str, Any]) -> nn.Module:
+        """The model of a store row, ready for measuring.
+
+        ``row["checkpoint_path"]`` is the absolute path of the row's checkpoint.
+        """
+
+    @abstractmethod
+    def batches(self) -> list[tuple[Any, Any]]:
+        """The fixed training batches sharpness is measured on."""
+
+    @abstractmethod
+    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
+        """The loss sharpness is measured with (a scalar)."""
+
+    @abstractmethod
+    def plan(self) -> list[MeasureSpec]:
+        """Measures × ρ, fixed before looking at any τ."""
+
+    def settings(self) -> dict[str, Any]:
+        """Human-readable settings for the report (default: the config)."""
+        return self.config()
+
+    def notes(self, store: Store) -> list[str]:
+        """Remarks for the report."""
+        return []
+
+    def included(self, row: dict[str, Any]) -> bool:
+        """Whether a trained model enters the correlation analysis (default: all)."""
+        return True
+
+
+def _progress(iterable: Any, enabled: bool, desc: str, total: int | None = None) -> Any:
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total)
+
+
+@dataclass
+class RunSummary:
+    """What :func:`run_study` did."""
+
+    out_dir: Path
+    trained: int = 0
+    measured: int = 0
+    reused: int = 0
+    report: ReportPaths | None = None
+    time_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+def run_study(
+    study: Study,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    progress: bool | None = None,
+    shard: Shard | None = None,
+    report: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> RunSummary:
+    """Train (or reuse) the population, measure every model, analyse and report.
+
+    Args:
+        study: The study.
+        out_dir: Output folder (holds ``study.sqlite``, checkpoints, ``results.csv`` and the
+            report).
+        force: Reuse a folder that records a different configuration.
+        progress: Progress bars (default: when stderr is a terminal).
+        shard: Only train and measure this shard of the population.
+        report: Write ``results.csv`` and the report at the end.
+        log: Where to print one-line status messages (default: stderr).
+
+    Returns:
+        A :class:`RunSummary`.
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    progress = sys.stderr.isatty() if progress is None else progress
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    summary = RunSummary(out)
+    with Store(out / "study.sqlite", study.name, study.config(), force=force) as store:
+        _record_report_meta(store, study)
+        population = study.population()
+        mine = shard.take(population) if shard else population
+        todo = [(mid, hp) for mid, hp in mine if store.get_model(mid) is None]
+        if todo:
+            say(f"training {len(todo)} of {len(mine)} models ({len(mine) - len(todo)} reused)")
+            study.train(todo, out, store, progress)
+            summary.trained = len(todo)
+        batches = study.batches()
+        jobs = []
+        for mid, _ in mine:
+            row = store.get_model(mid)
+            if row is None or not study.included(row):
+                continue
+            if row.get("checkpoint"):
+                row["checkpoint_path"] = str(out / row["checkpoint"])
+            for spec in study.plan():
+                for rho in spec.rhos:
+                    jobs.append((row, spec, rho))
+        say(f"measuring {len(jobs)} (model, measure, rho) rows")
+        loaded: dict[str, nn.Module] = {}
+        for row, spec, rho in _progress(jobs, progress, "sharpness"):
+            settings = {**spec.kwargs, "rho": rho}
+            if store.has_measurement(row["model_id"], spec.name, rho, settings):
+                summary.reused += 1
+                continue
+            if row["model_id"] not in loaded:
+                loaded.clear()
+                loaded[row["model_id"]] = study.load(row)
+            model = loaded[row["model_id"]]
+            kw = dict(spec.kwargs)
+            try:
+                if kw.get("measure") == "relative_flatness":
+                    kw.pop("measure")
+                    res = relative_flatness(model, study.loss_fn, batches, **kw)
+                else:
+                    res = sharpness(model, study.loss_fn, batches, rho=rho, progress=False, **kw)
+            except (FloatingPointError, ValueError, RuntimeError) as err:
+                # Recorded as a failed row (value NULL, the error in its settings): the report
+                # lists it, and a rerun does not repeat a deterministic failure.
+                msg = f"{row['model_id']} {spec.name} rho={rho}: {type(err).__name__}: {err}"
+                summary.failures.append(msg)
+                say(f"measurement failed: {msg}")
+                store.put_measurement(
+                    row["model_id"],
+                    spec.name,
+                    rho,
+                    settings,
+                    float("nan"),
+                    [],
+                    error=f"{type(err).__name__}: {err}",
+                )
+                continue
+            store.put_measurement(
+                row["model_id"],
+                spec.name,
+                rho,
+                settings,
+                res.value,
+                res.per_batch,
+                res.clean_losses,
+                time_s=res.time_s,
+                seed=kw.get("seed", 0),
+            )
+            summary.measured += 1
+        if report:
+            store.export_csv(out / "results.csv")
+            summary.report = make_report(out, store)
+    summary.time_s = time.perf_counter() - t0
+    return summary
+
+
+def _record_report_meta(store: Store, study: Study) -> None:
+    included = [mid for mid, _ in study.population()]
+    info = {
+        "title": study.title,
+        "gap_label": study.gap_label,
+        "paper": study.paper,
+        "settings": study.settings(),
+        "population": included,
+    }
+    with store.conn:
+        store.conn.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES ('report', ?)",
+            (json.dumps(info, default=str),),
+        )
+
+
+def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) -> ReportPaths:
+    """Write ``results.csv`` and the report of the study recorded in ``store``.
+
+    Models whose gap is not finite are left out of the analysis (and listed in the notes).
+    """
+    out = Path(out_dir)
+    info = json.loads(store.meta().get("report", "{}"))
+    models, excluded = [], []
+    for m in store.models():
+        if m["gap"] is None or not math.isfinite(m["gap"]) or m.get("excluded"):
+            excluded.append(m["model_id"])
+            continue
+        models.append(m)
+    ids = {m["model_id"] for m in models}
+    measurements = [r for r in store.measurements() if r["model_id"] in ids]
+    all_notes = list(notes) + list(info.get("notes", []))
+    failed = [r for r in measurements if r.get("error")]
+    if failed:
+        all_notes.append(
+            f"{len(failed)} measurement(s) failed and count as missing values: "
+            + "; ".join(
+                f"{r['model_id']} {r['measure']} ρ={r['rho']}: {r['error']}" for r in failed[:10]
+            )
+        )
+    for r in measurements:
+        if r.get("error"):
+            r["value"] = None
+    for m in store.models():
+        if m.get("note"):
+            all_notes.append(f"{m['model_id']}: {m['note']}")
+    if excluded:
+        all_notes.append(
+            f"{len(excluded)} model(s) left out of the analysis: " + ", ".join(excluded[:20])
+        )
+    settings = dict(info.get("settings", {}))
+    settings["models analysed"] = len(models)
+    return write_report(
+        out,
+        title=info.get("title", "Study"),
+        models=models,
+        measurements=measurements,
+        settings=settings,
+        paper=info.get("paper"),
+        notes=all_notes,
+        gap_label=info.get("gap_label", "generalization gap"),
+    )
+
+
+def report_from_folder(out_dir: str | Path) -> ReportPaths:
+    """Regenerate ``results.csv`` and the report of a study folder (``geosharp report DIR``).
+
+    Raises:
+        FileNotFoundError: If the folder holds no ``study.sqlite``.
+    """
+    out = Path(out_dir)
+    db = out / "study.sqlite"
+    if not db.is_file():
+        raise FileNotFoundError(f"{out} holds no study.sqlite; run `geosharp study ...` first")
+    with Store(db, None, None) as store:
+        store.export_csv(out / "results.csv")
+        return make_report(out, store)
