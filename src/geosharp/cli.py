@@ -13,7 +13,23 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-STUDIES = ("diagonal",)
+
+def _diagonal_study(args: argparse.Namespace):
+    from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
+
+    overrides = {"seed": args.seed}
+    if args.models is not None:
+        overrides["n_models"] = args.models
+    if args.rho is not None:
+        overrides["rhos"] = tuple(args.rho)
+    cfg = DiagonalConfig.quick(**overrides) if args.quick else DiagonalConfig(**overrides)
+    return DiagonalStudy(cfg)
+
+
+#: ``geosharp study NAME``: name → (help text, factory building the Study from the arguments).
+STUDIES = {
+    "diagonal": ("paper's Study 1: diagonal linear networks", _diagonal_study),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
             "as it is finished: rerunning the same command resumes where a killed run stopped."
         ),
     )
-    s.add_argument("name", choices=STUDIES, help="which study (diagonal: paper's Study 1)")
+    s.add_argument(
+        "name",
+        choices=sorted(STUDIES),
+        help="; ".join(f"{k}: {v[0]}" for k, v in sorted(STUDIES.items())),
+    )
     s.add_argument("--out", type=Path, default=None, help="output folder (default: runs/NAME)")
     s.add_argument("--models", type=int, default=None, help="population size (default: 50)")
     s.add_argument(
@@ -60,17 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_study(args: argparse.Namespace):
-    if args.name == "diagonal":
-        from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
-
-        overrides = {"seed": args.seed}
-        if args.models is not None:
-            overrides["n_models"] = args.models
-        if args.rho is not None:
-            overrides["rhos"] = tuple(args.rho)
-        cfg = DiagonalConfig.quick(**overrides) if args.quick else DiagonalConfig(**overrides)
-        return DiagonalStudy(cfg)
-    raise ValueError(f"unknown study {args.name!r}")  # pragma: no cover - argparse checks
+    return STUDIES[args.name][1](args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
