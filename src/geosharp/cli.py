@@ -4,6 +4,7 @@ Examples:
     geosharp study diagonal --out runs/diagonal
     geosharp study diagonal --models 10 --rho 0.01 0.1 --out runs/small
     geosharp report runs/diagonal
+    geosharp merge runs/all runs/shard1 runs/shard2
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Rebuild results.csv, tau_table.md, the plots and report.html from OUT.",
     )
     r.add_argument("out", type=Path, help="the study's output folder")
+    m = sub.add_parser(
+        "merge",
+        help="merge the output folders of the shards of one study, then write its report",
+        description=(
+            "Copy the rows and checkpoints of per-shard study folders (--shard k/n) into OUT. "
+            "Shards of different configurations, or a row with different values in two "
+            "shards, are refused before anything is written."
+        ),
+    )
+    m.add_argument("out", type=Path, help="the merged folder (created if missing)")
+    m.add_argument("shards", type=Path, nargs="+", help="the shards' output folders")
     return p
 
 
@@ -115,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "report":
             paths = report_from_folder(args.out)
             print(f"report: {paths.html}")
+        elif args.command == "merge":
+            from geosharp.studies.merge import merge_shards
+
+            merged = merge_shards(args.out, args.shards)
+            print(f"report: {merged.report.html}")
     except (StudyMismatchError, ValueError, FileNotFoundError) as err:
         print(f"geosharp: error: {err}", file=sys.stderr)
         return 2

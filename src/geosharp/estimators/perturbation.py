@@ -154,7 +154,11 @@ class Perturbation:
                 heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
                 geom = GLGeometry(G, H, metric=metric, eps=eps, name=name, head_names=heads)
                 piece_order = order
-            norm_geom = geom if corrected_norm else _ProductElementwise((G, H))
+            if corrected_norm:
+                norm_geom = geom
+            else:  # the adaptive norm, on tangents kept in the block geometry's dtype
+                wide = geom.tangent_dtype
+                norm_geom = _ProductElementwise((G.to(wide), H.to(wide)))
             self.pieces.append(Piece(name, (g_idx, h_idx), geom, norm_geom, piece_order))
         for pair in space.diagonal_pairs:
             u_idx, v_idx = pair.u_index.to(device), pair.v_index.to(device)
@@ -247,7 +251,14 @@ class Perturbation:
 
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
-        return [p.norm_geometry.random_tangent(generator, scale) for p in self.pieces]
+        out = []
+        for p in self.pieces:
+            xi = p.norm_geometry.random_tangent(generator, scale)
+            if p.norm_geometry is not p.geometry:
+                xi = p.geometry.project(xi)
+            dtype = p.geometry.tangent_dtype
+            out.append(tuple(t.to(dtype) for t in xi))
+        return out
 
     # -- ℓ∞ (adaptive or plain box) -----------------------------------------------------------
     def sign_direction(self, egrad: Xi) -> Xi:

@@ -229,6 +229,7 @@ def sharpness(
     exact_steps: int = 10,
     space: ParameterSpace | None = None,
     progress: bool | None = None,
+    distributed: bool | None = None,
 ) -> SharpnessResult:
     r"""Sharpness of ``model`` on ``batches`` (SPEC §2, §6).
 
@@ -265,6 +266,12 @@ def sharpness(
         exact_steps: RK4 steps for ``order="exact"``.
         space: A precomputed :func:`geosharp.find_symmetries` result (default: found here).
         progress: Show a progress bar over batches (default: when stderr is a terminal).
+        distributed: Split the batches across the ranks of ``torch.distributed`` (data
+            parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
+            of more than one rank is initialized, ``True`` always, ``False`` never. Every rank
+            passes the same model and batches and gets the same result, with the per-batch
+            values of a single-process run (each batch's random numbers come from
+            ``(seed, batch index)``); ``time_s`` and the pass counts are summed over ranks.
 
     Returns:
         A :class:`SharpnessResult`.
@@ -314,12 +321,16 @@ def sharpness(
         corrected_norm=corrected_norm,
         exact_steps=exact_steps,
     )
-    gen = torch.Generator(device=device).manual_seed(seed)
     counter = {"forward": 0, "backward": 0}
     per_batch, clean, perturbed, traces = [], [], [], []
     name = measure_name(measure, metric, order, kind, norm, corrected_norm)
-    with eval_mode(model):
-        for b, batch in enumerate(_progress(batches, progress, name)):
+    # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
+    from geosharp.estimators.distributed import BatchSplit, batch_seed
+
+    split = BatchSplit(batches, distributed, t0=t0, theta=theta0)
+    with eval_mode(model), split:
+        for b, batch in _progress(split.local(), progress, name):
+            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise TypeError(f"batch {b} must be a pair (inputs, targets)")
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
@@ -354,6 +365,9 @@ def sharpness(
             clean.append(clean_loss)
             perturbed.append(best)
             per_batch.append(best - clean_loss)
+        per_batch, clean, perturbed, traces = split.gather(
+            per_batch, clean, perturbed, traces, counter
+        )
     if not per_batch:
         raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
     settings = {
@@ -383,7 +397,7 @@ def sharpness(
         perturbed_losses=perturbed,
         measure=name,
         settings=settings,
-        time_s=time.perf_counter() - t0,
+        time_s=split.elapsed(),
         n_forward=counter["forward"],
         n_backward=counter["backward"],
         excluded=dict(space.excluded),

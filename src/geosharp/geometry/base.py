@@ -138,6 +138,11 @@ class Geometry(ABC):
         """
 
     # -- conveniences -------------------------------------------------------------------------
+    @property
+    def tangent_dtype(self) -> torch.dtype:
+        """Dtype in which tangent vectors are best kept (default: the point's)."""
+        return self.point[0].dtype
+
     def zeros(self) -> Tangent:
-        """The zero tangent vector."""
-        return tuple(torch.zeros_like(p) for p in self.point)
+        """The zero tangent vector, in :attr:`tangent_dtype`."""
+        return tuple(torch.zeros_like(p, dtype=self.tangent_dtype) for p in self.point)

@@ -200,6 +200,8 @@ class GLGeometry(Geometry):
             factors["_sample_H"] = _apply_spectral(lg, Ug, lg.rsqrt())
         for key, value in factors.items():
             setattr(self, key, value)
+        self._MG_inv_lo = self.MG_inv.to(G.dtype)
+        self._MH_inv_lo = self.MH_inv.to(G.dtype)
 
     def _raise_singular(self, which: str, names: list[str], cond: float) -> None:
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
@@ -234,16 +236,29 @@ class GLGeometry(Geometry):
             )
 
     # -- validation -----------------------------------------------------------------------------
+    @property
+    def tangent_dtype(self) -> torch.dtype:
+        """Tangent vectors may be kept in the compute dtype across calls (no casts)."""
+        return self.compute_dtype
+
     def _check_tangent(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, Tensor]:
-        """Validate a tangent pair and return it in the compute dtype."""
+        """Validate a tangent pair (dtype of ``G`` or the compute dtype); return it widened."""
         if not isinstance(xi, (tuple, list)) or len(xi) != 2:
             raise TypeError(f"{name} must be a pair (xi_G, xi_H) of tensors")
-        check_like(f"{name}_G", xi[0], "G", self.G)
-        check_like(f"{name}_H", xi[1], "H", self.H)
+        for part, t, ref, ref_name in (
+            (f"{name}_G", xi[0], self.G, "G"),
+            (f"{name}_H", xi[1], self.H, "H"),
+        ):
+            check_tensor(part, t)
+            if t.dtype not in (self.dtype, self.compute_dtype):
+                raise TypeError(f"{part} has dtype {t.dtype} but {ref_name} has {self.dtype}")
+            check_like(part, t.to(self.dtype), ref_name, ref)
         return xi[0].to(self.compute_dtype), xi[1].to(self.compute_dtype)
 
-    def _down(self, *ts: Tensor) -> tuple[Tensor, ...]:
-        return tuple(t.to(self.dtype) for t in ts)
+    def _down(self, *ts: Tensor, like: Tensor | None = None) -> tuple[Tensor, ...]:
+        """Cast results to the dtype of ``like`` (the caller's tangent) or of ``G``."""
+        dtype = self.dtype if like is None else like.dtype
+        return tuple(t.to(dtype) for t in ts)
 
     # -- metric -----------------------------------------------------------------------------------
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
@@ -257,7 +272,7 @@ class GLGeometry(Geometry):
             out = (aG * (bG @ self.MG_inv)).sum((-2, -1)) + (aH * (bH @ self.MH_inv)).sum((-2, -1))
         else:
             out = (aG * (bG @ self.MH)).sum((-2, -1)) + (aH * (bH @ self.MG)).sum((-2, -1))
-        return out.to(self.dtype)
+        return out.to(a[0].dtype)
 
     # -- quotient structure -----------------------------------------------------------------------
     def vertical(self, omega: Tensor) -> Tangent:
@@ -285,7 +300,7 @@ class GLGeometry(Geometry):
         """
         L = self.lam(xi)
         xG, xH = self._check_tangent(xi)
-        return self._down(xG + self._G @ L, xH - self._H @ L.mT)
+        return self._down(xG + self._G @ L, xH - self._H @ L.mT, like=xi[0])
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (at ``eps=0``).
@@ -297,21 +312,22 @@ class GLGeometry(Geometry):
             res = (xG.mT @ self._G) @ self.MH - self.MG @ (self._H.mT @ xH)
         else:
             res = (self._G.mT @ xG) @ self.MH - self.MG @ (xH.mT @ self._H)
-        return res.to(self.dtype)
+        return res.to(xi[0].dtype)
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """Riemannian gradient: inv ``(e_G M_G, e_H M_H)``; mix ``(e_G M_H⁻¹, e_H M_G⁻¹)``."""
         eG, eH = self._check_tangent(egrad, "egrad")
         if self.metric == "inv":
-            return self._down(eG @ self.MG, eH @ self.MH)
-        return self._down(eG @ self.MH_inv, eH @ self.MG_inv)
+            return self._down(eG @ self.MG, eH @ self.MH, like=egrad[0])
+        return self._down(eG @ self.MH_inv, eH @ self.MG_inv, like=egrad[0])
 
     # -- geodesics --------------------------------------------------------------------------------
     def christoffel(self, xi: Tangent) -> Tangent:
         """Christoffel quadratic form ``Γ(ξ, ξ)`` at the base point (SPEC §4)."""
         xG, xH = self._check_tangent(xi)
         return self._down(
-            *_christoffel(self._G, self._H, xG, xH, self.MG_inv, self.MH_inv, self.metric)
+            *_christoffel(self._G, self._H, xG, xH, self.MG_inv, self.MH_inv, self.metric),
+            like=xi[0],
         )
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
@@ -326,9 +342,19 @@ class GLGeometry(Geometry):
     def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """Geodesic endpoint at ``t = 1`` (order 1, 2 or ``"exact"``); see :class:`Geometry`.
 
-        Computed in :attr:`compute_dtype` and returned in the dtype of ``G``.
+        Returned in the dtype of ``G``. Order 1 and the RK4 run in :attr:`compute_dtype`; the
+        second-order term ``½Γ(ξ, ξ)`` of order 2 is evaluated in the dtype of ``G`` (it is a
+        correction of relative size ``‖ξ‖``, so its rounding error is ``O(‖ξ‖²·eps)``, while
+        float64 would double the cost of the ascent's forward and backward through it).
         """
         order = check_order(order)
+        if order == 2 and self.dtype != self.compute_dtype:
+            self._check_tangent(xi)
+            xG, xH = xi[0].to(self.dtype), xi[1].to(self.dtype)
+            gG, gH = _christoffel(
+                self.G, self.H, xG, xH, self._MG_inv_lo, self._MH_inv_lo, self.metric
+            )
+            return self.G + xG - 0.5 * gG, self.H + xH - 0.5 * gH
         xG, xH = self._check_tangent(xi)
         if order == 1:
             return self._down(self._G + xG, self._H + xH)
@@ -343,8 +369,11 @@ class GLGeometry(Geometry):
         generator: torch.Generator | None = None,
         scale: float = 1.0,
         horizontal: bool = True,
+        dtype: torch.dtype | None = None,
     ) -> Tangent:
         """Isotropic Gaussian in the metric (SPEC §6), optionally projected horizontally.
+
+        Returned in ``dtype`` (default: the dtype of ``G``).
 
         inv: ``η_G = s Z M_G^{1/2}``, ``η_H = s Z M_H^{1/2}``; mix: ``η_G = s Z M_H^{−1/2}``,
         ``η_H = s Z M_G^{−1/2}`` with ``Z`` standard normal and ``s = scale``.
@@ -355,8 +384,10 @@ class GLGeometry(Geometry):
         zH = torch.randn(
             self.H.shape, generator=generator, dtype=self.compute_dtype, device=self.H.device
         )
-        xi = self._down(scale * zG @ self._sample_G, scale * zH @ self._sample_H)
-        return self.project(xi) if horizontal else xi
+        xi = (scale * zG @ self._sample_G, scale * zH @ self._sample_H)
+        if horizontal:
+            xi = self.project(xi)
+        return tuple(t.to(dtype or self.dtype) for t in xi)
 
 
 # ---------------------------------------------------------------------------------------------

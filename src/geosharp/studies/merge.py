@@ -1,0 +1,297 @@
+"""Merge the results folders of the shards of one study (``geosharp merge OUT SHARD...``).
+
+A population split with ``--shard k/n`` can write into one shared folder (the SQLite database
+runs in WAL mode, so several processes may write to it) or into one folder per shard, e.g. on
+machines without a shared file system. :func:`merge_shards` puts per-shard folders together:
+
+1. every shard must record the same study and configuration as the others (and as ``OUT``, if
+   it already holds a database) — otherwise nothing is written;
+2. every model row and every measurement row is copied once. A row found in more than one
+   place must agree — same hyperparameters, metrics and gap for a model; same value, per-batch
+   values, clean losses and settings for a measurement (wall times and dates may differ) — or
+   the merge stops before writing anything, naming the row;
+3. the checkpoints are copied (before the rows that refer to them are written);
+4. ``results.csv`` and the report are rebuilt from the merged database.
+
+The merge is idempotent: merging the same shards again changes nothing, and a shard finished
+later can be merged into ``OUT`` afterwards.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> from geosharp.studies.store import Store
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     root = pathlib.Path(d)
+    ...     for k in (1, 2):
+    ...         with Store(root / f"s{k}" / "study.sqlite", "demo", {"n": 2}) as s:
+    ...             s.put_model(f"m{k}", hparams={}, metrics={}, gap=0.1 * k)
+    ...             s.put_measurement(f"m{k}", "adaptive worst l2", 0.1, {}, float(k), [float(k)])
+    ...     summary = merge_shards(root / "all", [root / "s1", root / "s2"], report=False)
+    ...     (summary.models, summary.measurements)
+    (2, 2)
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import math
+import shutil
+import sqlite3
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geosharp.studies.report import ReportPaths
+from geosharp.studies.runner import report_from_folder
+from geosharp.studies.store import Store, StudyMismatchError
+
+#: Columns of a model row that must agree between copies (not its training time or date).
+MODEL_IDENTITY = ("hparams", "metrics", "gap", "checkpoint", "seed")
+#: Columns of a measurement row that must agree between copies (not its time, versions, date).
+MEASUREMENT_IDENTITY = ("value", "per_batch", "clean_losses", "settings", "seed")
+#: The primary key of a measurement row.
+MEASUREMENT_KEY = ("model_id", "measure", "rho", "settings_key")
+
+
+class MergeConflictError(ValueError):
+    """Two shards hold different results for the same row."""
+
+
+@dataclass
+class MergeSummary:
+    """What :func:`merge_shards` did.
+
+    Attributes:
+        out_dir: The merged folder.
+        models: Model rows in the merged database.
+        measurements: Measurement rows in the merged database.
+        new_models: Model rows added by this merge.
+        new_measurements: Measurement rows added by this merge.
+        duplicates: Rows found more than once (identical, kept once).
+        checkpoints: Checkpoint files copied.
+        missing: Models of the study's population with no row in the merged database.
+        warnings: Anything a user should know (missing checkpoint files, missing models).
+        report: The report written, if any.
+    """
+
+    out_dir: Path
+    models: int = 0
+    measurements: int = 0
+    new_models: int = 0
+    new_measurements: int = 0
+    duplicates: int = 0
+    checkpoints: int = 0
+    missing: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    report: ReportPaths | None = None
+
+
+def _rows(conn: sqlite3.Connection, table: str) -> tuple[list[str], list[tuple]]:
+    cur = conn.execute(f"SELECT * FROM {table}")  # table: a fixed name
+    return [d[0] for d in cur.description], cur.fetchall()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with NaN equal to NaN (a failed row's value is NULL, never NaN, but be safe)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _describe_difference(cols: Sequence[str], a: dict, b: dict, identity: Sequence[str]) -> str:
+    parts = []
+    for c in identity:
+        if c in cols and not _same(a[c], b[c]):
+            va, vb = str(a[c]), str(b[c])
+            va = va if len(va) <= 80 else va[:77] + "..."
+            vb = vb if len(vb) <= 80 else vb[:77] + "..."
+            parts.append(f"{c}: {va} vs {vb}")
+    return "; ".join(parts)
+
+
+def _study_of(folder: Path) -> tuple[str | None, str | None, dict[str, str]]:
+    db = folder / "study.sqlite"
+    if not db.is_file():
+        raise FileNotFoundError(f"{folder} holds no study.sqlite: is it the --out of a shard?")
+    with Store(db, None, None) as store:
+        meta = store.meta()
+    return meta.get("study"), meta.get("config"), meta
+
+
+def _config_difference(a: str | None, b: str | None) -> str:
+    try:
+        da, db = json.loads(a or "{}"), json.loads(b or "{}")
+    except json.JSONDecodeError:
+        return f"{a} vs {b}"
+    keys = sorted(k for k in set(da) | set(db) if da.get(k, "∅") != db.get(k, "∅"))
+    return ", ".join(f"{k}={da.get(k, '∅')!r} vs {db.get(k, '∅')!r}" for k in keys)
+
+
+def merge_shards(
+    out_dir: str | Path,
+    shard_dirs: Sequence[str | Path],
+    *,
+    report: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> MergeSummary:
+    """Merge the folders of the shards of one study into ``out_dir``.
+
+    Args:
+        out_dir: The merged folder (created if missing; may already hold a database of the
+            same study and configuration, or be one of the shard folders).
+        shard_dirs: Study folders written by ``geosharp study ... --shard k/n --out DIR`` (each
+            with ``study.sqlite`` and ``checkpoints/``).
+        report: Rebuild ``results.csv`` and the report in ``out_dir``.
+        log: Where to print one-line status messages (default: stderr).
+
+    Returns:
+        A :class:`MergeSummary`.
+
+    Raises:
+        FileNotFoundError: If a shard folder holds no ``study.sqlite``.
+        StudyMismatchError: If the shards (or ``out_dir``) record different studies or
+            configurations.
+        MergeConflictError: If a row appears twice with different results.
+        ValueError: If no shard folder is given.
+    """
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    out = Path(out_dir)
+    if not shard_dirs:
+        raise ValueError("give at least one shard folder to merge")
+    shards = [Path(s) for s in shard_dirs]
+    metas = [_study_of(s) for s in shards]
+    study, config, meta0 = metas[0]
+    for s, (other_study, other_config, _) in zip(shards[1:], metas[1:], strict=True):
+        if other_study != study:
+            raise StudyMismatchError(
+                f"{s} holds study {other_study!r} but {shards[0]} holds {study!r}: "
+                "only shards of one study can be merged"
+            )
+        if other_config != config:
+            raise StudyMismatchError(
+                f"{s} and {shards[0]} hold study {study!r} with different configurations "
+                f"({_config_difference(config, other_config)}): they are not shards of one run; "
+                "merge each configuration into its own folder"
+            )
+    if (out / "study.sqlite").is_file() and out.resolve() not in {s.resolve() for s in shards}:
+        out_study, out_config, _ = _study_of(out)
+        if (out_study, out_config) != (study, config):
+            raise StudyMismatchError(
+                f"{out} already holds study {out_study!r} with another configuration than the "
+                f"shards ({_config_difference(out_config, config)}); merge into a new folder"
+            )
+    summary = MergeSummary(out)
+    # Opening OUT with the shards' study and configuration refuses a folder of another study.
+    with Store(out / "study.sqlite", study, json.loads(config or "{}")) as dest:
+        if "report" in meta0:
+            with dest.conn:
+                dest.conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('report', ?)",
+                    (meta0["report"],),
+                )
+        model_cols, existing_models = _rows(dest.conn, "models")
+        meas_cols, existing_meas = _rows(dest.conn, "measurements")
+        models = {r[0]: (dict(zip(model_cols, r, strict=True)), out) for r in existing_models}
+        meas = {}
+        for r in existing_meas:
+            row = dict(zip(meas_cols, r, strict=True))
+            meas[tuple(row[c] for c in MEASUREMENT_KEY)] = (row, out)
+        new_models: dict[str, tuple] = {}
+        new_meas: dict[tuple, tuple] = {}
+        sources: dict[str, Path] = {}
+        # 1. Read everything and check for conflicts before writing anything.
+        for s in shards:
+            if s.resolve() == out.resolve():
+                continue
+            with sqlite3.connect(s / "study.sqlite") as conn:
+                cols, rows = _rows(conn, "models")
+                if cols != model_cols:
+                    raise StudyMismatchError(f"{s}/study.sqlite has another schema: {cols}")
+                for r in rows:
+                    row = dict(zip(cols, r, strict=True))
+                    if r[0] in models:
+                        first, where = models[r[0]]
+                        diff = _describe_difference(cols, first, row, MODEL_IDENTITY)
+                        if diff:
+                            raise MergeConflictError(
+                                f"model {r[0]!r} differs between {where} and {s} ({diff}); "
+                                "nothing was merged"
+                            )
+                        summary.duplicates += 1
+                        continue
+                    models[r[0]] = (row, s)
+                    new_models[r[0]] = r
+                    sources[r[0]] = s
+                cols, rows = _rows(conn, "measurements")
+                if cols != meas_cols:
+                    raise StudyMismatchError(f"{s}/study.sqlite has another schema: {cols}")
+                for r in rows:
+                    row = dict(zip(cols, r, strict=True))
+                    key = tuple(row[c] for c in MEASUREMENT_KEY)
+                    if key in meas:
+                        first, where = meas[key]
+                        diff = _describe_difference(cols, first, row, MEASUREMENT_IDENTITY)
+                        if diff:
+                            raise MergeConflictError(
+                                f"measurement (model {key[0]!r}, measure {key[1]!r}, "
+                                f"rho={key[2]}) differs between {where} and {s} ({diff}); "
+                                "nothing was merged"
+                            )
+                        summary.duplicates += 1
+                        continue
+                    meas[key] = (row, s)
+                    new_meas[key] = r
+            conn.close()
+        # 2. Checkpoints first, so that no merged row ever refers to a missing file.
+        for mid in new_models:
+            ckpt = models[mid][0]["checkpoint"]
+            if not ckpt or Path(ckpt).is_absolute():
+                continue
+            src, dst = sources[mid] / ckpt, out / ckpt
+            if not src.is_file():
+                summary.warnings.append(
+                    f"checkpoint {ckpt} of model {mid!r} is missing in {sources[mid]}: the "
+                    "rows are merged, but measuring this model again needs the file"
+                )
+                continue
+            if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".merge-tmp")
+            shutil.copy2(src, tmp)
+            tmp.replace(dst)
+            summary.checkpoints += 1
+        # 3. All rows in one transaction.
+        with dest.conn:
+            marks = ", ".join("?" * len(model_cols))
+            dest.conn.executemany(
+                f"INSERT INTO models VALUES ({marks})",
+                list(new_models.values()),
+            )
+            marks = ", ".join("?" * len(meas_cols))
+            dest.conn.executemany(
+                f"INSERT INTO measurements VALUES ({marks})",
+                list(new_meas.values()),
+            )
+        summary.new_models, summary.new_measurements = len(new_models), len(new_meas)
+        summary.models, summary.measurements = len(models), len(meas)
+        population = json.loads(dest.meta().get("report", "{}")).get("population", [])
+        summary.missing = [mid for mid in population if mid not in models]
+    if summary.missing:
+        summary.warnings.append(
+            f"{len(summary.missing)} of {len(population)} models of the population have no row "
+            f"yet (e.g. {', '.join(summary.missing[:5])}): is a shard missing or unfinished?"
+        )
+    say(
+        f"merged {len(shards)} shard folder(s) into {out}: {summary.new_models} new model and "
+        f"{summary.new_measurements} new measurement rows ({summary.models} and "
+        f"{summary.measurements} in all, {summary.duplicates} identical duplicates kept once, "
+        f"{summary.checkpoints} checkpoints copied)"
+    )
+    for w in summary.warnings:
+        say(f"warning: {w}")
+    if report:
+        summary.report = report_from_folder(out)
+    return summary
