@@ -13,6 +13,7 @@ Example:
 from geosharp import geometry
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
+from geosharp.measure import measure
 from geosharp.symmetry import (
     GLBlock,
     ParameterSpace,
@@ -33,6 +34,7 @@ __all__ = [
     "declare_block",
     "find_symmetries",
     "geometry",
+    "measure",
     "relative_flatness",
     "reparametrize",
     "sharpness",

@@ -4,6 +4,7 @@ Examples:
     geosharp study diagonal --out runs/diagonal
     geosharp study diagonal --models 10 --rho 0.01 0.1 --out runs/small
     geosharp report runs/diagonal
+    geosharp measure ./my-bert-folder train.csv --report
     geosharp merge runs/all runs/shard1 runs/shard2
 """
 
@@ -27,9 +28,54 @@ def _diagonal_study(args: argparse.Namespace):
     return DiagonalStudy(cfg)
 
 
+def _threads_and_overrides(args: argparse.Namespace, name: str) -> dict:
+    """Shared options of the transformer studies: torch threads, --models, --seed; no --rho."""
+    import torch
+
+    if args.rho is not None:
+        raise ValueError(
+            f"{name} measures every measure on its own ρ grid (fixed by its ρ rule, listed in "
+            "the report's settings); --rho is not supported"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be at least 1")
+    torch.set_num_threads(args.threads or 1)
+    overrides = {"seed": args.seed}
+    if args.models is not None:
+        overrides["n_models"] = args.models
+    return overrides
+
+
+def _vit_mnist_study(args: argparse.Namespace):
+    from geosharp.data import MNIST_FILE
+    from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
+
+    overrides = _threads_and_overrides(args, "vit-mnist")
+    MNIST_FILE.locate()  # a missing wheel fails now, with the install command
+    cfg = ViTMNISTConfig.quick(**overrides) if args.quick else ViTMNISTConfig(**overrides)
+    return ViTMNISTStudy(cfg)
+
+
+def _minilm_text_study(args: argparse.Namespace):
+    from geosharp.data import ROTTEN_TOMATOES_FILE, MissingDataError
+    from geosharp.models import minilm_path
+    from geosharp.studies.minilm_text import MiniLMTextConfig, MiniLMTextStudy
+
+    overrides = _threads_and_overrides(args, "minilm-text")
+    ROTTEN_TOMATOES_FILE.locate()
+    try:
+        minilm_path()
+    except ImportError as err:
+        raise MissingDataError(str(err)) from err
+    cfg = MiniLMTextConfig.quick(**overrides) if args.quick else MiniLMTextConfig(**overrides)
+    return MiniLMTextStudy(cfg)
+
+
 #: ``geosharp study NAME``: name → (help text, factory building the Study from the arguments).
 STUDIES = {
     "diagonal": ("paper's Study 1: diagonal linear networks", _diagonal_study),
+    "vit-mnist": ("Study 2: small ViTs trained on MNIST", _vit_mnist_study),
+    "minilm-text": ("Study 3: MiniLM-L6 fine-tuned on review sentiment", _minilm_text_study),
 }
 
 
@@ -71,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--shard", default=None, help="only this part k/n of the population")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of vit-mnist and minilm-text (default 1: run the two side by "
+        "side on a 2-core machine)",
+    )
     r = sub.add_parser(
         "report",
         help="rebuild results.csv and report.html of a study folder",
@@ -88,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("out", type=Path, help="the merged folder (created if missing)")
     m.add_argument("shards", type=Path, nargs="+", help="the shards' output folders")
+    from geosharp.measure.cli import add_parser as add_measure_parser
+
+    add_measure_parser(sub)
     return p
 
 
@@ -105,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from geosharp.studies.runner import Shard, report_from_folder, run_study
     from geosharp.studies.store import StudyMismatchError
 
+    if args.command == "measure":
+        from geosharp.measure.cli import run as run_measure
+
+        return run_measure(args)
     try:
         if args.command == "study":
             if args.models is not None and args.models < 2:

@@ -129,3 +129,14 @@ def test_bad_input():
         ElementwiseGeometry(w).project((torch.zeros(3, dtype=DT),))
     with pytest.raises(TypeError, match="1-tuple"):
         ElementwiseGeometry(w).project(torch.zeros_like(w))
+
+
+def test_weights_whose_inverse_square_overflows_are_frozen_not_nan():
+    """float32 1/w² overflows for |w| ≲ 1e-19 (MiniLM has LayerNorm weights ~5e-33)."""
+    w = torch.tensor([1.0, 4.8e-33, -2.0], dtype=torch.float32)
+    geom = ElementwiseGeometry(w)
+    xi = torch.tensor([0.1, 0.1, 0.1])
+    assert bool(torch.isfinite(geom.norm_sq((xi,))))
+    assert math.isclose(float(geom.norm_sq(geom.project((xi,)))), 0.01 + 0.0025, rel_tol=1e-6)
+    assert float(geom.project((xi,))[0][1]) == 0.0
+    assert float(geom.riemannian_grad((xi,))[0][1]) == 0.0

@@ -117,6 +117,11 @@ def autopgd(
         # the horizontal part of P is the identity here and only the radial rescale remains.
         if norm == "l2":
             rn = pert.norm(direction)
+            if not math.isfinite(rn):
+                raise FloatingPointError(
+                    f"the norm of the ascent direction is {rn}: the gradient or the metric is "
+                    "not finite (a symmetry block near-singular at eps=0? try eps > 0)"
+                )
             scale = eta / rn if rn > 0 else 0.0
             z = [
                 tuple(torch.add(x, d, alpha=scale) for x, d in zip(tx, td, strict=True))

@@ -104,9 +104,12 @@ class Perturbation:
         order: Geodesic order for symmetry blocks and diagonal pairs: ``1``, ``2`` or
             ``"exact"``.
         eps: Gram-matrix damping of the GL(h) blocks.
-        corrected_norm: ``False`` is the paper's ablation: blocks are still projected
-            horizontally and followed along their geodesic, but the ball and the Riemannian
-            gradient use the adaptive element-wise metric.
+        corrected_norm: ``False`` is the paper's "no corrected norm" ablation: blocks are still
+            followed along the geodesic of their invariant metric, but the ball, the Riemannian
+            gradient and the projection (only of frozen coordinates: the adaptive metric has no
+            quotient) use the adaptive element-wise metric. Projecting horizontally in the
+            block metric instead would not be orthogonal in the ball's metric and can inflate
+            the adaptive norm of a useful direction many-fold.
         exact_steps: RK4 steps for ``order="exact"``.
     """
 
@@ -207,8 +210,8 @@ class Perturbation:
         return float(self.norm_sq(xi).clamp_min(0).sqrt())
 
     def project(self, xi: Xi) -> Xi:
-        """Horizontal projection of every piece (frozen coordinates zeroed)."""
-        return [p.geometry.project(x) for p, x in zip(self.pieces, xi, strict=True)]
+        """Horizontal projection of every piece, in the ball's metric (frozen ones zeroed)."""
+        return [p.norm_geometry.project(x) for p, x in zip(self.pieces, xi, strict=True)]
 
     def riemannian_grad(self, egrad: Xi, inplace: bool = False) -> Xi:
         """Riemannian gradient in the ball's metric, projected horizontally (SPEC §6, step 3).
@@ -224,7 +227,7 @@ class Perturbation:
             elif isinstance(g, EuclideanGeometry):
                 out.append(tuple(e))
             else:
-                out.append(p.geometry.project(g.riemannian_grad(e)))
+                out.append(g.project(g.riemannian_grad(e)))
         return out
 
     def ball(self, xi: Xi, rho: float, inplace: bool = False, project: bool = True) -> Xi:
@@ -254,8 +257,6 @@ class Perturbation:
         out = []
         for p in self.pieces:
             xi = p.norm_geometry.random_tangent(generator, scale)
-            if p.norm_geometry is not p.geometry:
-                xi = p.geometry.project(xi)
             dtype = p.geometry.tangent_dtype
             out.append(tuple(t.to(dtype) for t in xi))
         return out

@@ -42,7 +42,8 @@ class ElementwiseGeometry(Geometry):
     """Adaptive metric ``Σ η_i ζ_i / w_i²`` at the base point ``w`` (any shape).
 
     Args:
-        w: The weights, any shape, floating dtype. Exact zeros are frozen coordinates.
+        w: The weights, any shape, floating dtype. Exact zeros (and weights whose ``1/w²``
+            overflows) are frozen coordinates.
         name: Name used in error messages.
 
     Raises:
@@ -54,12 +55,14 @@ class ElementwiseGeometry(Geometry):
         self.w = w
         self.name = name
         self.point: Point = (w,)
-        self.mask = w != 0
+        # Frozen: exact zeros, and weights so small that 1/w² overflows the dtype (a ball of
+        # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM).
+        self.mask = (w != 0) & torch.isfinite(w.reciprocal().square())
         w_safe = torch.where(self.mask, w, torch.ones_like(w))
         # 1/w² on moving coordinates, 0 on frozen ones: the metric restricted to what can move.
         self.inv_w2 = torch.where(self.mask, w_safe.reciprocal().square(), torch.zeros_like(w))
-        self.w2 = w.square()
-        self.abs_w = w.abs()
+        self.w2 = torch.where(self.mask, w.square(), torch.zeros_like(w))
+        self.abs_w = torch.where(self.mask, w.abs(), torch.zeros_like(w))
         self.has_frozen = not bool(self.mask.all())
 
     def _check(self, xi: Tangent, name: str = "xi") -> Tensor:
@@ -77,7 +80,7 @@ class ElementwiseGeometry(Geometry):
         return torch.dot(x, x * self.inv_w2.reshape(-1))
 
     def project(self, xi: Tangent) -> Tangent:
-        """Zero the frozen coordinates (``w_i = 0``); the metric has no other symmetry."""
+        """Zero the frozen coordinates (``w_i = 0`` or ``1/w_i²`` not finite)."""
         x = self._check(xi)
         if not self.has_frozen:
             return (x,)

@@ -1,0 +1,45 @@
+"""``gs.measure`` and ``geosharp measure``: the sharpness of one trained model, self-checked.
+
+:func:`measure` (in :mod:`~geosharp.measure.core`) is the pure measuring function: a model and
+a list of batches in, a :class:`MeasureReport` out, no files. :mod:`~geosharp.measure.loading`
+reads models and data from files for the command line; :mod:`~geosharp.measure.html` writes the
+report page; :mod:`~geosharp.measure.cli` is the ``geosharp measure`` subcommand.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from geosharp.measure import measure
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    >>> batches = [(torch.randn(4, 5, 8), torch.randn(4, 5, 8))]
+    >>> rep = measure(layer, batches, measures=["geodesic-inv-o2"], rhos=[0.05], steps=3)
+    >>> rep.invariance.passed, rep.row("geodesic-inv-o2", 0.05).value > 0
+    (True, True)
+"""
+
+from geosharp.measure.core import (
+    DEFAULT_MEASURES,
+    DEFAULT_RHOS,
+    DEFAULT_STEPS,
+    MeasureError,
+    MeasureReport,
+    MeasureRow,
+    MeasureSpec,
+    MeasureWarning,
+    default_loss,
+    measure,
+)
+
+__all__ = [
+    "DEFAULT_MEASURES",
+    "DEFAULT_RHOS",
+    "DEFAULT_STEPS",
+    "MeasureError",
+    "MeasureReport",
+    "MeasureRow",
+    "MeasureSpec",
+    "MeasureWarning",
+    "default_loss",
+    "measure",
+]

@@ -1,0 +1,336 @@
+"""``geosharp measure MODEL DATA``: loading (:mod:`~geosharp.measure.loading`), then measuring.
+
+:func:`add_parser` adds the subcommand to the ``geosharp`` parser and :func:`run` executes it;
+every error a user can cause ends as ``geosharp: error: ...`` on stderr and exit status 2,
+never a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from geosharp.measure.core import (
+    DEFAULT_MEASURES,
+    DEFAULT_RHOS,
+    DEFAULT_STEPS,
+    MeasureError,
+    measure,
+)
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+examples:
+  geosharp measure ./my-bert-folder train.csv --text-col sentence --label-col label
+  geosharp measure ./my-bert-folder ./mnli_train_ds --text-col premise,hypothesis --samples 1024
+  geosharp measure model.pt data.npz --measures adaptive-linf geodesic-inv-exact --rho 0.05
+  geosharp measure mypkg.models:build data.npz --weights ckpt.pt --report --out runs/m1
+  geosharp measure mypkg.models:build mypkg.data:batches --weights ckpt.pt --device cuda
+
+measures: FAMILY[-OPTION...], FAMILY one of geodesic, adaptive, euclidean, relative-flatness;
+options: inv|mix, o1|o2|exact (geodesic), l2|linf (adaptive, euclidean), worst|average.
+The default is the paper's three measures: adaptive-l2, geodesic-inv-o2, geodesic-mix-o2, worst
+case, 20 Auto-PGD steps, at rho 0.01, 0.1 and 1 (the paper reports no rho; one decade apart).
+"""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``measure`` to the subparsers ``sub`` of the ``geosharp`` command.
+
+    Returns:
+        The new parser.
+    """
+    m = sub.add_parser(
+        "measure",
+        help="measure the sharpness of one trained model (HF folder, saved model, or builder)",
+        description=textwrap.fill(
+            "Measure the sharpness of one trained model on its data under several measures and "
+            "radii. Before measuring, the symmetry blocks found are printed and a self-check "
+            "runs: the clean loss must be finite and the model's outputs unchanged under a "
+            "random re-parametrization of the blocks (else a wrong adapter would be measured). "
+            "Results: a table here, results.json and results.csv in --out, and with --report "
+            "an HTML page with the per-batch loss-ascent curves.",
+            width=92,
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument(
+        "model",
+        help="a Hugging Face model folder (config.json), a torch.save(model) or torch.jit.save "
+        "file, or module:function building the model (with --weights)",
+    )
+    m.add_argument(
+        "data",
+        help="a Hugging Face datasets folder, a .csv/.tsv/.jsonl/.json file of text and labels, "
+        "an .npz of arrays, or module:function returning (inputs, targets) batches",
+    )
+    m.add_argument("--weights", default=None, help="a state dict to load into the model")
+    m.add_argument(
+        "--measures",
+        nargs="+",
+        default=None,
+        metavar="MEASURE",
+        help=f"measures (default: {' '.join(DEFAULT_MEASURES)})",
+    )
+    m.add_argument(
+        "--rho",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"radii (default: {' '.join(f'{r:g}' for r in DEFAULT_RHOS)})",
+    )
+    m.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"
+    )
+    m.add_argument("--eps", type=float, default=0.0, help="Gram damping of GL(h) blocks (0)")
+    m.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="samples per batch, the m of m-sharpness (default 128, the paper's for BERT)",
+    )
+    m.add_argument(
+        "--samples",
+        type=int,
+        default=1024,
+        help="use the first N samples (default 1024, the paper's for BERT); 0: all",
+    )
+    m.add_argument("--text-col", default="text", help="text column; a,b for pairs (text)")
+    m.add_argument(
+        "--label-col", default=None, help="label column or .npz array (label; npz: y, targets, ...)"
+    )
+    m.add_argument(
+        "--max-length", type=int, default=128, help="longest tokenized text; longer is truncated"
+    )
+    m.add_argument("--split", default=None, help="split of a datasets folder (default train)")
+    m.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
+    m.add_argument(
+        "--num-labels",
+        type=int,
+        default=None,
+        help="classes of the fresh head of a checkpoint without one (default: from the labels)",
+    )
+    m.add_argument(
+        "--loss",
+        default="auto",
+        help="auto (cross-entropy for integer labels, squared error for float targets), ce, "
+        "mse, or module:function(outputs, targets)",
+    )
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto)")
+    m.add_argument(
+        "--dtype", default="float32", help="float32, float64 or bfloat16 (default float32)"
+    )
+    m.add_argument("--seed", type=int, default=0, help="seed of the check, starts and fresh heads")
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    m.add_argument(
+        "--out", type=Path, default=Path("runs/measure"), help="output folder (runs/measure)"
+    )
+    m.add_argument("--report", action="store_true", help="also write OUT/report.html")
+    m.add_argument(
+        "--no-check",
+        action="store_true",
+        help="measure even if the invariance self-check fails (not recommended)",
+    )
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    m.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return m
+
+
+def _warn(msg: str) -> None:
+    print(f"geosharp: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        raise MeasureError(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size < 1:
+        raise MeasureError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.samples < 0:
+        raise MeasureError(f"--samples must be >= 0 (0: all), got {args.samples}")
+    if args.max_length < 1:
+        raise MeasureError(f"--max-length must be >= 1, got {args.max_length}")
+    if args.rho is not None and any(not r > 0 for r in args.rho):
+        raise MeasureError(f"--rho values must be > 0, got {args.rho}")
+    if args.num_labels is not None and args.num_labels < 1:
+        raise MeasureError(f"--num-labels must be >= 1, got {args.num_labels}")
+    if args.eps < 0:
+        raise MeasureError(f"--eps must be >= 0, got {args.eps}")
+    if args.threads is not None and args.threads < 1:
+        raise MeasureError(f"--threads must be >= 1, got {args.threads}")
+
+
+def _needs_head(model_spec: str) -> bool:
+    """Whether ``model_spec`` is a Hugging Face folder without a task head."""
+    from geosharp.measure.loading import _is_base_architecture
+
+    cfg = Path(model_spec).expanduser() / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        archs = json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError) as err:
+        raise MeasureError(f"cannot read {cfg}: {err}") from err
+    return _is_base_architecture(archs[0] if archs else None)
+
+
+def _execute(args: argparse.Namespace) -> int:
+    import torch
+
+    from geosharp.measure.core import flush_unrepresentable, resolve_loss
+    from geosharp.measure.loading import (
+        check_model_spec,
+        data_kind,
+        import_callable,
+        infer_num_labels,
+        load_data,
+        load_model,
+        read_table,
+        resolve_device,
+        resolve_dtype,
+    )
+
+    _validate(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype)
+    measures = args.measures or list(DEFAULT_MEASURES)
+    rhos = args.rho or list(DEFAULT_RHOS)
+    samples = None if args.samples == 0 else args.samples
+    loss = args.loss
+    if loss not in (None, "auto") and ":" in loss:
+        loss = import_callable(loss, "loss function")
+    else:
+        resolve_loss(loss)  # fail on an unknown name before loading anything
+
+    check_model_spec(args.model)  # before reading any data
+    kind = data_kind(args.data)
+    rows, table = None, None
+    num_labels, label2id = args.num_labels, None
+    if kind in ("csv", "jsonl", "json", "hf_dataset"):
+        table = read_table(args.data, split=args.split, limit=samples)
+        rows = table[0]
+        if not rows:
+            raise MeasureError(f"the data set {args.data} is empty: it holds no rows")
+    if _needs_head(args.model) and num_labels is None and rows is not None:
+        col = args.label_col or "label"
+        values = [r.get(col) for r in rows[:samples] if r.get(col) not in (None, "")]
+        if values:
+            num_labels, label2id = infer_num_labels(values)
+
+    loaded = load_model(
+        args.model,
+        weights=args.weights,
+        device=device,
+        dtype=dtype,
+        num_labels=num_labels,
+        label2id=label2id,
+        seed=args.seed,
+    )
+    for note in loaded.notes:
+        _warn(note)
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+    _say(
+        f"model: {loaded.name}, {n_params:,} parameters, {dtype} on {device}".replace("torch.", "")
+    )
+    data = load_data(
+        args.data,
+        loaded,
+        batch_size=args.batch_size,
+        samples=samples,
+        text_col=args.text_col,
+        label_col=args.label_col,
+        max_length=args.max_length,
+        split=args.split,
+        tokenizer=args.tokenizer,
+        dtype=dtype,
+        table=table,
+    )
+    for w in data.warnings:
+        _warn(w)
+    _say(f"data: {data.description}")
+    flushed = flush_unrepresentable(loaded.model)
+    if flushed:
+        where = ", ".join(f"{k} ({v})" for k, v in list(flushed.items())[:4])
+        _warn(
+            f"{sum(flushed.values())} weight(s) are so small that 1/w² overflows {dtype} "
+            f"({where}); they were set to 0, which freezes them in the adaptive ball (its radius "
+            "ρ|w| was below 1e-19 there anyway)".replace("torch.", "")
+        )
+
+    report = measure(
+        loaded.model,
+        data.batches,
+        loss,
+        measures=measures,
+        rhos=rhos,
+        steps=args.steps,
+        eps=args.eps,
+        seed=args.seed,
+        check=not args.no_check,
+        progress=False if args.no_progress else None,
+        log=_say,
+        warn=_warn,
+    )
+    report.warnings[:0] = [*loaded.notes, *data.warnings] + (
+        [f"{sum(flushed.values())} weight(s) with 1/w² overflowing {dtype} were set to 0"]
+        if flushed
+        else []
+    )
+    report.settings = {
+        "model": loaded.name,
+        "model_kind": loaded.kind,
+        "weights": args.weights,
+        "data": data.description,
+        "batch_size": args.batch_size,
+        "samples": data.n_samples,
+        "max_length": args.max_length,
+        **report.settings,
+    }
+    if not torch.cuda.is_available() and device.type == "cpu":
+        report.settings["threads"] = torch.get_num_threads()
+    _say("")
+    _say(report.table())
+    out = args.out
+    json_path = report.write_json(out / "results.json")
+    csv_path = report.write_csv(out / "results.csv")
+    _say(f"\nresults: {json_path}, {csv_path}")
+    if args.report:
+        title = f"geosharp measure: {Path(str(args.model)).name or args.model}"
+        html_path = report.write_html(out / "report.html", title=title)
+        _say(f"report: {html_path}")
+    if report.failed:
+        _warn(f"{len(report.failed)} measurement(s) failed; see the table")
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``geosharp measure`` with parsed arguments.
+
+    Returns:
+        0 on success, 1 if some measurement failed (the others are reported), 2 on bad input,
+        130 if interrupted.
+    """
+    try:
+        return _execute(args)
+    except KeyboardInterrupt:
+        print("geosharp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if getattr(args, "debug", False):
+            raise
+        known = isinstance(err, (MeasureError, ValueError, OSError, ImportError))
+        text = str(err) if known else f"{type(err).__name__}: {err} (--debug shows the traceback)"
+        print(f"geosharp: error: {text}", file=sys.stderr)
+        return 2

