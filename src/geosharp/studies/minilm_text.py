@@ -47,11 +47,14 @@ adaptive ℓ2           0.1, 0.316, 1             0.075
 adaptive ℓ∞           0.0001, 0.000316, 0.001   0.061
 inv (orders 2, 1)     0.01, 0.0316, 0.1         0.064
 mix                   0.01, 0.0316, 0.1         0.048
-inv, adaptive norm    10, 31.6, 100             0.052
+inv, adaptive norm    0.1, 0.316, 1             0.075 (*)
 average adaptive      0.0316, 0.1, 0.316        0.012
 average inv           0.00316, 0.01, 0.0316     0.023
 average mix           0.00316, 0.01, 0.0316     0.012
 ====================  ========================  ==================
+
+(*) recalibrated with the same rule and pilot after a fix of the "no corrected norm" ablation,
+which had projected horizontally in the block metric (not the ball's) and under-measured.
 """
 
 from __future__ import annotations
@@ -123,9 +126,11 @@ class MiniLMTextConfig:
     rhos_adaptive_linf: tuple[float, ...] = half_decade_grid(0.000316)
     rhos_inv: tuple[float, ...] = half_decade_grid(0.0316)
     rhos_mix: tuple[float, ...] = half_decade_grid(0.0316)
-    rhos_inv_adaptivenorm: tuple[float, ...] = half_decade_grid(31.6)
-    #: Not calibrated: the mix ablations are off by default (``ablations``).
-    rhos_mix_adaptivenorm: tuple[float, ...] = half_decade_grid(31.6)
+    # Recalibrated (same rule, same pilot) after the fix of the no-corrected-norm ablation,
+    # which had projected in the block metric and needed radii ~100× larger.
+    rhos_inv_adaptivenorm: tuple[float, ...] = half_decade_grid(0.316)
+    #: Not calibrated: the mix ablations are off by default (``ablations``); set like inv.
+    rhos_mix_adaptivenorm: tuple[float, ...] = half_decade_grid(0.316)
     rhos_average_adaptive: tuple[float, ...] = half_decade_grid(0.1)
     rhos_average_inv: tuple[float, ...] = half_decade_grid(0.01)
     rhos_average_mix: tuple[float, ...] = half_decade_grid(0.01)

@@ -49,12 +49,15 @@ adaptive ℓ2           0.1, 0.316, 1           0.094
 adaptive ℓ∞           0.001, 0.00316, 0.01    0.084
 inv (orders 2, 1)     0.0316, 0.1, 0.316      0.133
 mix (orders 2, 1)     0.01, 0.0316, 0.1       0.097
-inv, adaptive norm    1, 3.16, 10             0.087
-mix, adaptive norm    1, 3.16, 10             0.099
+inv, adaptive norm    0.1, 0.316, 1           0.094 (*)
+mix, adaptive norm    0.1, 0.316, 1           0.094 (*)
 average adaptive      0.01, 0.0316, 0.1       0.0052
 average inv           0.00316, 0.01, 0.0316   0.0070
 average mix           0.001, 0.00316, 0.01    0.0045
 ====================  ======================  ==============================
+
+(*) recalibrated with the same rule and pilot after a fix of the "no corrected norm" ablation,
+which had projected horizontally in the block metric (not the ball's) and under-measured.
 
 The ``--quick`` size measures each family at its centre ρ₀ only.
 """
@@ -147,8 +150,10 @@ class ViTMNISTConfig:
     rhos_adaptive_linf: tuple[float, ...] = half_decade_grid(0.00316)
     rhos_inv: tuple[float, ...] = half_decade_grid(0.1)
     rhos_mix: tuple[float, ...] = half_decade_grid(0.0316)
-    rhos_inv_adaptivenorm: tuple[float, ...] = half_decade_grid(3.16)
-    rhos_mix_adaptivenorm: tuple[float, ...] = half_decade_grid(3.16)
+    # Recalibrated (same rule, same pilot) after the fix of the no-corrected-norm ablation,
+    # which had projected in the block metric and needed radii ~10× larger.
+    rhos_inv_adaptivenorm: tuple[float, ...] = half_decade_grid(0.316)
+    rhos_mix_adaptivenorm: tuple[float, ...] = half_decade_grid(0.316)
     rhos_average_adaptive: tuple[float, ...] = half_decade_grid(0.0316)
     rhos_average_inv: tuple[float, ...] = half_decade_grid(0.01)
     rhos_average_mix: tuple[float, ...] = half_decade_grid(0.00316)
