@@ -305,3 +305,11 @@ def test_default_paper_match():
 def test_bad_input_errors(tmp_path, models, measurements, match):
     with pytest.raises(ValueError, match=match):
         write_report(tmp_path, title="t", models=models, measurements=measurements, settings={})
+
+
+def test_no_corrected_norm_ablation_is_not_filed_under_the_papers_adaptive_family():
+    from geosharp.studies.report import default_paper_match
+
+    assert default_paper_match("geodesic-inv-o2-adaptivenorm worst l2") is None
+    assert default_paper_match("adaptive worst l2") == "adaptive"
+    assert default_paper_match("geodesic-mix-o2 worst l2") == "geodesic mix"

@@ -94,14 +94,18 @@ def default_paper_match(measure: str) -> str | None:
         measure: A measure name, e.g. ``"geodesic-inv-o2 worst l2"``.
 
     Returns:
-        ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it starts with
-        "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
+        ``None`` for the "no corrected norm" ablation (``…-adaptivenorm``, not a paper
+        family), ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it
+        starts with "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else
+        ``None``.
 
     Example:
         >>> default_paper_match("geodesic-inv-o2 worst l2"), default_paper_match("euclidean")
         ('geodesic inv', None)
     """
     name = re.sub(r"[\s_]+", "-", measure.strip().lower())
+    if "adaptivenorm" in name:
+        return None
     if "adaptive" in name:
         return "adaptive"
     if name.startswith("geodesic-inv"):
@@ -437,7 +441,7 @@ def _ordering(families: list[_Family]) -> dict[str, object]:
 
 
 def _log_x(values: np.ndarray) -> bool:
-    """Log x-axis when every value is positive and they span more than two decades."""
+    """Log axis when every value is positive and they span more than two decades."""
     return bool(values.size) and bool(np.all(values > 0)) and values.max() / values.min() > 100.0
 
 
@@ -460,12 +464,14 @@ def _plot(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     all_x: list[float] = []
+    all_y: list[float] = []
     for k, rho in enumerate(sorted(by_rho, key=_rho_key)):
         cell = by_rho[rho]
         x = np.asarray(cell.values, dtype=float)
         y = np.asarray([gaps[m] for m in cell.model_ids], dtype=float)
         ok = np.isfinite(x) & np.isfinite(y)
         all_x.extend(x[ok].tolist())
+        all_y.extend(y[ok].tolist())
         s = cell.summary
         tau = f"τ-a = {_f(s.tau_a)}" if s is not None and s.defined else "τ undefined"
         ax.scatter(
@@ -474,6 +480,8 @@ def _plot(
     xs = np.asarray(all_x)
     if _log_x(xs):
         ax.set_xscale("log")
+    if _log_x(np.asarray(all_y)):
+        ax.set_yscale("log")
     if not xs.size:
         ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(f"sharpness ({measure})")
