@@ -17,7 +17,6 @@ outside the model's classes, an empty data set, a device that is not there — r
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import importlib
 import importlib.util
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.measure.core import MeasureError
+from geosharp.models.hf import quiet_transformers
 
 __all__ = [
     "DataSet",
@@ -393,26 +393,6 @@ def load_state_dict(model: nn.Module, path: str | Path) -> list[str]:
     return notes
 
 
-def _quiet_transformers():
-    """Silence transformers' load reports and progress bars (we report what matters)."""
-    from transformers.utils import logging as hf_logging
-
-    @contextlib.contextmanager
-    def ctx():
-        level = hf_logging.get_verbosity()
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        try:
-            yield
-        finally:
-            hf_logging.set_verbosity(level)
-            if bars:
-                hf_logging.enable_progress_bar()
-
-    return ctx()
-
-
 def _is_base_architecture(arch: str | None) -> bool:
     """``BertModel``-like (no task head)."""
     return arch is None or (arch.endswith("Model") and "For" not in arch)
@@ -435,7 +415,7 @@ def _load_hf(
             f"{folder} is a Hugging Face model folder, and loading it needs transformers: "
             "pip install 'geosharp[hf]'"
         ) from err
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         except Exception as err:
@@ -466,7 +446,7 @@ def _load_hf(
             "for (--num-labels); drop --num-labels or use a matching checkpoint"
         )
     torch.manual_seed(seed)  # a fresh head is drawn reproducibly
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             model = cls.from_pretrained(str(folder), **kwargs)
         except Exception as err:
@@ -480,7 +460,7 @@ def _load_hf(
             "sharpness includes a random head"
         )
     tokenizer = None
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except Exception:
@@ -1077,7 +1057,7 @@ def _tokenizer(loaded: LoadedModel, folder: str | None, where: str) -> Any:
         try:
             from transformers import AutoTokenizer
 
-            with _quiet_transformers():
+            with quiet_transformers():
                 return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except ImportError as err:
             raise MeasureError(

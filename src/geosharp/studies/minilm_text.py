@@ -59,10 +59,9 @@ which had projected horizontally in the block metric (not the ball's) and under-
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +73,7 @@ from torch.nn import functional as F
 
 from geosharp.data import load_rotten_tomatoes
 from geosharp.models import load_minilm, minilm_path
+from geosharp.models.hf import quiet_transformers
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import (
@@ -159,22 +159,6 @@ class MiniLMTextConfig:
         return cls(**base)
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence transformers' load report and progress bars (restored afterwards)."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict[str, Tensor]:
     """Right-pad token-id sequences into ``input_ids`` and ``attention_mask``."""
     width = max(len(s) for s in seqs)
@@ -237,7 +221,7 @@ class MiniLMTextStudy(Study):
             train_idx = np.sort(perm[: c.n_train])
             heldout_idx = np.sort(perm[c.n_train : c.n_train + c.n_heldout])
             sharp = np.sort(rng.permutation(c.n_train)[: c.n_sharp])
-            with _quiet_transformers():
+            with quiet_transformers():
                 tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
 
             def encode(idx: np.ndarray) -> list[list[int]]:
@@ -266,7 +250,7 @@ class MiniLMTextStudy(Study):
         Returns:
             A ``BertForSequenceClassification`` in eval mode, float32.
         """
-        with _quiet_transformers():
+        with quiet_transformers():
             model = load_minilm(num_labels=2, dtype=torch.float32)
         if dropout is not None:
             for m in model.modules():
