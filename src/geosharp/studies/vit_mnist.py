@@ -65,9 +65,8 @@ The ``--quick`` size measures each family at its centre ρ₀ only.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,41 +76,19 @@ from torch.nn import functional as F
 
 from geosharp.data import load_mnist
 from geosharp.models import VisionTransformer
-from geosharp.studies.runner import MeasureSpec, Study
-from geosharp.studies.store import Store
+from geosharp.studies.classifier import (
+    RADIUS_FAMILIES,
+    ClassifierStudy,
+    grids_text,
+    half_decade_grid,
+)
 
-__all__ = [
-    "CALIBRATION_TARGET",
-    "PAPER_TAU",
-    "RADIUS_FAMILIES",
-    "ViTMNISTConfig",
-    "ViTMNISTStudy",
-    "augment",
-    "calibrate_rhos",
-    "grids_text",
-    "half_decade_grid",
-    "save_atomically",
-    "standard_plan",
-]
+__all__ = ["PAPER_TAU", "ViTMNISTConfig", "ViTMNISTStudy", "augment"]
 
 #: Kendall τ of the paper's analogous population, CLIP ViT-B/32 on ImageNet (SPEC §7).
 PAPER_TAU = {"adaptive": -0.41, "geodesic inv": -0.71, "geodesic mix": -0.70}
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-
-
-def half_decade_grid(centre: float) -> tuple[float, ...]:
-    """The half-decade grid ``(ρ₀/√10, ρ₀, √10·ρ₀)`` of the ladder point ``ρ₀ = 10^{k/2}``.
-
-    ``centre`` is snapped to the nearest point of the ladder ``10^{k/2}``; values are rounded
-    to 3 significant digits.
-
-    Example:
-        >>> half_decade_grid(0.1), half_decade_grid(0.316)
-        ((0.0316, 0.1, 0.316), (0.1, 0.316, 1.0))
-    """
-    k = round(2 * math.log10(centre))
-    return tuple(float(f"{10 ** (j / 2):.3g}") for j in (k - 1, k, k + 1))
 
 
 @dataclass(frozen=True)
@@ -184,14 +161,6 @@ class ViTMNISTConfig:
         return cls(**base)
 
 
-def save_atomically(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
 def augment(images: Tensor, strength: float, generator: torch.Generator) -> Tensor:
     """Random affine augmentation of a batch of images with background 0.
 
@@ -245,43 +214,26 @@ def _schedule(total: int, warmup_frac: float = 0.05):
     return factor
 
 
-@torch.no_grad()
-def _evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch: int = 1000) -> tuple:
-    """Error rate and mean cross-entropy of a classifier (eval mode, normalized inputs)."""
-    model.eval()
-    wrong, loss = 0, 0.0
-    for i in range(0, len(images), batch):
-        logits = model(_normalize(images[i : i + batch]))
-        y = labels[i : i + batch]
-        wrong += int((logits.argmax(-1) != y).sum())
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-    return wrong / len(images), loss / len(images)
-
-
-class ViTMNISTStudy(Study):
+class ViTMNISTStudy(ClassifierStudy):
     """Study 2: a population of small ViTs trained on the same MNIST images (SPEC §7)."""
 
     name = "vit-mnist"
     title = "Study 2 — vision transformers trained from scratch on MNIST"
     gap_label = "test error − train error"
     paper = PAPER_TAU
+    prefix = "vit"
+    eval_split = "test"
+    activity = "training"
+    head = "head"
+    extra_uniform = ("augmentation",)
 
     def __init__(self, cfg: ViTMNISTConfig | None = None) -> None:
-        self.cfg = cfg or ViTMNISTConfig()
+        super().__init__(cfg or ViTMNISTConfig())
         c = self.cfg
-        if c.n_sharp > c.n_train or c.n_sharp % c.sharp_batch:
-            raise ValueError(
-                f"n_sharp={c.n_sharp} must be ≤ n_train={c.n_train} and a multiple of "
-                f"sharp_batch={c.sharp_batch}"
-            )
-        if c.n_models < 2:
-            raise ValueError(f"n_models must be at least 2 (τ needs pairs), got {c.n_models}")
         if not 1 <= c.n_test <= 10_000 or not 1 <= c.n_train <= 50_000:
             raise ValueError(
                 f"n_train={c.n_train} must be in [1, 50000] and n_test={c.n_test} in [1, 10000]"
             )
-        self._data: dict[str, Tensor] | None = None
-        self._batches: list[tuple[Tensor, Tensor]] | None = None
 
     # -- data ----------------------------------------------------------------------------------
     def data(self) -> dict[str, Tensor]:
@@ -307,7 +259,7 @@ class ViTMNISTStudy(Study):
             }
         return self._data
 
-    def build(self, dropout: float = 0.0) -> VisionTransformer:
+    def build(self, dropout: float | None = None) -> VisionTransformer:
         """A freshly initialized ViT of the study's architecture (seed torch first)."""
         c = self.cfg
         return VisionTransformer(
@@ -319,21 +271,43 @@ class ViTMNISTStudy(Study):
             depth=c.depth,
             num_heads=c.num_heads,
             mlp_dim=c.mlp_dim,
-            dropout=dropout,
+            dropout=dropout or 0.0,
         )
 
-    # -- Study interface -----------------------------------------------------------------------
-    def config(self) -> dict[str, Any]:
-        """The :class:`ViTMNISTConfig` as a dict."""
-        return asdict(self.cfg)
+    def n_train_examples(self) -> int:
+        """The size of the training subset, ``n_train``."""
+        return self.cfg.n_train
 
+    def training_batch(
+        self, index: Tensor, hp: dict[str, Any], generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        """Augmented (strength ``hp["augmentation"]``), normalized images and their labels."""
+        d = self.data()
+        images = augment(d["x_train"][index], hp["augmentation"], generator)
+        return _normalize(images), d["y_train"][index]
+
+    def lr_factor(self, total: int) -> Callable[[int], float]:
+        """5 % linear warm-up, then cosine decay to 0."""
+        return _schedule(total)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str, batch: int = 1000) -> tuple[float, float]:
+        """Error rate and mean cross-entropy on ``"train"`` or ``"test"`` (eval mode)."""
+        d = self.data()
+        images, labels = d[f"x_{split}"], d[f"y_{split}"]
+        model.eval()
+        wrong, loss = 0, 0.0
+        for i in range(0, len(images), batch):
+            logits = model(_normalize(images[i : i + batch]))
+            y = labels[i : i + batch]
+            wrong += int((logits.argmax(-1) != y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        return wrong / len(images), loss / len(images)
+
+    # -- Study interface -----------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         """Settings shown in the report."""
         c = self.cfg
-
-        def rng(r: tuple[float, float]) -> str:
-            return f"[{r[0]:g}, {r[1]:g}]"
-
         tokens = (c.image_size // c.patch_size) ** 2
         return {
             "models": c.n_models,
@@ -343,10 +317,8 @@ class ViTMNISTStudy(Study):
             "model": f"ViT, {c.patch_size}×{c.patch_size} patches ({tokens} + CLS tokens), "
             f"width {c.dim}, depth {c.depth}, {c.num_heads} heads "
             f"(h = {c.dim // c.num_heads}), MLP {c.mlp_dim}, pre-norm, trained from scratch",
-            "hyperparameters": f"lr ~ logU{rng(c.lr)}, weight decay ~ logU"
-            f"{rng(c.weight_decay)} (AdamW), batch size ∈ {list(c.batch_sizes)}, epochs ∈ "
-            f"{list(c.epochs)}, label smoothing ~ U{rng(c.label_smoothing)}, dropout ~ U"
-            f"{rng(c.dropout)}, augmentation strength ~ U{rng(c.augmentation)}, seed",
+            "hyperparameters": self.hyperparameter_text({"augmentation": "augmentation strength"})
+            + ", seed",
             "training": "AdamW, 5 % linear warm-up then cosine decay, grad-norm clip 1, float32; "
             f"models with train error > {c.max_train_error:g} or a non-finite loss are left out",
             "gap": "test error − train error (train error on the whole training subset)",
@@ -365,120 +337,6 @@ class ViTMNISTStudy(Study):
             "seed": c.seed,
         }
 
-    def population(self) -> list[tuple[str, dict[str, Any]]]:
-        """``vit-000 …`` with hyperparameters drawn from ``np.random.default_rng(seed + 1)``."""
-        c = self.cfg
-        rng = np.random.default_rng(c.seed + 1)
-
-        def log_uniform(r: tuple[float, float]) -> float:
-            return float(math.exp(rng.uniform(math.log(r[0]), math.log(r[1]))))
-
-        out = []
-        for i in range(c.n_models):
-            hp = {
-                "lr": log_uniform(c.lr),
-                "weight_decay": log_uniform(c.weight_decay),
-                "batch_size": int(rng.choice(c.batch_sizes)),
-                "epochs": int(rng.choice(c.epochs)),
-                "label_smoothing": float(rng.uniform(*c.label_smoothing)),
-                "dropout": float(rng.uniform(*c.dropout)),
-                "augmentation": float(rng.uniform(*c.augmentation)),
-                "seed": int(rng.integers(2**31 - 1)),
-            }
-            out.append((f"vit-{i:03d}", hp))
-        return out
-
-    def train(
-        self, todo: list[tuple[str, dict[str, Any]]], out_dir: Path, store: Store, progress: bool
-    ) -> None:
-        """Train the models one at a time; each is saved and recorded as soon as it is done."""
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo), desc="training ViTs")
-        for mid, hp in todo:
-            t0 = time.perf_counter()
-            state, metrics = self.fit(hp)
-            path = out_dir / "checkpoints" / f"{mid}.pt"
-            save_atomically(state, path)
-            store.put_model(
-                mid,
-                hparams=hp,
-                metrics=metrics,
-                gap=metrics["test_error"] - metrics["train_error"],
-                checkpoint=str(path.relative_to(out_dir)),
-                seed=hp["seed"],
-                train_time_s=time.perf_counter() - t0,
-            )
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-
-    def fit(self, hp: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Train one model with hyperparameters ``hp`` (deterministic in ``hp["seed"]``).
-
-        Returns:
-            The trained ``state_dict`` and its metrics (train/test error and loss, steps; and
-            ``excluded``/``note`` if it diverged or did not learn).
-        """
-        c = self.cfg
-        d = self.data()
-        x, y = d["x_train"], d["y_train"]
-        gen = torch.Generator().manual_seed(hp["seed"])
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(hp["seed"])  # initialization and dropout
-            model = self.build(dropout=hp["dropout"])
-            opt = torch.optim.AdamW(
-                model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"]
-            )
-            bs = hp["batch_size"]
-            per_epoch = math.ceil(len(x) / bs)
-            total = per_epoch * hp["epochs"]
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total))
-            finite = True
-            model.train()
-            for _ in range(hp["epochs"]):
-                perm = torch.randperm(len(x), generator=gen)
-                for i in range(per_epoch):
-                    b = perm[i * bs : (i + 1) * bs]
-                    xb = _normalize(augment(x[b], hp["augmentation"], gen))
-                    loss = F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"])
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    sched.step()
-                if not finite:
-                    break
-        model.eval()
-        train_error, train_loss = _evaluate(model, x, y)
-        test_error, test_loss = _evaluate(model, d["x_test"], d["y_test"])
-        metrics: dict[str, Any] = {
-            "train_error": train_error,
-            "test_error": test_error,
-            "train_loss": train_loss,
-            "test_loss": test_loss,
-            "steps": total,
-        }
-        if not finite or not math.isfinite(train_loss):
-            metrics.update(excluded=True, note="training diverged (non-finite loss); left out")
-        elif train_error > c.max_train_error:
-            metrics.update(
-                excluded=True,
-                note=f"did not learn (train error {train_error:.3f} > {c.max_train_error:g}); "
-                "left out",
-            )
-        return model.state_dict(), metrics
-
-    def included(self, row: dict[str, Any]) -> bool:
-        """Diverged models and models that did not learn are left out (and noted)."""
-        return not row.get("excluded", False)
-
     def load(self, row: dict[str, Any]) -> nn.Module:
         """The stored model, float32, eval mode."""
         model = self.build()
@@ -495,173 +353,3 @@ class ViTMNISTStudy(Study):
             bs = self.cfg.sharp_batch
             self._batches = [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
         return self._batches
-
-    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
-        """Cross-entropy (mean over the batch, no label smoothing)."""
-        return F.cross_entropy(outputs, targets)
-
-    def plan(self) -> list[MeasureSpec]:
-        """Every measure of the study at its three ρ (see the module docstring)."""
-        return standard_plan(self.cfg, head="head")
-
-
-#: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates
-#: it. The order-1 ablation of a metric is measured on the grid of its order-2 measure (same
-#: ball, only the path differs); every other family has its own grid.
-RADIUS_FAMILIES: dict[str, dict[str, Any]] = {
-    "adaptive_l2": {"measure": "adaptive", "norm": "l2"},
-    "adaptive_linf": {"measure": "adaptive", "norm": "linf"},
-    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
-    "mix": {"measure": "geodesic", "metric": "mix", "order": 2},
-    "inv_adaptivenorm": {
-        "measure": "geodesic",
-        "metric": "inv",
-        "order": 2,
-        "corrected_norm": False,
-    },
-    "mix_adaptivenorm": {
-        "measure": "geodesic",
-        "metric": "mix",
-        "order": 2,
-        "corrected_norm": False,
-    },
-    "average_adaptive": {"measure": "adaptive", "kind": "average"},
-    "average_inv": {"measure": "geodesic", "metric": "inv", "order": 2, "kind": "average"},
-    "average_mix": {"measure": "geodesic", "metric": "mix", "order": 2, "kind": "average"},
-}
-
-#: Loss rise at the centre ρ₀ of a grid (the ρ rule; worst case and average case).
-CALIBRATION_TARGET = {"worst": 0.1, "average": 0.01}
-
-
-def _families(cfg: Any) -> list[str]:
-    keys = ["adaptive_l2", "adaptive_linf", "inv", "mix"]
-    keys += [f"{m}_adaptivenorm" for m in cfg.ablations]
-    return [*keys, "average_adaptive", "average_inv", "average_mix"]
-
-
-def _with_budget(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if kwargs.get("kind") == "average":
-        return {**kwargs, "samples": cfg.samples}
-    return {**kwargs, "steps": cfg.steps}
-
-
-def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
-    """The measurement plan shared by Studies 2 and 3.
-
-    Args:
-        cfg: A config with ``steps``, ``samples``, ``ablations`` (metrics, a subset of
-            ``("inv", "mix")``) and a grid ``rhos_<key>`` for every key of
-            :data:`RADIUS_FAMILIES` it uses.
-        head: Module path of the classification head (relative flatness).
-
-    Returns:
-        The :class:`MeasureSpec` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
-        case); the ablations for ``cfg.ablations`` — order 1 (on the grid of the same metric at
-        order 2) and no corrected norm; average-case adaptive, inv and mix; relative flatness.
-
-    Raises:
-        ValueError: If ``cfg.ablations`` names a metric other than ``"inv"`` and ``"mix"``.
-    """
-    if not set(cfg.ablations) <= {"inv", "mix"}:
-        raise ValueError(f"ablations must be a subset of ('inv', 'mix'), got {cfg.ablations!r}")
-    specs = []
-    for key in ["adaptive_l2", "adaptive_linf", "inv", "mix"]:
-        specs.append(
-            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
-        )
-    for metric in cfg.ablations:
-        kw = {**RADIUS_FAMILIES[metric], "order": 1}
-        specs.append(MeasureSpec(_with_budget(cfg, kw), getattr(cfg, f"rhos_{metric}")))
-    for key in [f"{m}_adaptivenorm" for m in cfg.ablations]:
-        specs.append(
-            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
-        )
-    for key in ["average_adaptive", "average_inv", "average_mix"]:
-        specs.append(
-            MeasureSpec(_with_budget(cfg, RADIUS_FAMILIES[key]), getattr(cfg, f"rhos_{key}"))
-        )
-    specs.append(MeasureSpec({"measure": "relative_flatness", "layer": head}, (None,)))
-    return specs
-
-
-def grids_text(cfg: Any) -> str:
-    """The ρ grids of a config, one family per clause, for the report's settings."""
-    labels = {
-        "adaptive_l2": "adaptive ℓ2",
-        "adaptive_linf": "adaptive ℓ∞",
-        "inv": "geodesic inv",
-        "mix": "geodesic mix",
-        "inv_adaptivenorm": "inv, no corrected norm",
-        "mix_adaptivenorm": "mix, no corrected norm",
-        "average_adaptive": "average adaptive",
-        "average_inv": "average inv",
-        "average_mix": "average mix",
-    }
-    return "; ".join(
-        f"{labels[k]} " + ", ".join(f"{r:g}" for r in getattr(cfg, f"rhos_{k}"))
-        for k in _families(cfg)
-    )
-
-
-def _log_distance(value: float, target: float) -> float:
-    return abs(math.log(value / target)) if 0 < value < math.inf else math.inf
-
-
-def calibrate_rhos(
-    study: Study,
-    model: nn.Module,
-    start: float = 0.01,
-    max_evals: int = 12,
-    log: Any = None,
-) -> dict[str, tuple[float, ...]]:
-    """Apply the ρ rule to a pilot model: one half-decade grid per radius family.
-
-    For every family of the study's plan, sharpness of ``model`` on ``study.batches()`` (with
-    the study's loss, Auto-PGD steps and samples) is evaluated on the half-decade ladder
-    ``ρ = 10^{k/2}``, walking from ``start`` towards :data:`CALIBRATION_TARGET` (0.1 worst case,
-    0.01 average case) until the target is bracketed; the centre ``ρ₀`` is the ladder point
-    whose rise is closest to the target in log scale, and the grid is
-    :func:`half_decade_grid` of ``ρ₀``. Only sharpness values of the pilot are looked at —
-    no gap, no τ.
-
-    Args:
-        study: A study whose config has ``steps``, ``samples`` and ``ablations``.
-        model: The pilot model (eval mode).
-        start: First ρ of every walk (rounded to the ladder).
-        max_evals: Most evaluations per family.
-        log: Called with one line per evaluation (default: silent).
-
-    Returns:
-        ``{"rhos_<key>": grid}`` for every family of the plan; pass it to the config.
-    """
-    from geosharp.estimators import sharpness
-
-    cfg = study.cfg  # type: ignore[attr-defined]
-    batches = study.batches()
-    out = {}
-    for key in _families(cfg):
-        kw = _with_budget(cfg, RADIUS_FAMILIES[key])
-        target = CALIBRATION_TARGET[kw.get("kind", "worst")]
-        k = round(2 * math.log10(start))
-        seen: dict[int, float] = {}
-        direction = 0
-        for _ in range(max_evals):
-            try:
-                value = sharpness(
-                    model, study.loss_fn, batches, rho=10 ** (k / 2), progress=False, **kw
-                ).value
-            except (FloatingPointError, ValueError):
-                value = math.inf
-            seen[k] = value
-            if log is not None:
-                log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
-            step = 1 if value < target else -1
-            if direction and step != direction:
-                break
-            direction = step
-            k += step
-
-        best = min(seen, key=lambda j, s=seen, t=target: _log_distance(s[j], t))
-        out[f"rhos_{key}"] = half_decade_grid(10 ** (best / 2))
-    return out

@@ -1,0 +1,455 @@
+"""What Studies 2 and 3 share: a population of classifiers and one measurement protocol.
+
+Both transformer studies follow the paper's recipe for its real populations (SPEC §7): every
+model sees the same training data and differs only in hyperparameters drawn at random; the gap
+is an error difference; sharpness is measured on a fixed subset of training points with the
+same plan of measures and the same ρ rule. This module holds that common part, so that a study
+module only says what is its own (data, model, batches, learning-rate schedule):
+
+* :class:`ClassifierStudy` — the :class:`~geosharp.studies.runner.Study` base: validation of
+  the config, the population (``np.random.default_rng(seed + 1)``), the training loop (AdamW,
+  gradient-norm clip 1, a per-model schedule, a per-model seed for initialization, data order,
+  dropout and augmentation), checkpointing, inclusion rule, loss and plan.
+* :func:`standard_plan` — the measures: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2; the
+  ablations (order 1, no corrected norm); average-case adaptive/inv/mix; relative flatness.
+* **The ρ rule** — :data:`RADIUS_FAMILIES`, :func:`half_decade_grid` and
+  :func:`calibrate_rhos`: three ρ per radius family, ``{ρ₀/√10, ρ₀, √10·ρ₀}``, the centre
+  ``ρ₀ = 10^{k/2}`` being where one pilot model's rise is closest (log scale) to 0.1 (worst
+  case) or 0.01 (average case). Only the pilot's sharpness is looked at: no gap, no τ.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.store import Store
+
+__all__ = [
+    "CALIBRATION_TARGET",
+    "RADIUS_FAMILIES",
+    "ClassifierStudy",
+    "calibrate_rhos",
+    "grids_text",
+    "half_decade_grid",
+    "save_atomically",
+    "standard_plan",
+]
+
+
+def half_decade_grid(centre: float) -> tuple[float, ...]:
+    """The half-decade grid ``(ρ₀/√10, ρ₀, √10·ρ₀)`` of the ladder point ``ρ₀ = 10^{k/2}``.
+
+    ``centre`` is snapped to the nearest point of the ladder ``10^{k/2}``; values are rounded
+    to 3 significant digits.
+
+    Example:
+        >>> half_decade_grid(0.1), half_decade_grid(0.316)
+        ((0.0316, 0.1, 0.316), (0.1, 0.316, 1.0))
+    """
+    k = round(2 * math.log10(centre))
+    return tuple(float(f"{10 ** (j / 2):.3g}") for j in (k - 1, k, k + 1))
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def _interval(r: tuple[float, float]) -> str:
+    return f"[{r[0]:g}, {r[1]:g}]"
+
+
+class ClassifierStudy(Study):
+    """A population of classifiers trained on the same data with random hyperparameters.
+
+    Subclasses set the class attributes, hold a frozen dataclass config in ``self.cfg`` (fields
+    ``n_models``, ``seed``, ``n_train``, ``n_sharp``, ``sharp_batch``, ``max_train_error``, the
+    ranges ``lr``, ``weight_decay``, ``batch_sizes``, ``epochs``, ``label_smoothing``,
+    ``dropout``, one range per name in :attr:`extra_uniform`, and what :func:`standard_plan`
+    needs), and implement the data hooks.
+
+    The population draws, per model and in this order: learning rate and weight decay
+    (log-uniform in their ranges), batch size and epochs (uniform choices), label smoothing and
+    dropout (uniform), the :attr:`extra_uniform` hyperparameters (uniform) and a seed. Training
+    is AdamW on the parameters that require gradients, the schedule :meth:`lr_factor`, gradient
+    norm clipped at 1, cross-entropy with the model's label smoothing; a model whose loss turns
+    non-finite or whose train error exceeds ``max_train_error`` is kept on record but excluded.
+    """
+
+    #: Model ids are ``f"{prefix}-{i:03d}"``.
+    prefix: str = "model"
+    #: The held-out split: metrics ``{split}_error`` and ``{split}_loss``; gap is its error
+    #: minus the train error.
+    eval_split: str = "test"
+    #: Verb of the progress bar and of the exclusion note ("training", "fine-tuning").
+    activity: str = "training"
+    #: Module path of the classification head (relative flatness).
+    head: str = "head"
+    #: Hyperparameters drawn uniformly from the config range of the same name, after dropout.
+    extra_uniform: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        if cfg.n_sharp > cfg.n_train or cfg.n_sharp % cfg.sharp_batch:
+            raise ValueError(
+                f"n_sharp={cfg.n_sharp} must be ≤ n_train={cfg.n_train} and a multiple of "
+                f"sharp_batch={cfg.sharp_batch}"
+            )
+        if cfg.n_models < 2:
+            raise ValueError(f"n_models must be at least 2 (τ needs pairs), got {cfg.n_models}")
+        self._data: dict[str, Any] | None = None
+        self._batches: list[tuple[Any, Any]] | None = None
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @abstractmethod
+    def build(self, dropout: float | None = None) -> nn.Module:
+        """A freshly initialized model with dropout rate ``dropout`` (seed torch first)."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, split: str) -> tuple[float, float]:
+        """Error rate and mean cross-entropy on ``"train"`` or :attr:`eval_split` (eval mode)."""
+
+    @abstractmethod
+    def n_train_examples(self) -> int:
+        """Size of the training set (the training loop permutes ``range`` of it)."""
+
+    @abstractmethod
+    def training_batch(
+        self, index: Tensor, hp: dict[str, Any], generator: torch.Generator
+    ) -> tuple[Any, Tensor]:
+        """Inputs and labels of the training examples ``index`` (augmented with ``generator``)."""
+
+    @abstractmethod
+    def lr_factor(self, total: int) -> Callable[[int], float]:
+        """The learning-rate multiplier of step ``t`` of ``total`` (a ``LambdaLR`` lambda)."""
+
+    def logits(self, model: nn.Module, inputs: Any) -> Tensor:
+        """The logits of ``inputs``: ``model(inputs)``, or ``model(**inputs).logits`` for dicts."""
+        if isinstance(inputs, dict):
+            return model(**inputs).logits
+        return model(inputs)
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """What is saved of a trained model (default: the whole ``state_dict``)."""
+        return model.state_dict()
+
+    def hyperparameter_text(self, labels: dict[str, str] | None = None) -> str:
+        """The hyperparameter distribution, for the report's settings.
+
+        Args:
+            labels: Words for the :attr:`extra_uniform` names (default: the name).
+        """
+        c = self.cfg
+        labels = labels or {}
+        extra = "".join(
+            f", {labels.get(name, name)} ~ U{_interval(getattr(c, name))}"
+            for name in self.extra_uniform
+        )
+        return (
+            f"lr ~ logU{_interval(c.lr)}, weight decay ~ logU{_interval(c.weight_decay)} "
+            f"(AdamW), batch size ∈ {list(c.batch_sizes)}, epochs ∈ {list(c.epochs)}, label "
+            f"smoothing ~ U{_interval(c.label_smoothing)}, dropout ~ U{_interval(c.dropout)}"
+            + extra
+        )
+
+    # -- Study interface -----------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """The config dataclass as a dict."""
+        return asdict(self.cfg)
+
+    def population(self) -> list[tuple[str, dict[str, Any]]]:
+        """``{prefix}-000 …`` with hyperparameters drawn from ``default_rng(seed + 1)``."""
+        c = self.cfg
+        rng = np.random.default_rng(c.seed + 1)
+
+        def log_uniform(r: tuple[float, float]) -> float:
+            return float(math.exp(rng.uniform(math.log(r[0]), math.log(r[1]))))
+
+        out = []
+        for i in range(c.n_models):
+            hp: dict[str, Any] = {
+                "lr": log_uniform(c.lr),
+                "weight_decay": log_uniform(c.weight_decay),
+                "batch_size": int(rng.choice(c.batch_sizes)),
+                "epochs": int(rng.choice(c.epochs)),
+                "label_smoothing": float(rng.uniform(*c.label_smoothing)),
+                "dropout": float(rng.uniform(*c.dropout)),
+            }
+            for name in self.extra_uniform:
+                hp[name] = float(rng.uniform(*getattr(c, name)))
+            hp["seed"] = int(rng.integers(2**31 - 1))
+            out.append((f"{self.prefix}-{i:03d}", hp))
+        return out
+
+    def train(
+        self, todo: list[tuple[str, dict[str, Any]]], out_dir: Path, store: Store, progress: bool
+    ) -> None:
+        """Train the models one at a time; each is saved and recorded as soon as it is done."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(todo), desc=f"{self.activity} {self.prefix} models")
+        for mid, hp in todo:
+            t0 = time.perf_counter()
+            state, metrics = self.fit(hp)
+            path = out_dir / "checkpoints" / f"{mid}.pt"
+            save_atomically(state, path)
+            store.put_model(
+                mid,
+                hparams=hp,
+                metrics=metrics,
+                gap=metrics[f"{self.eval_split}_error"] - metrics["train_error"],
+                checkpoint=str(path.relative_to(out_dir)),
+                seed=hp["seed"],
+                train_time_s=time.perf_counter() - t0,
+            )
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    def fit(self, hp: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Train one model with hyperparameters ``hp`` (deterministic in ``hp["seed"]``).
+
+        Returns:
+            What :meth:`checkpoint_state` keeps of the trained model, and its metrics
+            (train and held-out error and loss, steps; ``excluded``/``note`` if it diverged or
+            did not learn).
+        """
+        c = self.cfg
+        n = self.n_train_examples()
+        gen = torch.Generator().manual_seed(hp["seed"])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hp["seed"])  # initialization and dropout
+            model = self.build(dropout=hp["dropout"])
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=hp["lr"], weight_decay=hp["weight_decay"])
+            bs = hp["batch_size"]
+            per_epoch = math.ceil(n / bs)
+            total = per_epoch * hp["epochs"]
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_factor(total))
+            finite = True
+            model.train()
+            for _ in range(hp["epochs"]):
+                perm = torch.randperm(n, generator=gen)
+                for i in range(per_epoch):
+                    inputs, y = self.training_batch(perm[i * bs : (i + 1) * bs], hp, gen)
+                    loss = F.cross_entropy(
+                        self.logits(model, inputs), y, label_smoothing=hp["label_smoothing"]
+                    )
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(params, 1.0)
+                    opt.step()
+                    sched.step()
+                if not finite:
+                    break
+        model.eval()
+        split = self.eval_split
+        train_error, train_loss = self.evaluate(model, "train")
+        eval_error, eval_loss = self.evaluate(model, split)
+        metrics: dict[str, Any] = {
+            "train_error": train_error,
+            f"{split}_error": eval_error,
+            "train_loss": train_loss,
+            f"{split}_loss": eval_loss,
+            "steps": total,
+        }
+        if not finite or not math.isfinite(train_loss):
+            metrics.update(
+                excluded=True, note=f"{self.activity} diverged (non-finite loss); left out"
+            )
+        elif train_error > c.max_train_error:
+            metrics.update(
+                excluded=True,
+                note=f"did not learn (train error {train_error:.3f} > {c.max_train_error:g}); "
+                "left out",
+            )
+        return self.checkpoint_state(model), metrics
+
+    def included(self, row: dict[str, Any]) -> bool:
+        """Diverged models and models that did not learn are left out (and noted)."""
+        return not row.get("excluded", False)
+
+    def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
+        """Cross-entropy of the logits (mean over the batch, no label smoothing)."""
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        return F.cross_entropy(logits, targets)
+
+    def plan(self) -> list[MeasureSpec]:
+        """Every measure of the study at its three ρ (:func:`standard_plan`)."""
+        return standard_plan(self.cfg, head=self.head)
+
+
+#: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates
+#: it. The order-1 ablation of a metric is measured on the grid of its order-2 measure (same
+#: ball, only the path differs); every other family has its own grid.
+RADIUS_FAMILIES: dict[str, dict[str, Any]] = {
+    "adaptive_l2": {"measure": "adaptive", "norm": "l2"},
+    "adaptive_linf": {"measure": "adaptive", "norm": "linf"},
+    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
+    "mix": {"measure": "geodesic", "metric": "mix", "order": 2},
+    "inv_adaptivenorm": {
+        "measure": "geodesic",
+        "metric": "inv",
+        "order": 2,
+        "corrected_norm": False,
+    },
+    "mix_adaptivenorm": {
+        "measure": "geodesic",
+        "metric": "mix",
+        "order": 2,
+        "corrected_norm": False,
+    },
+    "average_adaptive": {"measure": "adaptive", "kind": "average"},
+    "average_inv": {"measure": "geodesic", "metric": "inv", "order": 2, "kind": "average"},
+    "average_mix": {"measure": "geodesic", "metric": "mix", "order": 2, "kind": "average"},
+}
+
+#: Loss rise at the centre ρ₀ of a grid (the ρ rule; worst case and average case).
+CALIBRATION_TARGET = {"worst": 0.1, "average": 0.01}
+
+
+def _families(cfg: Any) -> list[str]:
+    keys = ["adaptive_l2", "adaptive_linf", "inv", "mix"]
+    keys += [f"{m}_adaptivenorm" for m in cfg.ablations]
+    return [*keys, "average_adaptive", "average_inv", "average_mix"]
+
+
+def _with_budget(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if kwargs.get("kind") == "average":
+        return {**kwargs, "samples": cfg.samples}
+    return {**kwargs, "steps": cfg.steps}
+
+
+def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
+    """The measurement plan shared by Studies 2 and 3.
+
+    Args:
+        cfg: A config with ``steps``, ``samples``, ``ablations`` (metrics, a subset of
+            ``("inv", "mix")``) and a grid ``rhos_<key>`` for every key of
+            :data:`RADIUS_FAMILIES` it uses.
+        head: Module path of the classification head (relative flatness).
+
+    Returns:
+        The :class:`MeasureSpec` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
+        case); the ablations for ``cfg.ablations`` — order 1 (on the grid of the same metric at
+        order 2) and no corrected norm; average-case adaptive, inv and mix; relative flatness.
+
+    Raises:
+        ValueError: If ``cfg.ablations`` names a metric other than ``"inv"`` and ``"mix"``.
+    """
+    if not set(cfg.ablations) <= {"inv", "mix"}:
+        raise ValueError(f"ablations must be a subset of ('inv', 'mix'), got {cfg.ablations!r}")
+
+    def spec(key: str, **change: Any) -> MeasureSpec:
+        kwargs = _with_budget(cfg, {**RADIUS_FAMILIES[key], **change})
+        return MeasureSpec(kwargs, getattr(cfg, f"rhos_{key}"))
+
+    specs = [spec(key) for key in ["adaptive_l2", "adaptive_linf", "inv", "mix"]]
+    specs += [spec(metric, order=1) for metric in cfg.ablations]
+    specs += [spec(f"{metric}_adaptivenorm") for metric in cfg.ablations]
+    specs += [spec(key) for key in ["average_adaptive", "average_inv", "average_mix"]]
+    specs.append(MeasureSpec({"measure": "relative_flatness", "layer": head}, (None,)))
+    return specs
+
+
+def grids_text(cfg: Any) -> str:
+    """The ρ grids of a config, one family per clause, for the report's settings."""
+    labels = {
+        "adaptive_l2": "adaptive ℓ2",
+        "adaptive_linf": "adaptive ℓ∞",
+        "inv": "geodesic inv",
+        "mix": "geodesic mix",
+        "inv_adaptivenorm": "inv, no corrected norm",
+        "mix_adaptivenorm": "mix, no corrected norm",
+        "average_adaptive": "average adaptive",
+        "average_inv": "average inv",
+        "average_mix": "average mix",
+    }
+    return "; ".join(
+        f"{labels[k]} " + ", ".join(f"{r:g}" for r in getattr(cfg, f"rhos_{k}"))
+        for k in _families(cfg)
+    )
+
+
+def _log_distance(value: float, target: float) -> float:
+    return abs(math.log(value / target)) if 0 < value < math.inf else math.inf
+
+
+def calibrate_rhos(
+    study: Study,
+    model: nn.Module,
+    start: float = 0.01,
+    max_evals: int = 12,
+    log: Any = None,
+) -> dict[str, tuple[float, ...]]:
+    """Apply the ρ rule to a pilot model: one half-decade grid per radius family.
+
+    For every family of the study's plan, sharpness of ``model`` on ``study.batches()`` (with
+    the study's loss, Auto-PGD steps and samples) is evaluated on the half-decade ladder
+    ``ρ = 10^{k/2}``, walking from ``start`` towards :data:`CALIBRATION_TARGET` (0.1 worst case,
+    0.01 average case) until the target is bracketed; the centre ``ρ₀`` is the ladder point
+    whose rise is closest to the target in log scale, and the grid is
+    :func:`half_decade_grid` of ``ρ₀``. Only sharpness values of the pilot are looked at —
+    no gap, no τ.
+
+    Args:
+        study: A study whose config has ``steps``, ``samples`` and ``ablations``.
+        model: The pilot model (eval mode).
+        start: First ρ of every walk (rounded to the ladder).
+        max_evals: Most evaluations per family.
+        log: Called with one line per evaluation (default: silent).
+
+    Returns:
+        ``{"rhos_<key>": grid}`` for every family of the plan; pass it to the config.
+    """
+    from geosharp.estimators import sharpness
+
+    cfg = study.cfg  # type: ignore[attr-defined]
+    batches = study.batches()
+    out = {}
+    for key in _families(cfg):
+        kw = _with_budget(cfg, RADIUS_FAMILIES[key])
+        target = CALIBRATION_TARGET[kw.get("kind", "worst")]
+        k = round(2 * math.log10(start))
+        seen: dict[int, float] = {}
+        direction = 0
+        for _ in range(max_evals):
+            try:
+                value = sharpness(
+                    model, study.loss_fn, batches, rho=10 ** (k / 2), progress=False, **kw
+                ).value
+            except (FloatingPointError, ValueError):
+                value = math.inf
+            seen[k] = value
+            if log is not None:
+                log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
+            step = 1 if value < target else -1
+            if direction and step != direction:
+                break
+            direction = step
+            k += step
+
+        best = min(seen, key=lambda j, s=seen, t=target: _log_distance(s[j], t))
+        out[f"rhos_{key}"] = half_decade_grid(10 ** (best / 2))
+    return out
