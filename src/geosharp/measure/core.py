@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp._io import atomic_write_text
 from geosharp.estimators.checks import InvarianceReport, check_invariance
 from geosharp.estimators.relative_flatness import relative_flatness
 from geosharp.estimators.sharpness import (
@@ -561,11 +562,8 @@ class MeasureReport:
 
     def write_json(self, path: str | Path) -> Path:
         """Write :meth:`to_dict` as JSON; returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)
-        path.write_text(text + "\n", encoding="utf-8")
-        return path
+        return atomic_write_text(path, text + "\n")
 
     def to_csv(self) -> str:
         """One CSV line per (measure, ρ); ``per_batch`` is a JSON list."""
@@ -580,10 +578,7 @@ class MeasureReport:
 
     def write_csv(self, path: str | Path) -> Path:
         """Write :meth:`to_csv`; returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_csv(), encoding="utf-8")
-        return path
+        return atomic_write_text(path, self.to_csv())
 
     def write_html(self, path: str | Path, title: str = "geosharp measure") -> Path:
         """Write the self-contained HTML report with the per-batch loss-ascent curves.

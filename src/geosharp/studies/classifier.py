@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from geosharp._io import torch_save_atomically
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 
@@ -64,10 +65,7 @@ def half_decade_grid(centre: float) -> tuple[float, ...]:
 
 def save_atomically(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+    torch_save_atomically(obj, path)
 
 
 def _interval(r: tuple[float, float]) -> str:

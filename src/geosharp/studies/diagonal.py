@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from geosharp._io import torch_save_atomically
 from geosharp.models import DiagonalNet
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
@@ -184,9 +185,9 @@ class DiagonalStudy(Study):
         test_loss = float(((self.data["X_test"] @ beta - self.data["y_test"]) ** 2).mean())
         converged = bool(train_loss <= self.cfg.target_loss)
         path = ckpt_dir / f"{mid}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save({"u": torch.from_numpy(u.copy()), "v": torch.from_numpy(v.copy())}, tmp)
-        tmp.replace(path)
+        torch_save_atomically(
+            {"u": torch.from_numpy(u.copy()), "v": torch.from_numpy(v.copy())}, path
+        )
         metrics = {
             "train_loss": train_loss,
             "test_loss": test_loss,

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from geosharp._io import atomic_write_bytes, atomic_write_text
 from geosharp.stats import CorrelationSummary, correlation_summary
 
 __all__ = ["ReportPaths", "default_paper_match", "write_report"]
@@ -492,7 +493,7 @@ def _plot(
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     data = buf.getvalue()
-    path.write_bytes(data)
+    atomic_write_bytes(path, data)
     return data
 
 
@@ -768,9 +769,8 @@ def write_report(
     generated_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     tau_table = out / "tau_table.md"
-    tau_table.write_text(
-        _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method),
-        encoding="utf-8",
+    atomic_write_text(
+        tau_table, _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method)
     )
 
     summary = {
@@ -812,13 +812,14 @@ def write_report(
         "notes": list(notes),
     }
     summary_json = out / "summary.json"
-    summary_json.write_text(
+    atomic_write_text(
+        summary_json,
         json.dumps(_json_safe(summary), indent=2, ensure_ascii=False, allow_nan=False) + "\n",
-        encoding="utf-8",
     )
 
     page = out / "report.html"
-    page.write_text(
+    atomic_write_text(
+        page,
         _html_page(
             title=title,
             gap_label=gap_label,
@@ -834,7 +835,6 @@ def write_report(
             version=version,
             generated_at=generated_at,
         ),
-        encoding="utf-8",
     )
     return ReportPaths(
         out_dir=out, html=page, tau_table=tau_table, summary_json=summary_json, plots=plots

@@ -18,6 +18,7 @@ on one machine) can write to it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sqlite3
 import time
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 import geosharp
+from geosharp._io import atomic_write_text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -303,24 +305,19 @@ class Store:
         )
         header = ["model_id", "measure", "rho", "value", "gap", *metric_keys]
         header += [f"hp_{k}" for k in hp_keys] + ["time_s", "n_batches", "per_batch_std"]
-        tmp = path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(header)
-            for r in self.measurements():
-                m = models.get(r["model_id"], {"hparams": {}})
-                pb = r["per_batch"]
-                mean = sum(pb) / len(pb) if pb else float("nan")
-                std = (
-                    (sum((v - mean) ** 2 for v in pb) / (len(pb) - 1)) ** 0.5
-                    if len(pb) > 1
-                    else 0.0
-                )
-                w.writerow(
-                    [r["model_id"], r["measure"], r["rho"], r["value"], m.get("gap")]
-                    + [m.get(k) for k in metric_keys]
-                    + [m["hparams"].get(k) for k in hp_keys]
-                    + [r["time_s"], len(pb), std]
-                )
-        tmp.replace(path)
+        fh = io.StringIO(newline="")
+        w = csv.writer(fh)
+        w.writerow(header)
+        for r in self.measurements():
+            m = models.get(r["model_id"], {"hparams": {}})
+            pb = r["per_batch"]
+            mean = sum(pb) / len(pb) if pb else float("nan")
+            std = (sum((v - mean) ** 2 for v in pb) / (len(pb) - 1)) ** 0.5 if len(pb) > 1 else 0.0
+            w.writerow(
+                [r["model_id"], r["measure"], r["rho"], r["value"], m.get("gap")]
+                + [m.get(k) for k in metric_keys]
+                + [m["hparams"].get(k) for k in hp_keys]
+                + [r["time_s"], len(pb), std]
+            )
+        atomic_write_text(path, fh.getvalue())
         return path
