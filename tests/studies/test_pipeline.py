@@ -125,3 +125,30 @@ def test_cli_quick_study_and_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["study", "no-such-study"])
     assert main(["study", "diagonal", "--quick", "--models", "1", "--out", str(out)]) == 2
+
+
+def test_report_records_notes_population_and_every_environment_that_ran(tmp_path, monkeypatch):
+    import torch
+
+    class Noted(DiagonalStudy):
+        def notes(self):
+            return ["a remark of the study"]
+
+    study = Noted(DiagonalConfig.quick(n_models=4, d=20, n_train=10, n_test=100, rhos=(1e-2,)))
+    threads = torch.get_num_threads()
+    run_study(study, tmp_path, progress=False, log=lambda m: None)
+    try:  # a resume with another thread count is the same study, and is recorded as well
+        torch.set_num_threads(threads + 1)
+        run_study(study, tmp_path, progress=False, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "a remark of the study" in summary["notes"]
+    run_by = summary["settings"]["run by"]
+    assert f"{threads} threads" in run_by and f"{threads + 1} threads" in run_by
+    assert run_by.count("geosharp") == 2 and f"torch {torch.__version__}" in run_by
+    models, _ = rows(tmp_path)
+    gaps = sorted(m["gap"] for m in models)
+    assert summary["settings"]["population"].startswith(f"gap {gaps[0]:.4g} to {gaps[-1]:.4g}")
+    assert "test loss" in summary["settings"]["population"]
+    assert "run by" in (tmp_path / "report.html").read_text()

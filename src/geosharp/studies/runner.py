@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -19,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor, nn
 
+import geosharp
 from geosharp.estimators import relative_flatness, sharpness
 from geosharp.estimators.sharpness import measure_name
 from geosharp.studies.report import ReportPaths, write_report
@@ -137,8 +142,8 @@ class Study(ABC):
         """Human-readable settings for the report (default: the config)."""
         return self.config()
 
-    def notes(self, store: Store) -> list[str]:
-        """Remarks for the report."""
+    def notes(self) -> list[str]:
+        """Remarks shown at the end of the report (recorded in the store with the settings)."""
         return []
 
     def included(self, row: dict[str, Any]) -> bool:
@@ -270,14 +275,35 @@ def run_study(
     return summary
 
 
+def environment() -> dict[str, Any]:
+    """What ran a study: versions, torch threads, CPU count, platform, device.
+
+    Not part of a study's identity (a study may be resumed with more threads); recorded so
+    that the report says what produced its numbers.
+    """
+    return {
+        "geosharp": geosharp.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(terse=True),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
 def _record_report_meta(store: Store, study: Study) -> None:
     included = [mid for mid, _ in study.population()]
+    old = json.loads(store.meta().get("report", "{}"))
+    environments = [e for e in old.get("environments", []) if e != environment()]
     info = {
         "title": study.title,
         "gap_label": study.gap_label,
         "paper": study.paper,
         "settings": study.settings(),
         "population": included,
+        "notes": study.notes(),
+        "environments": [*environments, environment()],
     }
     with store.conn:
         store.conn.execute(
@@ -322,6 +348,10 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         )
     settings = dict(info.get("settings", {}))
     settings["models analysed"] = len(models)
+    if models:
+        settings["population"] = _population_summary(models)
+    if info.get("environments"):
+        settings["run by"] = "; ".join(_environment_text(e) for e in info["environments"])
     return write_report(
         out,
         title=info.get("title", "Study"),
@@ -331,6 +361,33 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         paper=info.get("paper"),
         notes=all_notes,
         gap_label=info.get("gap_label", "generalization gap"),
+    )
+
+
+def _population_summary(models: Sequence[dict[str, Any]]) -> str:
+    """Range and median of the gap and of every error metric of the analysed models."""
+    metrics = {k for m in models for k in m if k.endswith(("_error", "_loss"))}
+    keys = ["gap", *sorted(metrics)]
+    parts = []
+    for k in keys:
+        vals = np.asarray([m.get(k) for m in models if _is_number(m.get(k))], dtype=float)
+        if vals.size:
+            parts.append(
+                f"{k.replace('_', ' ')} {vals.min():.4g} to {vals.max():.4g} "
+                f"(median {np.median(vals):.4g})"
+            )
+    return "; ".join(parts)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _environment_text(env: dict[str, Any]) -> str:
+    device = env.get("cuda") or f"CPU ({env.get('cpus')} cores, {env.get('threads')} threads)"
+    return (
+        f"geosharp {env.get('geosharp')}, torch {env.get('torch')}, Python {env.get('python')}, "
+        f"{device}, {env.get('platform')}"
     )
 
 
