@@ -24,6 +24,28 @@ def test_invariance_check_passes_on_found_blocks():
     assert "PASSED" in str(report)
 
 
+def test_invariance_check_never_copies_the_model_and_matches_reparametrize(monkeypatch):
+    import copy
+
+    from geosharp.symmetry import reparametrize
+
+    model = small_vit()
+    x = torch.randn(3, 1, 8, 8, dtype=DT)
+    ref = model(x)
+    scales = (3.0, 0.1)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    twins = [reparametrize(model, g, a) for g, a in zip(gens, scales, strict=True)]
+    expected = [float((t(x) - ref).norm() / ref.norm()) for t in twins]
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("check_invariance must not deep-copy the model")
+
+    monkeypatch.setattr(copy, "deepcopy", no_copy)
+    report = check_invariance(model, x, scales=scales)
+    assert report.rel_changes == expected  # the same group elements, the same arithmetic
+    assert all(not p.grad_fn for p in model.parameters())
+
+
 def test_invariance_check_catches_a_wrong_block():
     """A block pairing Q with V is not a symmetry: the check must fail."""
     model = small_vit()

@@ -17,7 +17,12 @@ from torch import Tensor, nn
 
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
-from geosharp.symmetry import ParameterSpace, find_symmetries, reparametrize
+from geosharp.symmetry import (
+    ParameterSpace,
+    find_symmetries,
+    group_action,
+    random_group_elements,
+)
 
 
 def _flatten_outputs(out: Any) -> Tensor:
@@ -98,12 +103,17 @@ def check_invariance(
     params = dict(model.named_parameters())
     with eval_mode(model), torch.no_grad():
         ref = _flatten_outputs(call_model(model, params, inputs))
+        theta = space.flatten(params)
         changes = []
         for i, a in enumerate(scales):
+            # The draws of reparametrize(model, generator, scale=a), applied functionally: the
+            # transformed weights are passed to functional_call, the model is never copied.
             gen = torch.Generator().manual_seed(seed + i)
-            rep = reparametrize(model, generator=gen, scale=a, space=space)
-            rep.eval()
-            out = _flatten_outputs(call_model(rep, dict(rep.named_parameters()), inputs))
+            element = random_group_elements(
+                space, generator=gen, scale=a, dtype=theta.dtype, device=theta.device
+            )
+            moved = space.unflatten(group_action(space, theta, element))
+            out = _flatten_outputs(call_model(model, {**params, **moved}, inputs))
             changes.append(float((out - ref).norm() / ref.norm().clamp_min(1e-300)))
     n_blocks = sum(b.heads for b in space.gl_blocks) + len(space.diagonal_pairs)
     return InvarianceReport(

@@ -130,16 +130,23 @@ def group_action(space: ParameterSpace, theta: Tensor, element: GroupElement) ->
             f"but the space has {len(space.gl_blocks)} GL blocks and "
             f"{len(space.diagonal_pairs)} diagonal pairs"
         )
-    out = theta
+    # Every block is read from θ and all new values are written back in one index_put (one
+    # copy of θ, not two per block: 24 copies of 22.7 M floats for MiniLM-L6).
+    index: list[Tensor] = []
+    values: list[Tensor] = []
     for block, A in zip(space.gl_blocks, element.gl, strict=True):
         G, H = block.gather(theta)
         A = A.to(dtype=theta.dtype, device=theta.device)
-        out = block.scatter(out, torch.linalg.solve(A, G, left=False), H @ A.mT)
+        index += [block.g_index.reshape(-1), block.h_index.reshape(-1)]
+        values += [torch.linalg.solve(A, G, left=False).reshape(-1), (H @ A.mT).reshape(-1)]
     for pair, alpha in zip(space.diagonal_pairs, element.alpha, strict=True):
         u, v = pair.gather(theta)
         alpha = alpha.to(dtype=theta.dtype, device=theta.device)
-        out = pair.scatter(out, u * alpha, v / alpha)
-    return out
+        index += [pair.u_index.reshape(-1), pair.v_index.reshape(-1)]
+        values += [(u * alpha).reshape(-1), (v / alpha).reshape(-1)]
+    if not index:
+        return theta.clone()
+    return theta.index_put((torch.cat(index).to(theta.device),), torch.cat(values))
 
 
 def reparametrize(
