@@ -95,6 +95,16 @@ def _unpack_pair(name: str, xi: Any) -> tuple[Tensor, Tensor]:
     return xi[0], xi[1]
 
 
+def _check_point_and_tangent(u: Tensor, v: Tensor, xi: Tangent, eps: float) -> tuple:
+    """Validate a base point ``(u, v)``, a tangent pair and ``ε``; return ``(ξ_u, ξ_v, ε)``."""
+    check_tensor("u", u)
+    check_like("v", v, "u", u)
+    xu, xv = _unpack_pair("xi", xi)
+    check_like("xi_u", xu, "u", u)
+    check_like("xi_v", xv, "u", u)
+    return xu, xv, check_eps(eps)
+
+
 def horizontal_coordinate(u: Tensor, v: Tensor, xi: Tangent, eps: float = 0.0) -> Tensor:
     r"""The coordinate ``b`` of a horizontal vector, ``ξ = (u b, v b)`` at ``eps = 0``.
 
@@ -116,12 +126,7 @@ def horizontal_coordinate(u: Tensor, v: Tensor, xi: Tangent, eps: float = 0.0) -
         TypeError: If an argument is not a floating tensor (pair).
         ValueError: On mismatched shapes or ``eps < 0``.
     """
-    check_tensor("u", u)
-    check_like("v", v, "u", u)
-    xu, xv = _unpack_pair("xi", xi)
-    check_like("xi_u", xu, "u", u)
-    check_like("xi_v", xv, "u", u)
-    eps = check_eps(eps)
+    xu, xv, eps = _check_point_and_tangent(u, v, xi, eps)
     return 0.5 * (u * xu / (u * u + eps) + v * xv / (v * v + eps))
 
 
@@ -146,12 +151,7 @@ def horizontal_residual(u: Tensor, v: Tensor, xi: Tangent, eps: float = 0.0) -> 
         TypeError: If an argument is not a floating tensor (pair).
         ValueError: On mismatched shapes or ``eps < 0``.
     """
-    check_tensor("u", u)
-    check_like("v", v, "u", u)
-    xu, xv = _unpack_pair("xi", xi)
-    check_like("xi_u", xu, "u", u)
-    check_like("xi_v", xv, "u", u)
-    eps = check_eps(eps)
+    xu, xv, eps = _check_point_and_tangent(u, v, xi, eps)
     return u * xu / (u * u + eps) - v * xv / (v * v + eps)
 
 
