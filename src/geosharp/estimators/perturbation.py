@@ -21,6 +21,7 @@ base-point work (Gram matrices and their factorizations) happens once, in the co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,19 +175,21 @@ class Perturbation:
             norm_geom = geom if corrected_norm else _ProductElementwise((u, v))
             self.pieces.append(Piece(pair.name, (u_idx, v_idx), geom, norm_geom, piece_order))
         rest = space.rest_index.to(device)
+        self._rest_piece: int | None = None
         if rest.numel():
             g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
+            self._rest_piece = len(self.pieces)
             self.pieces.append(Piece("other parameters (adaptive)", (rest,), g, g, 1))
         # θ′ is assembled by one gather: the pieces' values, concatenated, put back in θ order.
         # (Pieces cover every coordinate exactly once; the symmetry finder guarantees it.)
-        order = torch.cat([i.reshape(-1) for p in self.pieces for i in p.index])
-        if order.numel() != self.theta0.numel():
+        covered = sum(i.numel() for p in self.pieces for i in p.index)
+        if covered != self.theta0.numel():
             raise ValueError(
-                f"the symmetry blocks and the rest cover {order.numel()} coordinates of "
+                f"the symmetry blocks and the rest cover {covered} coordinates of "
                 f"{self.theta0.numel()}: the ParameterSpace is inconsistent"
             )
-        self._inverse = torch.empty_like(order)
-        self._inverse[order] = torch.arange(order.numel(), device=device)
+        self._inverse: Tensor | None = None  # of endpoint(), built on first use
+        self._assembly = _Assembly(space, self.pieces, self._rest_piece, device)
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
@@ -293,19 +296,42 @@ class Perturbation:
         return out
 
     # -- the perturbed parameters -------------------------------------------------------------
-    def endpoint(self, xi: Xi) -> Tensor:
-        """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
-        values = []
+    def _moved(self, xi: Xi) -> list[tuple[Tensor, ...]]:
+        """Every piece moved along its geodesic (or straight line) from the base point."""
+        out = []
         for p, x in zip(self.pieces, xi, strict=True):
             if p.order == "exact" and isinstance(p.geometry, DiagonalGeometry):
                 # The closed-form geodesics need an exactly horizontal velocity; iterates are
                 # horizontal only up to roundoff, which P removes (P is the identity on them).
                 x = p.geometry.project(x)
-            new = p.geometry.geodesic(x, order=p.order, steps=self.exact_steps)
-            if p.index is None:
-                return new[0]
-            values.extend(v.reshape(-1) for v in new)
-        return torch.cat(values)[self._inverse]
+            out.append(p.geometry.geodesic(x, order=p.order, steps=self.exact_steps))
+        return out
+
+    def endpoint(self, xi: Xi) -> Tensor:
+        """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
+        moved = self._moved(xi)
+        if self.pieces[0].index is None:
+            return moved[0][0]
+        if self._inverse is None:
+            order = torch.cat([i.reshape(-1) for p in self.pieces for i in p.index])
+            self._inverse = torch.empty_like(order)
+            self._inverse[order] = torch.arange(order.numel(), device=order.device)
+        return torch.cat([v.reshape(-1) for new in moved for v in new])[self._inverse]
+
+    def endpoint_params(self, xi: Xi) -> dict[str, Tensor]:
+        """The perturbed parameters by name: ``space.unflatten(endpoint(ξ))``, built cheaply.
+
+        Bit-identical to :meth:`endpoint` followed by
+        :meth:`~geosharp.symmetry.ParameterSpace.unflatten`, but without a pass over all of
+        ``θ``: parameters with no coordinate in a symmetry block are views of the adaptive
+        piece, and only the coordinates of symmetry blocks are gathered (see
+        :class:`_Assembly`). Ready for :func:`torch.func.functional_call`; differentiable in
+        ``ξ``.
+        """
+        moved = self._moved(xi)
+        if self.pieces[0].index is None:
+            return self.space.unflatten(moved[0][0])
+        return self._assembly(moved)
 
 
 def _group_blocks(space: ParameterSpace) -> dict[tuple[int, int, int], list]:
@@ -314,3 +340,77 @@ def _group_blocks(space: ParameterSpace) -> dict[tuple[int, int, int], list]:
     for b in space.gl_blocks:
         groups.setdefault((b.n, b.m, b.head_dim), []).append(b)
     return groups
+
+
+class _Assembly:
+    """Builds the perturbed parameters from the moved pieces with few full-size passes.
+
+    The pieces hold the coordinates of ``θ`` in their own order: the symmetry pieces (blocks,
+    pairs) a permutation of their coordinates, the adaptive piece ("rest") the remaining ones in
+    ``θ`` order (:attr:`~geosharp.symmetry.ParameterSpace.rest_index` is sorted). A parameter
+    entirely in the rest is therefore a contiguous run of the rest piece: one ``split`` gives
+    it as a view, and its gradient flows back through one ``cat``. Parameters with coordinates
+    in a symmetry piece (the Q, K, V, O projections) are gathered from a *source* vector, the
+    symmetry pieces' values followed by the rest coordinates of such parameters, by one index.
+    On MiniLM-L6 that gathers 3.5 M values instead of permuting all 22.7 M (and, backwards,
+    scattering them into a θ-sized zero vector).
+    """
+
+    def __init__(
+        self,
+        space: ParameterSpace,
+        pieces: Sequence[Piece],
+        rest_piece: int | None,
+        device: torch.device,
+    ) -> None:
+        self.names, self.shapes = list(space.param_names), list(space.shapes)
+        sizes = [math.prod(s) for s in self.shapes]
+        self.rest_piece = rest_piece
+        self.sym_pieces = [i for i in range(len(pieces)) if i != rest_piece]
+        sym_order = [i.reshape(-1) for k in self.sym_pieces for i in pieces[k].index]
+        n = space.numel()
+        position = torch.full((n,), -1, dtype=torch.long, device=device)
+        n_src = 0
+        if sym_order:
+            order = torch.cat(sym_order)
+            position[order] = torch.arange(order.numel(), device=device)
+            n_src = order.numel()
+        rest = space.rest_index.to(device)
+        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
+        ends = starts + torch.tensor(sizes, dtype=torch.long, device=device)
+        lo = torch.searchsorted(rest, starts).tolist()
+        hi = torch.searchsorted(rest, ends).tolist()
+        #: Rest coordinates per parameter (the rest piece is split by these).
+        self.rest_sizes = [b - a for a, b in zip(lo, hi, strict=True)]
+        #: Parameters with symmetry coordinates, gathered from the source.
+        self.gathered = [j for j, s in enumerate(sizes) if self.rest_sizes[j] < s]
+        #: Rest runs appended to the source (parameters that are partly rest).
+        self.mixed = [j for j in self.gathered if self.rest_sizes[j] > 0]
+        for j in self.mixed:
+            position[rest[lo[j] : hi[j]]] = torch.arange(
+                n_src, n_src + self.rest_sizes[j], device=device
+            )
+            n_src += self.rest_sizes[j]
+        self.gathered_sizes = [sizes[j] for j in self.gathered]
+        runs = [position[space.offsets[j] : space.offsets[j] + sizes[j]] for j in self.gathered]
+        self.index = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long, device=device)
+        if self.index.numel() and int(self.index.min()) < 0:
+            raise ValueError("the symmetry blocks and the rest do not cover every parameter")
+
+    def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
+        chunks: Sequence[Tensor] = ()
+        if self.rest_piece is not None:
+            chunks = torch.split(moved[self.rest_piece][0], self.rest_sizes)
+        out: dict[str, Tensor] = {}
+        if self.gathered:
+            parts = [v.reshape(-1) for k in self.sym_pieces for v in moved[k]]
+            parts += [chunks[j] for j in self.mixed]
+            source = torch.cat(parts) if len(parts) > 1 else parts[0]
+            for j, value in zip(
+                self.gathered, torch.split(source[self.index], self.gathered_sizes), strict=True
+            ):
+                out[self.names[j]] = value.view(self.shapes[j])
+        for j, (name, shape) in enumerate(zip(self.names, self.shapes, strict=True)):
+            if name not in out:
+                out[name] = chunks[j].view(shape)
+        return {name: out[name] for name in self.names}

@@ -168,8 +168,8 @@ class _Objective:
         self.model, self.loss_fn, self.space, self.pert = model, loss_fn, space, pert
         self.inputs, self.targets, self.counter = inputs, targets, counter
 
-    def evaluate(self, theta: Tensor) -> Tensor:
-        out = call_model(self.model, self.space.unflatten(theta), self.inputs)
+    def evaluate(self, params: Mapping[str, Tensor]) -> Tensor:
+        out = call_model(self.model, params, self.inputs)
         loss = self.loss_fn(out, self.targets)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(
@@ -182,13 +182,13 @@ class _Objective:
     def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
         if not need_grad:
             with torch.no_grad():
-                value = float(self.evaluate(self.pert.endpoint(xi)))
+                value = float(self.evaluate(self.pert.endpoint_params(xi)))
             if check:
                 self._check(value, xi)
             return value, None
         leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in xi]
         with torch.enable_grad():
-            loss = self.evaluate(self.pert.endpoint(leaves))
+            loss = self.evaluate(self.pert.endpoint_params(leaves))
             flat = [t for x in leaves for t in x]
             grads = torch.autograd.grad(loss, flat, allow_unused=True)
         self.counter["backward"] += 1
@@ -407,7 +407,7 @@ def sharpness(
 
 def _clean(f: _Objective, theta0: Tensor) -> tuple[float, None]:
     with torch.no_grad():
-        return float(f.evaluate(theta0)), None
+        return float(f.evaluate(f.space.unflatten(theta0))), None
 
 
 def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:

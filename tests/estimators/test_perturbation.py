@@ -1,0 +1,76 @@
+"""The perturbed parameters: ``endpoint_params`` is ``unflatten(endpoint)``, bit for bit."""
+
+import pytest
+import torch
+from torch import nn
+
+from geosharp.estimators.perturbation import Perturbation
+from geosharp.symmetry import declare_block, find_symmetries
+
+from ..symmetry.cases import CASE_IDS, CASES, DT
+
+SETTINGS = [
+    dict(measure="geodesic", metric="inv", order=2),
+    dict(measure="geodesic", metric="mix", order=1),
+    dict(measure="geodesic", metric="inv", order=2, corrected_norm=False),
+    dict(measure="geodesic", metric="adaptive"),
+    dict(measure="adaptive"),
+]
+
+
+def _same_params_and_gradients(model, space, **kw):
+    theta0 = space.flatten_module(model).detach()
+    pert = Perturbation(space, theta0, **kw)
+    xi = pert.random(torch.Generator().manual_seed(0), 0.1)
+    leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in xi]
+    flat = [t for x in leaves for t in x]
+    fast = pert.endpoint_params(leaves)
+    slow = space.unflatten(pert.endpoint(leaves))
+    assert list(fast) == list(slow) == list(space.param_names)
+    for name in slow:
+        assert torch.equal(fast[name], slow[name]), name
+    # The same gradient with respect to ξ for an arbitrary function of the parameters.
+    g = torch.Generator().manual_seed(1)
+    weights = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in slow.items()}
+
+    def grads(params):
+        total = sum((weights[n] * torch.sin(p)).sum() for n, p in params.items())
+        return torch.autograd.grad(total, flat, allow_unused=True)
+
+    for a, b in zip(grads(fast), grads(slow), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=lambda kw: "-".join(map(str, kw.values())))
+@pytest.mark.parametrize("make", CASES, ids=CASE_IDS)
+def test_endpoint_params_equal_unflattened_endpoint(make, kw):
+    case = make()
+    model = case.build()
+    _same_params_and_gradients(model, find_symmetries(model), **kw)
+
+
+def test_parameters_partly_in_a_block_and_partly_adaptive():
+    """A block over half of the rows of q and v: those parameters are gathered from both."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("q", nn.Linear(8, 8))
+    model.add_module("v", nn.Linear(8, 8))
+    model.add_module("head", nn.Linear(8, 3))
+    model = model.to(DT)
+    block = declare_block(
+        model,
+        name="half[QV]",
+        g=[("q.weight", 0, 0, 4), ("q.bias", 0, 0, 4)],
+        h=[("v.weight", 0, 2, 6)],
+        head_dim=4,
+    )
+    space = find_symmetries(model, adapters=[], extra_blocks=[block])
+    assert 0 < space.adaptive_numel < space.numel()
+    for kw in SETTINGS:
+        _same_params_and_gradients(model, space, **kw)
+
+
+def test_model_without_symmetries():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).to(DT)
+    _same_params_and_gradients(model, find_symmetries(model), measure="geodesic")
