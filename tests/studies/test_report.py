@@ -313,3 +313,33 @@ def test_no_corrected_norm_ablation_is_not_filed_under_the_papers_adaptive_famil
     assert default_paper_match("geodesic-inv-o2-adaptivenorm worst l2") is None
     assert default_paper_match("adaptive worst l2") == "adaptive"
     assert default_paper_match("geodesic-mix-o2 worst l2") == "geodesic mix"
+
+
+def test_measures_with_their_own_rho_grids_get_one_column_per_grid_position(tmp_path):
+    """Radii of different balls differ: columns are grid positions and cells name their ρ."""
+    models, measurements = population()
+    shifted = [dict(r, rho=r["rho"] * 100) for r in measurements if r["measure"] == MEASURES[1]]
+    kept = [r for r in measurements if r["measure"] != MEASURES[1]]
+    flat = [
+        {"model_id": m["model_id"], "measure": "relative_flatness", "rho": None, "value": i}
+        | {"per_batch": [float(i)], "time_s": 0.1}
+        for i, m in enumerate(models)
+    ]
+    paths = write_report(
+        tmp_path, title="t", models=models, measurements=kept + shifted + flat, settings={}, **FAST
+    )
+    lines = paths.tau_table.read_text().splitlines()
+    assert lines[2] == "| measure | smallest ρ | largest ρ |"
+    (row,) = [x for x in lines if x.startswith(f"| {MEASURES[1]} |")]
+    cells = row.split(" | ")[1:]
+    assert cells[0].startswith("ρ = 1: ") and cells[1].startswith("ρ = 10: ")
+    (row,) = [x for x in lines if x.startswith("| relative_flatness |")]
+    assert row.split(" | ")[1][0] in "-0123456789" and row.endswith("| – |")
+    page = paths.html.read_text()
+    assert "<th>smallest ρ</th><th>largest ρ</th>" in page and "ρ = 10<br>τ-a = " in page
+    assert not parse(page).errors
+    # One shared grid keeps one column per ρ.
+    same = write_report(
+        tmp_path / "same", title="t", models=models, measurements=kept, settings={}, **FAST
+    )
+    assert same.tau_table.read_text().splitlines()[2] == "| measure | ρ = 0.01 | ρ = 0.1 |"

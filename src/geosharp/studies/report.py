@@ -228,6 +228,34 @@ def _rho_label(rho: float | None) -> str:
     return "no ρ" if rho is None else f"ρ = {rho:g}"
 
 
+def _layout(
+    cells: dict[str, dict[float | None, _Cell]], rhos: list[float | None]
+) -> tuple[list[str], dict[str, list[float | str | None]], bool]:
+    """Columns of the τ table: one per ρ, or one per grid position when grids differ.
+
+    When every measure has its own ρ grid (radii of different balls are not comparable), a
+    column per distinct ρ leaves most cells empty; the table then has one column per position
+    in a measure's sorted grid (smallest, next, …, largest) and every cell names its ρ.
+
+    Returns:
+        Column headers, the ρ of every (measure, column) (``"missing"`` where a measure has no
+        such column), and whether cells must name their ρ.
+    """
+    longest = max((len(by_rho) for by_rho in cells.values()), default=0)
+    if len(rhos) <= longest or longest < 2:
+        return [_rho_label(r) for r in rhos], {m: list(rhos) for m in cells}, False
+    middle = ["middle ρ"] if longest == 3 else [f"ρ #{k}" for k in range(2, longest)]
+    headers = ["smallest ρ", *middle, "largest ρ"]
+    grid: dict[str, list[float | str | None]] = {}
+    for measure, by_rho in cells.items():
+        own: list[float | str | None] = sorted(by_rho, key=_rho_key)
+        if len(own) == 1:  # a single ρ (or none, e.g. relative flatness) goes first
+            grid[measure] = own + ["missing"] * (longest - 1)
+        else:
+            grid[measure] = own + ["missing"] * (longest - len(own))
+    return headers, grid, True
+
+
 # --------------------------------------------------------------------------------------------
 # formatting
 
@@ -514,7 +542,8 @@ def _markdown_table(
     def esc(text: str) -> str:
         return text.replace("|", "\\|")
 
-    header = ["measure", *(_rho_label(r) for r in rhos)]
+    columns, grid, named = _layout(cells, rhos)
+    header = ["measure", *columns]
     if paper_col is not None:
         header.append("paper τ")
     lines = [
@@ -524,7 +553,13 @@ def _markdown_table(
         "|" + "---|" * len(header),
     ]
     for measure, by_rho in cells.items():
-        row = [esc(measure), *(esc(_cell_text(by_rho.get(r), n_total)) for r in rhos)]
+        row = [esc(measure)]
+        for r in grid[measure]:
+            if isinstance(r, str):
+                row.append("–")
+                continue
+            text = _cell_text(by_rho.get(r), n_total)
+            row.append(esc(f"{_rho_label(r)}: {text}" if named and r is not None else text))
         if paper_col is not None:
             row.append(esc(paper_col.get(measure, "–")))
         lines.append("| " + " | ".join(row) + " |")
@@ -574,21 +609,23 @@ def _html_page(
 
     out.append(f"<h2>Kendall τ between sharpness and {e(gap_label)}</h2>")
     out.append("<table>")
-    head = ["measure", *(_rho_label(r) for r in rhos)] + (["paper τ"] if paper_col else [])
+    columns, grid, named = _layout(cells, rhos)
+    head = ["measure", *columns] + (["paper τ"] if paper_col else [])
     out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
     for measure, by_rho in cells.items():
         row = [f"<th>{e(measure)}</th>"]
-        for rho in rhos:
-            cell = by_rho.get(rho)
+        for rho in grid[measure]:
+            cell = None if isinstance(rho, str) else by_rho.get(rho)
             s = None if cell is None else cell.summary
+            at = f"{_rho_label(rho)}<br>" if named and cell is not None and rho is not None else ""
             if s is None:
                 row.append('<td class="undef">–</td>')
             elif not s.defined:
-                row.append(f'<td class="undef">undefined ({e(_undefined_reason(s))})</td>')
+                row.append(f'<td class="undef">{at}undefined ({e(_undefined_reason(s))})</td>')
             else:
                 n = f" · n = {s.n_models}" if s.n_models != n_total else ""
                 row.append(
-                    f'<td class="num">τ-a = {e(_f(s.tau_a))}<br>'
+                    f'<td class="num">{at}τ-a = {e(_f(s.tau_a))}<br>'
                     f'<span class="ci">[{e(_f(s.ci_low))}, {e(_f(s.ci_high))}] · '
                     f"p = {e(_p(s.p_value))}{e(n)}</span></td>"
                 )
