@@ -278,3 +278,37 @@ def test_bad_inputs_raise_with_the_argument_names():
         stats.granulated_kendall([1, 2, 3], [1, 2, 3], {"lr": [1, 2]})
     with pytest.raises(ValueError, match="hparams is empty"):
         stats.granulated_kendall([1, 2, 3], [1, 2, 3], {})
+
+
+# ------------------------------------------------------------------------- paired τ difference
+
+
+def test_tau_difference_matches_explicit_paired_resampling():
+    t, s1 = correlated(14, noise=0.4, seed=5)
+    s2 = t + 1.5 * np.random.default_rng(6).normal(size=t.size)
+    t = np.round(t, 1)  # ties in the gap
+    res = stats.tau_difference(t, s1, s2, n_boot=300, seed=3)
+    assert res.diff == pytest.approx(stats.kendall_tau_a(t, s1) - stats.kendall_tau_a(t, s2))
+    idx = np.random.default_rng(3).integers(0, t.size, size=(300, t.size))
+    diffs = [resampled_tau_a(t, s1, i) - resampled_tau_a(t, s2, i) for i in idx]
+    low, high = np.quantile(diffs, [0.025, 0.975])
+    assert (res.ci_low, res.ci_high) == pytest.approx((low, high), abs=1e-12)
+    assert res.n_models == 14 and res.ci_low <= res.diff <= res.ci_high
+
+
+def test_tau_difference_is_tighter_than_separate_intervals_and_handles_nan():
+    # s2 is s1 with one pair of models swapped: the two τ differ by little, but always.
+    t = np.arange(30.0)
+    s1 = t + np.random.default_rng(0).normal(scale=8, size=30)
+    s2 = s1.copy()
+    i, j = np.argsort(s1)[[10, 11]]
+    s2[i], s2[j] = s1[j], s1[i]
+    res = stats.tau_difference(t, s1, s2, n_boot=500)
+    separate = stats.bootstrap_ci(t, s1, n_boot=500)
+    assert res.ci_high - res.ci_low < 0.2 * (separate[1] - separate[0])
+    s2[0] = np.nan
+    assert stats.tau_difference(t, s1, s2, n_boot=50).n_models == 29
+    undefined = stats.tau_difference(t, s1, np.ones(30), n_boot=50)
+    assert math.isnan(undefined.diff) and math.isnan(undefined.ci_low)
+    with pytest.raises(ValueError, match="one entry per model"):
+        stats.tau_difference(t, s1, s2[:5])

@@ -144,7 +144,7 @@ def test_summary_json_tau_matches_recomputation(written):
 
 def test_markdown_table_one_row_per_measure(written):
     paths, models, measurements = written
-    text = paths.tau_table.read_text()
+    text = paths.tau_table.read_text().split("\n## ")[0]  # the τ table, not the paired one
     rows = [line for line in text.splitlines() if line.startswith("|")]
     header, sep, body = rows[0], rows[1], rows[2:]
     assert header == "| measure | ρ = 0.01 | ρ = 0.1 | paper τ |"
@@ -228,7 +228,7 @@ def test_all_equal_gaps_are_undefined(tmp_path):
         paper={"adaptive": -0.41},
         **FAST,
     )
-    md = paths.tau_table.read_text()
+    md = paths.tau_table.read_text().split("\n## ")[0]
     body = [line for line in md.splitlines() if line.startswith("|")][2:]
     assert len(body) == 3
     assert all("undefined (all gaps equal)" in row for row in body)
@@ -343,3 +343,22 @@ def test_measures_with_their_own_rho_grids_get_one_column_per_grid_position(tmp_
         tmp_path / "same", title="t", models=models, measurements=kept, settings={}, **FAST
     )
     assert same.tau_table.read_text().splitlines()[2] == "| measure | ρ = 0.01 | ρ = 0.1 |"
+
+
+def test_geodesic_is_compared_with_adaptive_model_by_model(written):
+    paths, models, measurements = written
+    summary = json.loads(paths.summary_json.read_text())
+    paired = summary["geodesic_vs_adaptive"]
+    assert [(p["geodesic"], p["adaptive"], p["position"]) for p in paired] == [
+        (MEASURES[0], MEASURES[1], 0),
+        (MEASURES[0], MEASURES[1], 1),
+    ]
+    for p, rho in zip(paired, RHOS, strict=True):
+        gaps, geo = cell_values(measurements, models, MEASURES[0], rho)
+        _, ada = cell_values(measurements, models, MEASURES[1], rho)
+        assert p["diff"] == pytest.approx(kendall_tau_a(gaps, geo) - kendall_tau_a(gaps, ada))
+        # geodesic: strongly negative like the paper's −0.71; adaptive: positive
+        assert p["ci_high"] < 0 and p["verdict"] == "geodesic stronger"
+        assert p["direction"] == "negative" and p["n_models"] == len(models)
+    assert "## Geodesic against adaptive sharpness, model by model" in paths.tau_table.read_text()
+    assert "geodesic stronger" in paths.html.read_text()

@@ -58,7 +58,7 @@ import numpy as np
 
 from geosharp._html import page_end, page_start
 from geosharp._io import atomic_write_bytes, atomic_write_text
-from geosharp.stats import CorrelationSummary, correlation_summary
+from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 
 __all__ = ["ReportPaths", "default_paper_match", "write_report"]
 
@@ -355,6 +355,86 @@ def _family_of(
     return label if label is not None and label in paper else None
 
 
+_GEODESIC_MAIN = re.compile(r"^geodesic-(inv|mix)-o2 (worst|average) l2$")
+
+
+def _geodesic_vs_adaptive(
+    cells: dict[str, dict[float | None, _Cell]],
+    gaps: Mapping[str, float],
+    paper: Mapping[str, float] | None,
+    n_boot: int,
+    level: float,
+    seed: int,
+) -> list[dict[str, object]]:
+    """Paired comparison of each geodesic measure with adaptive ℓ2 of the same kind.
+
+    ``geodesic-{inv,mix}-o2 {worst,average} l2`` is compared with ``adaptive {worst,average}
+    l2`` at the same position of their ρ grids (smallest with smallest, …; radii of different
+    balls are not comparable, positions are): ``Δτ = τ_geo − τ_ada`` on the models that have
+    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau_difference`). The
+    direction that counts as "stronger" is the sign of the paper's τ for the geodesic family,
+    or of τ_geo when the study has no paper value.
+    """
+    out: list[dict[str, object]] = []
+    for name, by_rho in cells.items():
+        match = _GEODESIC_MAIN.match(name)
+        base = f"adaptive {match.group(2)} l2" if match else None
+        if base is None or base not in cells:
+            continue
+        geo_rhos = sorted(by_rho, key=_rho_key)
+        ada_rhos = sorted(cells[base], key=_rho_key)
+        if len(geo_rhos) != len(ada_rhos):
+            continue
+        family = f"geodesic {match.group(1)}"  # type: ignore[union-attr]
+        for k, (rg, ra) in enumerate(zip(geo_rhos, ada_rhos, strict=True)):
+            cg, ca = by_rho[rg], cells[base][ra]
+            va = dict(zip(ca.model_ids, ca.values, strict=True))
+            ids = [m for m in cg.model_ids if m in va]
+            vg = dict(zip(cg.model_ids, cg.values, strict=True))
+            d = tau_difference(
+                [gaps[m] for m in ids],
+                [vg[m] for m in ids],
+                [va[m] for m in ids],
+                n_boot=n_boot,
+                level=level,
+                seed=seed,
+            )
+            tg = cg.summary.tau_a if cg.summary else math.nan
+            ta = ca.summary.tau_a if ca.summary else math.nan
+            ref = float(paper[family]) if paper and family in paper else tg
+            sign = 1.0 if ref > 0 else -1.0
+            if not math.isfinite(d.ci_low):
+                verdict = "undefined"
+            else:  # in the expected direction: > 0 means the geodesic τ is stronger
+                lo, hi = sorted((sign * d.ci_low, sign * d.ci_high))
+                verdict = (
+                    "geodesic stronger"
+                    if lo > 0
+                    else "adaptive stronger"
+                    if hi < 0
+                    else "no clear difference (CI contains 0)"
+                )
+            out.append(
+                {
+                    "geodesic": name,
+                    "adaptive": base,
+                    "position": k,
+                    "grid_size": len(geo_rhos),
+                    "rho_geodesic": rg,
+                    "rho_adaptive": ra,
+                    "tau_geodesic": tg,
+                    "tau_adaptive": ta,
+                    "diff": d.diff,
+                    "ci_low": d.ci_low,
+                    "ci_high": d.ci_high,
+                    "n_models": d.n_models,
+                    "direction": "negative" if sign < 0 else "positive",
+                    "verdict": verdict,
+                }
+            )
+    return out
+
+
 def _compare_with_paper(
     cells: dict[str, dict[float | None, _Cell]],
     paper: Mapping[str, float],
@@ -567,6 +647,66 @@ def _markdown_table(
     return "\n".join(lines)
 
 
+_PAIRED_HEAD = [
+    "geodesic",
+    "adaptive",
+    "grid position",
+    "τ geodesic",
+    "τ adaptive",
+    "Δτ [CI]",
+    "verdict",
+]
+_PAIRED_METHOD = (
+    "Δτ = τ-a(geodesic) − τ-a(adaptive) on the same models, at the same position of the two ρ "
+    "grids; [low, high] = {level:g} % paired percentile bootstrap CI (both τ recomputed on each "
+    "resample of the models). Stronger means larger |τ| in the direction of the paper's sign "
+    "for the geodesic family (of τ-geodesic when there is no paper value); a CI containing 0 "
+    "is no clear difference."
+)
+
+
+def _paired_rows(paired: Sequence[Mapping[str, object]]) -> list[list[str]]:
+    rows = []
+    for p in paired:
+        k, size = int(p["position"]), int(p["grid_size"])  # type: ignore[call-overload]
+        position = (
+            "smallest ρ"
+            if k == 0
+            else "largest ρ"
+            if k == size - 1
+            else "middle ρ"
+            if size == 3
+            else f"ρ #{k + 1}"
+        )
+        rows.append(
+            [
+                f"{p['geodesic']} (ρ = {p['rho_geodesic']:g})",
+                f"{p['adaptive']} (ρ = {p['rho_adaptive']:g})",
+                position,
+                _f(float(p["tau_geodesic"])),  # type: ignore[arg-type]
+                _f(float(p["tau_adaptive"])),  # type: ignore[arg-type]
+                f"{_f(float(p['diff']))} [{_f(float(p['ci_low']))}, "  # type: ignore[arg-type]
+                f"{_f(float(p['ci_high']))}]",  # type: ignore[arg-type]
+                str(p["verdict"]),
+            ]
+        )
+    return rows
+
+
+def _markdown_paired(paired: Sequence[Mapping[str, object]], level: float) -> str:
+    if not paired:
+        return ""
+    lines = [
+        "## Geodesic against adaptive sharpness, model by model",
+        "",
+        "| " + " | ".join(_PAIRED_HEAD) + " |",
+        "|" + "---|" * len(_PAIRED_HEAD),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in _paired_rows(paired)]
+    lines += ["", _PAIRED_METHOD.format(level=100 * level), ""]
+    return "\n".join(lines)
+
+
 _CSS = """
 td.undef { color: #8a8a8a; font-style: italic; }
 .ci { color: #555; font-size: .9em; }
@@ -585,6 +725,8 @@ def _html_page(
     rhos: list[float | None],
     paper_col: dict[str, str] | None,
     comparison: dict[str, object] | None,
+    paired: list[dict[str, object]],
+    level: float,
     images: dict[str, bytes],
     notes: Sequence[str],
     method: str,
@@ -640,6 +782,15 @@ def _html_page(
         out.append("<ul>")
         out.extend(f"<li>{e(str(s))}</li>" for s in comparison["sentences"])
         out.append("</ul>")
+
+    if paired:
+        out.append("<h2>Geodesic against adaptive sharpness, model by model</h2>")
+        out.append(f'<p class="method">{e(_PAIRED_METHOD.format(level=100 * level))}</p>')
+        out.append("<table>")
+        out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in _PAIRED_HEAD) + "</tr>")
+        for row in _paired_rows(paired):
+            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+        out.append("</table>")
 
     out.append("<h2>Sharpness against gap</h2>")
     for measure, data in images.items():
@@ -762,6 +913,8 @@ def write_report(
                 paper_col[measure] = f"{_f(float(paper[label]))} ({label})"
         comparison = _compare_with_paper(cells, paper, paper_match, level)
 
+    paired = _geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed)
+
     method = (
         f"M = {n_total} models. Each cell: Kendall τ-a between sharpness and {gap_label} over "
         f"the models with finite values (n shown where fewer than M), [low, high] = "
@@ -787,7 +940,9 @@ def write_report(
 
     tau_table = out / "tau_table.md"
     atomic_write_text(
-        tau_table, _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method)
+        tau_table,
+        _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method)
+        + _markdown_paired(paired, level),
     )
 
     summary = {
@@ -826,6 +981,7 @@ def write_report(
             for cell in (by_rho[r] for r in sorted(by_rho, key=_rho_key))
         ],
         "paper_comparison": comparison,
+        "geodesic_vs_adaptive": paired,
         "notes": list(notes),
     }
     summary_json = out / "summary.json"
@@ -846,6 +1002,8 @@ def write_report(
             rhos=rhos,
             paper_col=paper_col,
             comparison=comparison,
+            paired=paired,
+            level=level,
             images=images,
             notes=notes,
             method=method,
