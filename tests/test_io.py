@@ -50,3 +50,16 @@ def test_torch_save_atomically_round_trips_and_creates_the_folder(tmp_path):
     state = {"w": torch.arange(6.0).reshape(2, 3)}
     path = torch_save_atomically(state, tmp_path / "ckpt" / "m.pt")
     assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "report.html", "<html></html>")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o644

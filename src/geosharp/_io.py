@@ -39,6 +39,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file private (0600); give it the mode open() would have.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
         os.replace(tmp, path)
@@ -46,6 +48,12 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; restore at once
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
