@@ -697,6 +697,7 @@ def _markdown_paired(paired: Sequence[Mapping[str, object]], level: float) -> st
     if not paired:
         return ""
     lines = [
+        "",
         "## Geodesic against adaptive sharpness, model by model",
         "",
         "| " + " | ".join(_PAIRED_HEAD) + " |",
