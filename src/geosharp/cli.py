@@ -130,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Rebuild results.csv, tau_table.md, the plots and report.html from OUT.",
     )
     r.add_argument("out", type=Path, help="the study's output folder")
+    r.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="DEST",
+        help="write the report into DEST instead, with a consistent copy of study.sqlite and "
+        "without checkpoints: a small folder to share or commit (safe while the study runs)",
+    )
     m = sub.add_parser(
         "merge",
         help="merge the output folders of the shards of one study, then write its report",
@@ -185,7 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"tau table: {summary.report.tau_table}")
                 print(f"results: {out / 'results.csv'}")
         elif args.command == "report":
-            paths = report_from_folder(args.out)
+            if args.export is not None:
+                from geosharp.studies.runner import export_study
+
+                paths = export_study(args.out, args.export)
+            else:
+                paths = report_from_folder(args.out)
             print(f"report: {paths.html}")
         elif args.command == "merge":
             from geosharp.studies.merge import merge_shards

@@ -125,6 +125,22 @@ def test_cli_quick_study_and_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["study", "no-such-study"])
     assert main(["study", "diagonal", "--quick", "--models", "1", "--out", str(out)]) == 2
+    # --export: a small copy to share (consistent database, same report, no checkpoints)
+    dest = tmp_path / "shared"
+    assert main(["report", str(out), "--export", str(dest)]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "plots",
+        "report.html",
+        "results.csv",
+        "study.sqlite",
+        "summary.json",
+        "tau_table.md",
+    ]
+    assert (dest / "tau_table.md").read_text() == (out / "tau_table.md").read_text()
+    assert (dest / "results.csv").read_text() == (out / "results.csv").read_text()
+    assert main(["report", str(dest)]) == 0  # the export is a study folder of its own
+    assert main(["report", str(out), "--export", str(out)]) == 2
+    assert "another folder" in capsys.readouterr().err
 
 
 def test_report_records_notes_population_and_every_environment_that_ran(tmp_path, monkeypatch):

@@ -404,3 +404,34 @@ def report_from_folder(out_dir: str | Path) -> ReportPaths:
     with Store(db, None, None) as store:
         store.export_csv(out / "results.csv")
         return make_report(out, store)
+
+
+def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
+    """Copy a study's results without its checkpoints into ``dest`` and write the report there.
+
+    ``dest`` receives a consistent snapshot of ``study.sqlite`` (SQLite's online backup, so a
+    study may still be running) and ``results.csv``, ``tau_table.md``, ``summary.json``, the
+    plots and ``report.html`` built from it: a small folder to share or commit, which
+    ``geosharp report`` can rebuild. Checkpoints stay behind (``dest`` cannot resume training
+    or measure again).
+
+    Args:
+        out_dir: The study's output folder.
+        dest: Where to export (created; must not be ``out_dir``).
+
+    Returns:
+        The paths of the exported report.
+
+    Raises:
+        FileNotFoundError: If ``out_dir`` holds no ``study.sqlite``.
+        ValueError: If ``dest`` is ``out_dir``.
+    """
+    src, dst = Path(out_dir), Path(dest)
+    if not (src / "study.sqlite").is_file():
+        raise FileNotFoundError(f"{src} holds no study.sqlite; run `geosharp study ...` first")
+    if dst.resolve() == src.resolve():
+        raise ValueError("--export needs another folder than the study's own")
+    dst.mkdir(parents=True, exist_ok=True)
+    with Store(src / "study.sqlite", None, None) as store:
+        store.backup(dst / "study.sqlite")
+    return report_from_folder(dst)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping
@@ -150,6 +151,25 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def backup(self, path: str | Path) -> Path:
+        """A consistent single-file copy of the store at ``path`` (SQLite online backup).
+
+        Safe while other processes write to the store; the copy holds every committed row.
+        An existing file at ``path`` is replaced.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        target = sqlite3.connect(tmp)
+        try:
+            self.conn.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # one file, no -wal/-shm beside it
+        finally:
+            target.close()
+        os.replace(tmp, path)
+        return path
 
     # -- meta ----------------------------------------------------------------------------------
     def meta(self) -> dict[str, str]:
