@@ -86,6 +86,13 @@ def _paired(t: object, s: object, names: tuple[str, str] = ("t", "s")) -> tuple[
     return tt[keep], ss[keep], keep
 
 
+def _check_boot(n_boot: int, level: float) -> None:
+    if int(n_boot) < 1:
+        raise ValueError(f"n_boot must be ≥ 1; got {n_boot}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), e.g. 0.95; got {level}")
+
+
 def _check_stat(stat: str) -> None:
     if stat not in ("a", "b"):
         raise ValueError(f"stat must be 'a' (τ-a) or 'b' (τ-b); got {stat!r}")
@@ -236,10 +243,7 @@ def bootstrap_ci(
         True
     """
     _check_stat(stat)
-    if int(n_boot) < 1:
-        raise ValueError(f"n_boot must be ≥ 1; got {n_boot}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), e.g. 0.95; got {level}")
+    _check_boot(n_boot, level)
     tt, ss, _ = _paired(t, s)
     if not _pairs(tt, ss).defined:
         return (math.nan, math.nan)
@@ -489,10 +493,7 @@ def tau_difference(
         >>> round(d.diff, 3), d.ci_high < 0
         (-1.786, True)
     """
-    if int(n_boot) < 1:
-        raise ValueError(f"n_boot must be ≥ 1; got {n_boot}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), e.g. 0.95; got {level}")
+    _check_boot(n_boot, level)
     tt, a, b = (_as_vector(x, n) for x, n in ((t, "t"), (s1, "s1"), (s2, "s2")))
     if not tt.shape == a.shape == b.shape:
         raise ValueError(
