@@ -570,7 +570,7 @@ def _plot(
             "write_report draws its scatter plots with matplotlib; install it "
             "(pip install matplotlib)"
         ) from err
-    fig = Figure(figsize=(5.6, 4.0), dpi=100, layout="constrained")
+    fig = Figure(figsize=(5.6, 4.4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     all_x: list[float] = []
@@ -598,7 +598,14 @@ def _plot(
     ax.set_ylabel(gap_label)
     ax.set_title(measure if len(measure) <= 60 else measure[:57] + "...", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    # Below the axes, never over the points (constrained layout makes room for it).
+    ax.legend(
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=min(2, max(1, len(by_rho))),
+        frameon=False,
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     data = buf.getvalue()
