@@ -104,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
         help="; ".join(f"{k}: {v[0]}" for k, v in sorted(STUDIES.items())),
     )
     s.add_argument("--out", type=Path, default=None, help="output folder (default: runs/NAME)")
-    s.add_argument("--models", type=int, default=None, help="population size (default: 50)")
+    s.add_argument(
+        "--models", type=int, default=None, help="population size (default: the study's own)"
+    )
     s.add_argument(
         "--rho", type=float, nargs="+", default=None, help="radii (default: 0.001 0.01 0.1)"
     )
@@ -124,6 +126,33 @@ def _parser() -> argparse.ArgumentParser:
         help="torch CPU threads of vit-mnist and minilm-text (default 1: run the two side by "
         "side on a 2-core machine)",
     )
+    t = sub.add_parser(
+        "symmetry-test",
+        help="re-measure a finished study's models after random equivalent re-parametrizations",
+        description=(
+            "Replace every model of a finished study by a random equivalent one (each symmetry "
+            "block re-parametrized by a random group element: the same function, the same gap) "
+            "and measure its worst-case adaptive and geodesic sharpness again at the middle "
+            "radius of each grid. Writes OUT/symmetry_test.csv (resumable) and "
+            "OUT/symmetry_test.md (τ before and after, with CIs). Needs the checkpoints."
+        ),
+    )
+    t.add_argument("name", choices=sorted(STUDIES), help="the study")
+    t.add_argument("--out", type=Path, default=None, help="its folder (default: runs/NAME)")
+    t.add_argument("--models", type=int, default=None, help="as given to geosharp study")
+    t.add_argument("--seed", type=int, default=0, help="as given to geosharp study")
+    t.add_argument("--quick", action="store_true", help="as given to geosharp study")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
+    t.add_argument(
+        "--scale",
+        type=float,
+        nargs=2,
+        default=(0.1, 10.0),
+        metavar=("LOW", "HIGH"),
+        help="scale a of the group elements, log-uniform per model (default: 0.1 10)",
+    )
+    t.add_argument("--test-seed", type=int, default=0, help="seed of the group elements")
+    t.set_defaults(rho=None)
     r = sub.add_parser(
         "report",
         help="rebuild results.csv and report.html of a study folder",
@@ -192,6 +221,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"report: {summary.report.html}")
                 print(f"tau table: {summary.report.tau_table}")
                 print(f"results: {out / 'results.csv'}")
+        elif args.command == "symmetry-test":
+            from geosharp.studies.symmetry_test import symmetry_test
+
+            if not 0 < args.scale[0] <= args.scale[1]:
+                raise ValueError("--scale needs 0 < LOW <= HIGH")
+            study = _make_study(args)
+            out = args.out or Path("runs") / args.name
+            _, table = symmetry_test(
+                study,
+                out,
+                scales=tuple(args.scale),
+                seed=args.test_seed,
+                log=lambda msg: print(msg, file=sys.stderr),
+            )
+            print(table)
+            print(f"written: {out / 'symmetry_test.md'}, {out / 'symmetry_test.csv'}")
         elif args.command == "report":
             if args.export is not None:
                 from geosharp.studies.runner import export_study

@@ -9,6 +9,7 @@ from geosharp.cli import main
 from geosharp.studies.classifier import RADIUS_FAMILIES, half_decade_grid
 from geosharp.studies.runner import run_study
 from geosharp.studies.store import Store
+from geosharp.studies.symmetry_test import symmetry_test
 from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy, augment
 from geosharp.symmetry import find_symmetries
 
@@ -166,6 +167,21 @@ def test_quick_study_end_to_end_and_resume(tmp_path, one_thread):
     # a rerun trains and measures nothing
     again = run_study(tiny(), tmp_path, progress=False, log=lambda m: None, report=False)
     assert again.trained == 0 and again.measured == 0 and again.reused == len(meas)
+    # Equivalent models (random GL(h) per head): geodesic values stay, adaptive ones move.
+    rows, table = symmetry_test(tiny(), tmp_path, scales=(3.0, 10.0), n_boot=200)
+    assert "τ before and after" in table
+    assert len(rows) == 4 * len(included) and (tmp_path / "symmetry_test.md").is_file()
+    assert max(r.output_rel_change for r in rows) < 1e-4
+    stored = {(r["model_id"], r["measure"]): r["value"] for r in meas}
+    for r in rows:
+        assert r.original == stored[(r.model_id, r.measure)]
+        change = abs(r.reparametrized / r.original - 1)
+        if r.measure.startswith("geodesic"):
+            assert change < 1e-3, (r, change)  # float32 roundoff of the re-parametrization
+    adaptive = [abs(r.reparametrized / r.original - 1) for r in rows if "adaptive" in r.measure]
+    assert min(adaptive) > 0.05
+    again, _ = symmetry_test(tiny(), tmp_path, scales=(3.0, 10.0), n_boot=200)
+    assert again == rows  # resumed from symmetry_test.csv, nothing measured twice
 
 
 @mnist
