@@ -125,6 +125,12 @@ def test_cli_quick_study_and_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["study", "no-such-study"])
     assert main(["study", "diagonal", "--quick", "--models", "1", "--out", str(out)]) == 2
+    # symmetry-test: diagonal pairs are rescaled; every measure here is invariant to that
+    test = ["symmetry-test", "diagonal", "--quick", "--models", "4", "--out", str(out)]
+    assert main(test) == 0
+    printed = capsys.readouterr().out
+    assert "| adaptive worst l2 | 0.01 |" in printed and "+0.00 [+0.00, +0.00]" in printed
+    assert main([*test, "--scale", "2", "1"]) == 2
     # --export: a small copy to share (consistent database, same report, no checkpoints)
     dest = tmp_path / "shared"
     assert main(["report", str(out), "--export", str(dest)]) == 0
@@ -134,6 +140,8 @@ def test_cli_quick_study_and_report(tmp_path, capsys):
         "results.csv",
         "study.sqlite",
         "summary.json",
+        "symmetry_test.csv",
+        "symmetry_test.md",
         "tau_table.md",
     ]
     assert (dest / "tau_table.md").read_text() == (out / "tau_table.md").read_text()

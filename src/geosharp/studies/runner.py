@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import geosharp
+from geosharp._io import atomic_write_bytes
 from geosharp.estimators import relative_flatness, sharpness
 from geosharp.estimators.sharpness import measure_name
 from geosharp.studies.report import ReportPaths, write_report
@@ -410,7 +411,8 @@ def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
     """Copy a study's results without its checkpoints into ``dest`` and write the report there.
 
     ``dest`` receives a consistent snapshot of ``study.sqlite`` (SQLite's online backup, so a
-    study may still be running) and ``results.csv``, ``tau_table.md``, ``summary.json``, the
+    study may still be running), the outputs of ``geosharp symmetry-test`` if any, and
+    ``results.csv``, ``tau_table.md``, ``summary.json``, the
     plots and ``report.html`` built from it: a small folder to share or commit, which
     ``geosharp report`` can rebuild. Checkpoints stay behind (``dest`` cannot resume training
     or measure again).
@@ -434,4 +436,7 @@ def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
     dst.mkdir(parents=True, exist_ok=True)
     with Store(src / "study.sqlite", None, None) as store:
         store.backup(dst / "study.sqlite")
+    for extra in ("symmetry_test.csv", "symmetry_test.md"):  # geosharp symmetry-test
+        if (src / extra).is_file():
+            atomic_write_bytes(dst / extra, (src / extra).read_bytes())
     return report_from_folder(dst)

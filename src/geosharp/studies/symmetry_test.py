@@ -167,6 +167,14 @@ def symmetry_test(
     return rows, table
 
 
+def _percent(x: float) -> str:
+    """``2060``, ``12.5``, ``0.000168``: three significant digits, never an exponent."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
 def _append(path: Path, row: SymmetryTestRow) -> None:
     new = not path.is_file()
     with path.open("a", newline="", encoding="utf-8") as fh:
@@ -201,7 +209,8 @@ def _table(
         lines.append(
             f"| {measure} | {sel[0].rho:g} | {f(before.tau_a)} [{f(before.ci_low)}, "
             f"{f(before.ci_high)}] | {f(after.tau_a)} [{f(after.ci_low)}, {f(after.ci_high)}] | "
-            f"{f(d.diff)} [{f(d.ci_low)}, {f(d.ci_high)}] | {100 * moved:.3g} % | {len(sel)} |"
+            f"{f(d.diff)} [{f(d.ci_low)}, {f(d.ci_high)}] | {_percent(100 * moved)} % "
+            f"| {len(sel)} |"
         )
     worst = max((r.output_rel_change for r in rows), default=math.nan)
     lines += [
