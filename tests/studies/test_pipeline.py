@@ -144,6 +144,10 @@ def test_cli_quick_study_and_report(tmp_path, capsys):
         "symmetry_test.md",
         "tau_table.md",
     ]
+    assert main(["report", str(out)]) == 0  # the report now shows the symmetry test
+    title = "τ before and after random equivalent re-parametrizations"
+    for name in ("report.html", "tau_table.md"):
+        assert title in (dest / name).read_text() and title in (out / name).read_text()
     assert (dest / "tau_table.md").read_text() == (out / "tau_table.md").read_text()
     assert (dest / "results.csv").read_text() == (out / "results.csv").read_text()
     assert main(["report", str(dest)]) == 0  # the export is a study folder of its own

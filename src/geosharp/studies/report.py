@@ -176,6 +176,42 @@ class _Cell:
     summary: CorrelationSummary | None = None
 
 
+@dataclass(frozen=True)
+class Section:
+    """An extra table of a report (e.g. the symmetry test), shown after the τ tables.
+
+    Attributes:
+        title: Heading.
+        header: Column names.
+        rows: Cells, already formatted.
+        caption: How the numbers were obtained (one paragraph).
+    """
+
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    caption: str
+
+    def markdown(self) -> str:
+        """The section as Markdown: heading, table, caption."""
+
+        def esc(text: str) -> str:
+            return text.replace("|", "\\|")
+
+        lines = ["", f"## {self.title}", "", "| " + " | ".join(map(esc, self.header)) + " |"]
+        lines.append("|" + "---|" * len(self.header))
+        lines += ["| " + " | ".join(map(esc, row)) + " |" for row in self.rows]
+        return "\n".join([*lines, "", self.caption, ""])
+
+    def html(self) -> list[str]:
+        """The section as HTML lines."""
+        e = html.escape
+        out = [f"<h2>{e(self.title)}</h2>", f'<p class="method">{e(self.caption)}</p>', "<table>"]
+        out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in self.header) + "</tr>")
+        out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in self.rows]
+        return [*out, "</table>"]
+
+
 def _collect(
     measurements: Sequence[Mapping[str, object]], model_ids: set[str]
 ) -> dict[str, dict[float | None, _Cell]]:
@@ -735,6 +771,7 @@ def _html_page(
     comparison: dict[str, object] | None,
     paired: list[dict[str, object]],
     level: float,
+    sections: Sequence[Section],
     images: dict[str, bytes],
     notes: Sequence[str],
     method: str,
@@ -800,6 +837,9 @@ def _html_page(
             out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
         out.append("</table>")
 
+    for section in sections:
+        out += section.html()
+
     out.append("<h2>Sharpness against gap</h2>")
     for measure, data in images.items():
         b64 = base64.b64encode(data).decode("ascii")
@@ -850,6 +890,7 @@ def write_report(
     notes: Sequence[str] = (),
     gap_label: str = "generalization gap",
     paper_match: Callable[[str], str | None] = default_paper_match,
+    sections: Sequence[Section] = (),
     n_boot: int = 2000,
     n_perm: int = 2000,
     level: float = 0.95,
@@ -877,6 +918,7 @@ def write_report(
         paper: Family label → the paper's τ for this population (SPEC §7), e.g.
             ``{"adaptive": -0.41, "geodesic inv": -0.71, "geodesic mix": -0.70}``.
         notes: Free-text notes shown at the end of the page.
+        sections: Extra tables shown after the τ tables (and appended to ``tau_table.md``).
         gap_label: How the gap is named in tables and axes, e.g. "test − train error".
         paper_match: Measure name → family label in ``paper`` (or None); defaults to
             :func:`default_paper_match`.
@@ -950,7 +992,8 @@ def write_report(
     atomic_write_text(
         tau_table,
         _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method)
-        + _markdown_paired(paired, level),
+        + _markdown_paired(paired, level)
+        + "".join(section.markdown() for section in sections),
     )
 
     summary = {
@@ -990,6 +1033,10 @@ def write_report(
         ],
         "paper_comparison": comparison,
         "geodesic_vs_adaptive": paired,
+        "sections": [
+            {"title": x.title, "header": x.header, "rows": x.rows, "caption": x.caption}
+            for x in sections
+        ],
         "notes": list(notes),
     }
     summary_json = out / "summary.json"
@@ -1012,6 +1059,7 @@ def write_report(
             comparison=comparison,
             paired=paired,
             level=level,
+            sections=sections,
             images=images,
             notes=notes,
             method=method,

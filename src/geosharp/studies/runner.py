@@ -347,6 +347,11 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         all_notes.append(
             f"{len(excluded)} model(s) left out of the analysis: " + ", ".join(excluded[:20])
         )
+    sections = []
+    if (out / "symmetry_test.csv").is_file():  # geosharp symmetry-test was run on this folder
+        from geosharp.studies.symmetry_test import read_rows, symmetry_section
+
+        sections.append(symmetry_section(read_rows(out / "symmetry_test.csv")))
     settings = dict(info.get("settings", {}))
     settings["models analysed"] = len(models)
     if models:
@@ -362,6 +367,7 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         paper=info.get("paper"),
         notes=all_notes,
         gap_label=info.get("gap_label", "generalization gap"),
+        sections=sections,
     )
 
 

@@ -30,11 +30,12 @@ from geosharp._io import atomic_write_text
 from geosharp.estimators import sharpness
 from geosharp.estimators.sharpness import call_model
 from geosharp.stats import correlation_summary, tau_difference
+from geosharp.studies.report import Section
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 from geosharp.symmetry import find_symmetries, reparametrize
 
-__all__ = ["SymmetryTestRow", "default_specs", "symmetry_test"]
+__all__ = ["SymmetryTestRow", "default_specs", "read_rows", "symmetry_section", "symmetry_test"]
 
 _FIELDS = [
     "model_id",
@@ -88,7 +89,9 @@ def _relative_output_change(model: torch.nn.Module, twin: torch.nn.Module, input
     return float((a - b).norm() / a.norm().clamp_min(1e-300))
 
 
-def _read(path: Path) -> list[SymmetryTestRow]:
+def read_rows(path: str | Path) -> list[SymmetryTestRow]:
+    """The rows of a ``symmetry_test.csv`` (empty if there is none)."""
+    path = Path(path)
     if not path.is_file():
         return []
     with path.open(newline="", encoding="utf-8") as fh:
@@ -131,7 +134,7 @@ def symmetry_test(
     specs = list(specs) if specs is not None else default_specs(study)
     say = log or (lambda msg: None)
     csv_path = out / "symmetry_test.csv"
-    rows = _read(csv_path)
+    rows = read_rows(csv_path)
     done = {(r.model_id, r.measure) for r in rows}
     batches = study.batches()
     rng = np.random.default_rng(seed)
@@ -162,7 +165,7 @@ def symmetry_test(
             rows.append(new)
             _append(csv_path, new)
         say(f"{row['model_id']}: a = {a:.3g}, outputs changed by {change:.1e}")
-    table = _table(study, rows, scales, n_boot)
+    table = _table(study, rows, n_boot)
     atomic_write_text(out / "symmetry_test.md", table)
     return rows, table
 
@@ -184,19 +187,21 @@ def _append(path: Path, row: SymmetryTestRow) -> None:
         w.writerow([getattr(row, k) for k in _FIELDS])
 
 
-def _table(
-    study: Study, rows: Sequence[SymmetryTestRow], scales: tuple[float, float], n_boot: int
-) -> str:
+def symmetry_section(rows: Sequence[SymmetryTestRow], n_boot: int = 2000) -> Section:
+    """The symmetry test as a report section: τ before and after, per measure.
+
+    Args:
+        rows: Rows of :func:`symmetry_test` (or read back with :func:`read_rows`).
+        n_boot: Bootstrap resamples of the CIs.
+
+    Returns:
+        A :class:`~geosharp.studies.report.Section`.
+    """
+
     def f(x: float) -> str:
         return f"{x:+.2f}" if math.isfinite(x) else "undefined"
 
-    lines = [
-        f"# {study.title}: τ before and after random equivalent re-parametrizations",
-        "",
-        "| measure | ρ | τ-a original [CI] | τ-a re-parametrized [CI] | Δτ [CI] | median "
-        "\\|value change\\| | models |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    body = []
     for measure in dict.fromkeys(r.measure for r in rows):
         sel = [r for r in rows if r.measure == measure]
         gaps = [r.gap for r in sel]
@@ -206,22 +211,41 @@ def _table(
             gaps, [r.reparametrized for r in sel], [r.original for r in sel], n_boot=n_boot
         )
         moved = np.median([abs(r.reparametrized / r.original - 1) for r in sel if r.original])
-        lines.append(
-            f"| {measure} | {sel[0].rho:g} | {f(before.tau_a)} [{f(before.ci_low)}, "
-            f"{f(before.ci_high)}] | {f(after.tau_a)} [{f(after.ci_low)}, {f(after.ci_high)}] | "
-            f"{f(d.diff)} [{f(d.ci_low)}, {f(d.ci_high)}] | {_percent(100 * moved)} % "
-            f"| {len(sel)} |"
+        body.append(
+            [
+                measure,
+                f"{sel[0].rho:g}",
+                f"{f(before.tau_a)} [{f(before.ci_low)}, {f(before.ci_high)}]",
+                f"{f(after.tau_a)} [{f(after.ci_low)}, {f(after.ci_high)}]",
+                f"{f(d.diff)} [{f(d.ci_low)}, {f(d.ci_high)}]",
+                f"{_percent(100 * moved)} %",
+                str(len(sel)),
+            ]
         )
+    scales = [r.scale for r in rows]
     worst = max((r.output_rel_change for r in rows), default=math.nan)
-    lines += [
-        "",
+    caption = (
         "Every model was replaced by an equivalent one: each symmetry block (GL(h) heads, "
-        "diagonal pairs) re-parametrized by a random group element of scale "
-        f"a ~ logU[{scales[0]:g}, {scales[1]:g}] (one a per "
-        f"model). The largest relative change of a model's outputs was {worst:.1e} (rounding); "
-        "the gaps are unchanged. Δτ = τ re-parametrized − τ original with a paired bootstrap CI "
-        f"({n_boot} resamples of the models); |value change| = |s(re-parametrized)/s(original)"
-        " − 1|.",
-        "",
+        "diagonal pairs) re-parametrized by a random group element, its scale a drawn "
+        f"log-uniformly per model (here from {min(scales, default=math.nan):.3g} to "
+        f"{max(scales, default=math.nan):.3g}). The largest relative change of a model's "
+        f"outputs was {worst:.1e} (rounding); the gaps are unchanged. Δτ = τ re-parametrized − "
+        f"τ original with a paired bootstrap CI ({n_boot} resamples of the models); "
+        "|value change| = |s(re-parametrized)/s(original) − 1|, median over the models."
+    )
+    header = [
+        "measure",
+        "ρ",
+        "τ-a original [CI]",
+        "τ-a re-parametrized [CI]",
+        "Δτ [CI]",
+        "median |value change|",
+        "models",
     ]
-    return "\n".join(lines)
+    return Section(
+        "τ before and after random equivalent re-parametrizations", header, body, caption
+    )
+
+
+def _table(study: Study, rows: Sequence[SymmetryTestRow], n_boot: int) -> str:
+    return f"# {study.title}\n" + symmetry_section(rows, n_boot).markdown()
