@@ -736,19 +736,13 @@ def _paired_rows(paired: Sequence[Mapping[str, object]]) -> list[list[str]]:
     return rows
 
 
-def _markdown_paired(paired: Sequence[Mapping[str, object]], level: float) -> str:
+def _paired_section(paired: Sequence[Mapping[str, object]], level: float) -> list[Section]:
+    """The paired comparison as a report section (none when nothing was compared)."""
     if not paired:
-        return ""
-    lines = [
-        "",
-        "## Geodesic against adaptive sharpness, model by model",
-        "",
-        "| " + " | ".join(_PAIRED_HEAD) + " |",
-        "|" + "---|" * len(_PAIRED_HEAD),
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in _paired_rows(paired)]
-    lines += ["", _PAIRED_METHOD.format(level=100 * level), ""]
-    return "\n".join(lines)
+        return []
+    title = "Geodesic against adaptive sharpness, model by model"
+    method = _PAIRED_METHOD.format(level=100 * level)
+    return [Section(title, list(_PAIRED_HEAD), _paired_rows(paired), method)]
 
 
 _CSS = """
@@ -769,8 +763,6 @@ def _html_page(
     rhos: list[float | None],
     paper_col: dict[str, str] | None,
     comparison: dict[str, object] | None,
-    paired: list[dict[str, object]],
-    level: float,
     sections: Sequence[Section],
     images: dict[str, bytes],
     notes: Sequence[str],
@@ -827,15 +819,6 @@ def _html_page(
         out.append("<ul>")
         out.extend(f"<li>{e(str(s))}</li>" for s in comparison["sentences"])
         out.append("</ul>")
-
-    if paired:
-        out.append("<h2>Geodesic against adaptive sharpness, model by model</h2>")
-        out.append(f'<p class="method">{e(_PAIRED_METHOD.format(level=100 * level))}</p>')
-        out.append("<table>")
-        out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in _PAIRED_HEAD) + "</tr>")
-        for row in _paired_rows(paired):
-            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
-        out.append("</table>")
 
     for section in sections:
         out += section.html()
@@ -964,6 +947,8 @@ def write_report(
         comparison = _compare_with_paper(cells, paper, paper_match, level)
 
     paired = _geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed)
+    extra_sections = list(sections)  # as given, for summary.json
+    sections = [*_paired_section(paired, level), *sections]
 
     method = (
         f"M = {n_total} models. Each cell: Kendall τ-a between sharpness and {gap_label} over "
@@ -992,7 +977,6 @@ def write_report(
     atomic_write_text(
         tau_table,
         _markdown_table(title, gap_label, cells, rhos, paper_col, n_total, method)
-        + _markdown_paired(paired, level)
         + "".join(section.markdown() for section in sections),
     )
 
@@ -1035,7 +1019,7 @@ def write_report(
         "geodesic_vs_adaptive": paired,
         "sections": [
             {"title": x.title, "header": x.header, "rows": x.rows, "caption": x.caption}
-            for x in sections
+            for x in extra_sections
         ],
         "notes": list(notes),
     }
@@ -1057,8 +1041,6 @@ def write_report(
             rhos=rhos,
             paper_col=paper_col,
             comparison=comparison,
-            paired=paired,
-            level=level,
             sections=sections,
             images=images,
             notes=notes,

@@ -28,6 +28,7 @@ import torch
 
 from geosharp._io import atomic_write_text
 from geosharp.estimators import sharpness
+from geosharp.estimators.checks import _flatten_outputs
 from geosharp.estimators.sharpness import call_model
 from geosharp.stats import correlation_summary, tau_difference
 from geosharp.studies.report import Section
@@ -79,13 +80,12 @@ def default_specs(study: Study) -> list[tuple[MeasureSpec, float]]:
 
 
 def _relative_output_change(model: torch.nn.Module, twin: torch.nn.Module, inputs: Any) -> float:
-    def flat(m: torch.nn.Module) -> torch.Tensor:
-        out = call_model(m, dict(m.named_parameters()), inputs)
-        out = out.logits if hasattr(out, "logits") else out
-        return out.detach().double().reshape(-1)
-
+    """``‖f_twin − f‖ / ‖f‖`` over every floating output, as :func:`check_invariance` measures."""
     with torch.no_grad():
-        a, b = flat(model), flat(twin)
+        a, b = (
+            _flatten_outputs(call_model(m, dict(m.named_parameters()), inputs))
+            for m in (model, twin)
+        )
     return float((a - b).norm() / a.norm().clamp_min(1e-300))
 
 
