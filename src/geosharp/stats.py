@@ -506,12 +506,10 @@ def tau_difference(
     if not (p1.defined and p2.defined):
         return TauDifference(math.nan, math.nan, math.nan, m, level)
     diff = p1.tau("a") - p2.tau("a")
-    st = _sign_matrix(tt)
+    st, s1, s2 = _sign_matrix(tt), _sign_matrix(a), _sign_matrix(b)
     # τ-a difference of a resample: cᵀ (C₁ − C₂) c / 2 over the distinct-draw pairs.
-    conc = (st * _sign_matrix(a)).astype(np.float64) - (st * _sign_matrix(b)).astype(np.float64)
-    eq_t = (st == 0).astype(np.float64)
-    eq_1 = (_sign_matrix(a) == 0).astype(np.float64)
-    eq_2 = (_sign_matrix(b) == 0).astype(np.float64)
+    conc = (st * s1).astype(np.float64) - (st * s2).astype(np.float64)
+    eq_t, eq_1, eq_2 = ((x == 0).astype(np.float64) for x in (st, s1, s2))
     counts = np.zeros((int(n_boot), m))
     idx = np.random.default_rng(seed).integers(0, m, size=(int(n_boot), m))
     np.add.at(counts, (np.arange(int(n_boot))[:, None], idx), 1.0)
