@@ -43,11 +43,18 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, ParamSlice
+from geosharp.symmetry.specs import (
+    BlockSpec,
+    Claim,
+    PairSpec,
+    ParamSlice,
+    RotarySpec,
+    TranslationSpec,
+)
 
 __all__ = [
     "ADAPTERS",
-    "ROTARY_NOTE",
+    "QK_NORM_NOTE",
     "Adapter",
     "attention_claim",
     "bert_attention",
@@ -57,14 +64,14 @@ __all__ = [
     "gpt2_attention",
     "llama_attention",
     "register_adapter",
+    "rotary_note",
+    "rotary_spec",
     "torch_multihead_attention",
     "vit_attention",
 ]
 
 Adapter = Callable[[str, nn.Module], "Claim | None"]
 
-#: Note attached to attention modules with rotary position embeddings.
-ROTARY_NOTE = "rotary position embeddings: Q/K treated adaptively, V/O keeps GL(h)"
 
 
 # -- the one generic constructor ------------------------------------------------------------------
@@ -82,32 +89,45 @@ def attention_claim(
     num_heads: int,
     head_dim: int,
     num_kv_heads: int | None = None,
-    rotary: bool = False,
+    rotary: RotarySpec | bool | None = None,
     qk_note: str | None = None,
+    k_bias: Sequence[ParamSlice] = (),
+    key_bias_free: bool = True,
 ) -> Claim:
-    """The QK and VO blocks of one multi-head attention module (SPEC §3).
+    """The QK and VO blocks of one multi-head attention module (SPEC §3, §8).
 
     Under grouped-query attention (``num_kv_heads < num_heads``) the query heads sharing one
     K/V head are stacked row-wise into one ``G_QK``, and the matching output-projection slices
     into one ``H_VO``; the batch size is then ``B = num_kv_heads``. This assumes the usual
     layout in which K/V head ``j`` serves query heads ``j·g … (j+1)·g − 1``, ``g`` the group size.
 
+    The key bias: ``q·b_k`` is the same for every key, so a softmax over keys ignores ``b_k``
+    (SPEC §8). When ``key_bias_free`` (no key appended after the projection, no sink logit, no
+    rotary embedding — RoPE rotates ``b_k`` differently for every key) the ``k_bias`` slices
+    become a translation block (the finder folds them back into ``H_QK`` with
+    ``key_bias="keep"``); otherwise they are the last rows of ``H_QK``.
+
     Args:
         path: Dotted module path (used for block names).
         q: Slices of the query projection with heads on the sliced axis (weight, then bias).
-        k: Slices of the key projection.
+        k: Slices of the key projection, without its bias (pass that as ``k_bias``).
         v: Slices of the value projection.
         o: Slices of the output projection with heads on the sliced axis (no bias).
         num_heads: Number of query heads.
         head_dim: Head dimension ``h``.
         num_kv_heads: Number of key/value heads (default ``num_heads``).
-        rotary: Whether rotary position embeddings act on Q/K; then only the VO block is
-            returned, with :data:`ROTARY_NOTE`.
-        qk_note: Any other reason why Q/K is not a full GL(h) block (e.g. relative position
-            terms ``q·r``); then only the VO block is returned, with this note.
+        rotary: Rotary position embeddings on Q/K: a :class:`RotarySpec` (``True`` means all
+            ``h`` features in the ``rotate_half`` layout). The QK block's group is then the
+            rotary commutant (SPEC §8).
+        qk_note: Any reason why Q/K has no continuous symmetry at all (e.g. a learned QK-norm,
+            relative position terms ``q·r``); then only the VO block is returned, with this
+            note.
+        k_bias: Slices of the key bias.
+        key_bias_free: Whether the attention scores ignore a common shift of all keys.
 
     Returns:
-        A :class:`Claim` with the blocks ``"{path}[QK]"`` and ``"{path}[VO]"``.
+        A :class:`Claim` with the blocks ``"{path}[QK]"`` and ``"{path}[VO]"`` (and
+        ``"{path}[b_k]"``).
 
     Raises:
         ValueError: If ``num_heads`` is not a multiple of ``num_kv_heads``.
@@ -117,22 +137,55 @@ def attention_claim(
         raise ValueError(
             f"attention at {path!r}: num_heads={num_heads} is not a multiple of num_kv_heads={kv}"
         )
+    if rotary is True:
+        rotary = RotarySpec(head_dim, "half")
+    rotary = rotary or None
     label = path or "<model>"
     claim = Claim()
-    if rotary or qk_note:
-        claim.notes.append(ROTARY_NOTE if rotary else qk_note)
+    qk_name = f"{label}[QK]"
+    if qk_note:
+        claim.notes.append(qk_note)
+    elif rotary is not None or not key_bias_free or not k_bias:
+        h_rows = (*k, *k_bias)
+        claim.blocks.append(
+            BlockSpec(qk_name, "QK", path, kv, head_dim, tuple(q), h_rows, rotary=rotary)
+        )
+        if rotary is not None:
+            claim.notes.append(rotary_note(rotary, head_dim))
     else:
-        claim.blocks.append(BlockSpec(f"{label}[QK]", "QK", path, kv, head_dim, tuple(q), tuple(k)))
+        claim.blocks.append(BlockSpec(qk_name, "QK", path, kv, head_dim, tuple(q), tuple(k)))
+        claim.translations.append(
+            TranslationSpec(f"{label}[b_k]", path, kv, head_dim, tuple(k_bias), fold_into=qk_name)
+        )
     claim.blocks.append(BlockSpec(f"{label}[VO]", "VO", path, kv, head_dim, tuple(v), tuple(o)))
     return claim
 
 
+def rotary_note(rotary: RotarySpec, head_dim: int) -> str:
+    """The summary note of a rotary Q/K block."""
+    rest = head_dim - rotary.dims
+    group = f"(ℂ*)^{rotary.dims // 2}" + (f" × GL({rest})" if rest else "")
+    return (
+        f"rotary position embeddings ({rotary.layout} layout, {rotary.dims} of {head_dim} "
+        f"features rotated): Q/K group is the rotary commutant {group}, V/O keeps GL(h)"
+    )
+
+
 def _linear_in(path: str, local: str, lin: nn.Module) -> tuple[ParamSlice, ...]:
     """Heads on the output features of an ``nn.Linear`` (``W[r_i, :]ᵀ`` plus bias row)."""
-    pieces = [ParamSlice(_join(path, f"{local}.weight"), 0)]
-    if getattr(lin, "bias", None) is not None:
-        pieces.append(ParamSlice(_join(path, f"{local}.bias"), 0))
-    return tuple(pieces)
+    return _linear_weight(path, local) + _linear_bias(path, local, lin)
+
+
+def _linear_weight(path: str, local: str) -> tuple[ParamSlice, ...]:
+    """Heads on the output features of an ``nn.Linear`` weight (``W[r_i, :]ᵀ``)."""
+    return (ParamSlice(_join(path, f"{local}.weight"), 0),)
+
+
+def _linear_bias(path: str, local: str, lin: nn.Module) -> tuple[ParamSlice, ...]:
+    """The bias row of an ``nn.Linear`` with heads on its outputs (empty without a bias)."""
+    if getattr(lin, "bias", None) is None:
+        return ()
+    return (ParamSlice(_join(path, f"{local}.bias"), 0),)
 
 
 def _linear_out(path: str, local: str) -> tuple[ParamSlice, ...]:
@@ -176,16 +229,101 @@ def _config(m: nn.Module) -> object:
     return getattr(m, "config", None)
 
 
-def _uses_rotary(m: nn.Module) -> bool:
-    """Whether a (Hugging Face style) attention module applies rotary embeddings to Q/K."""
-    if any(getattr(m, a, None) is not None for a in ("rotary_emb", "rotary_ndims")):
-        return True
+#: Attribute names under which attention modules or configs store their rotary set-up.
+_ROTARY_MODULE_ATTRS = ("rotary_ndims", "rotary_dim", "rotary_emb", "rotary", "pos_embd_dim")
+_ROTARY_CONFIG_ATTRS = (
+    "rotary_dim",
+    "rotary_pct",
+    "partial_rotary_factor",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "rotary_emb_base",
+    "rotary_percentage",
+)
+
+
+def rotary_spec(m: nn.Module, head_dim: int, layout: str | None = None) -> RotarySpec | None:
+    """The rotary embedding of a (Hugging Face style) attention module, or ``None``.
+
+    Knows every field HF uses: module attributes ``rotary_ndims`` (GPT-NeoX, Phi, StableLM,
+    Persimmon), ``rotary_dim`` (GPT-J, CodeGen: interleaved pairs), ``rotary_emb``; config
+    fields ``rotary_dim``, ``rotary_pct``, ``partial_rotary_factor`` (also inside
+    ``rope_parameters``), ``rope_theta``/``rope_scaling``/``rope_parameters`` and
+    ``position_embedding_type="rotary"``.
+
+    Args:
+        m: The attention module.
+        head_dim: Its head dimension ``h``.
+        layout: Force ``"half"`` or ``"interleaved"`` (default: interleaved for GPT-J-style
+            modules with a ``rotary_dim`` attribute, else ``rotate_half``).
+
+    Returns:
+        The :class:`RotarySpec`, or ``None`` if the module has no rotary embedding.
+    """
     cfg = _config(m)
-    if cfg is None:
-        return False
-    if getattr(cfg, "position_embedding_type", None) in ("rotary", "rope"):
-        return True
-    return any(getattr(cfg, a, None) is not None for a in ("rope_parameters", "rope_theta"))
+    name = type(m).__name__
+    gptj_style = any(tag in name for tag in ("GPTJ", "CodeGen")) or (
+        "rotary_dim" in vars(m) and getattr(cfg, "model_type", "") in ("gptj", "codegen")
+    )
+    found = gptj_style or any(getattr(m, a, None) is not None for a in _ROTARY_MODULE_ATTRS)
+    found = found or getattr(m, "position_embedding_type", None) in ("rotary", "rope")
+    if cfg is not None:
+        found = found or getattr(cfg, "position_embedding_type", None) in ("rotary", "rope")
+        found = found or any(getattr(cfg, a, None) is not None for a in _ROTARY_CONFIG_ATTRS)
+    if not found or getattr(m, "rotary", True) is False:
+        return None
+    dims = _first_int(getattr(m, "rotary_ndims", None), getattr(m, "rotary_dim", None))
+    if dims is None and cfg is not None:
+        rope = getattr(cfg, "rope_parameters", None)
+        rope = rope if isinstance(rope, dict) else {}
+        factor = next(
+            (
+                f
+                for f in (
+                    rope.get("partial_rotary_factor"),
+                    getattr(cfg, "partial_rotary_factor", None),
+                    getattr(cfg, "rotary_pct", None),
+                    getattr(cfg, "rotary_percentage", None),
+                )
+                if isinstance(f, (int, float)) and not isinstance(f, bool)
+            ),
+            None,
+        )
+        dims = _first_int(getattr(cfg, "rotary_dim", None))
+        if dims is None and factor is not None:
+            dims = int(head_dim * factor)
+    dims = min(dims or head_dim, head_dim)
+    dims -= dims % 2
+    if dims < 2:
+        return None
+    return RotarySpec(dims, layout or ("interleaved" if gptj_style else "half"))
+
+
+#: Note for attention with a normalization of q and k (QK-norm).
+QK_NORM_NOTE = (
+    "QK-norm (a learned normalization of q and k): Q/K has no continuous symmetry left (a "
+    "rescaling is undone by the norm, a rotation does not commute with its learned gains), "
+    "so Q/K is treated adaptively; V/O keeps GL(h)"
+)
+
+_QK_NORM_ATTRS = (
+    ("q_norm", "k_norm"),
+    ("q_layernorm", "k_layernorm"),
+    ("query_layernorm", "key_layernorm"),
+    ("q_ln", "k_ln"),
+)
+
+
+def qk_norm_note(m: nn.Module) -> str | None:
+    """:data:`QK_NORM_NOTE` if the module normalizes its queries or keys, else ``None``."""
+    for names in _QK_NORM_ATTRS:
+        if any(isinstance(getattr(m, a, None), nn.Module) for a in names):
+            return QK_NORM_NOTE
+    cfg = _config(m)
+    if any(getattr(cfg, a, False) is True for a in ("qk_layernorm", "use_qk_norm", "qk_norm")):
+        return QK_NORM_NOTE
+    return None
 
 
 def _check_width(path: str, role: str, width: int, heads: int, head_dim: int) -> None:
@@ -204,8 +342,9 @@ def _separate_linear_claim(
     num_heads: int,
     head_dim: int,
     num_kv_heads: int | None = None,
-    rotary: bool = False,
+    rotary: RotarySpec | None = None,
     qk_note: str | None = None,
+    key_bias_free: bool = True,
 ) -> Claim:
     qn, kn, vn, on = names
     q, k, v, o = _children(m, *names)  # type: ignore[misc]
@@ -217,7 +356,8 @@ def _separate_linear_claim(
     return attention_claim(
         path,
         q=_linear_in(path, qn, q),
-        k=_linear_in(path, kn, k),
+        k=_linear_weight(path, kn),
+        k_bias=_linear_bias(path, kn, k),
         v=_linear_in(path, vn, v),
         o=_linear_out(path, on),
         num_heads=num_heads,
@@ -225,6 +365,7 @@ def _separate_linear_claim(
         num_kv_heads=kv,
         rotary=rotary,
         qk_note=qk_note,
+        key_bias_free=key_bias_free,
     )
 
 
@@ -271,17 +412,23 @@ def torch_multihead_attention(path: str, module: nn.Module) -> Claim | None:
         q = [ParamSlice(p("q_proj_weight"), 0)]
         k = [ParamSlice(p("k_proj_weight"), 0)]
         v = [ParamSlice(p("v_proj_weight"), 0)]
+    k_bias: list[ParamSlice] = []
     if module.in_proj_bias is not None:
         b = p("in_proj_bias")
         q.append(ParamSlice(b, 0, 0, E))
-        k.append(ParamSlice(b, 0, E, 2 * E))
+        k_bias.append(ParamSlice(b, 0, E, 2 * E))
         v.append(ParamSlice(b, 0, 2 * E, 3 * E))
+    # A key appended after the projection (bias_k, or the zero key of add_zero_attn) is not
+    # shifted by b_k, so b_k then changes the scores: it is part of H_QK, not a symmetry.
+    free = module.bias_k is None and not module.add_zero_attn
     if module.bias_k is not None:
-        k.append(ParamSlice(p("bias_k"), -1))
+        k_bias.append(ParamSlice(p("bias_k"), -1))
     if module.bias_v is not None:
         v.append(ParamSlice(p("bias_v"), -1))
     o = [ParamSlice(p("out_proj.weight"), 1)]
-    return attention_claim(path, q=q, k=k, v=v, o=o, num_heads=B, head_dim=h)
+    return attention_claim(
+        path, q=q, k=k, v=v, o=o, num_heads=B, head_dim=h, k_bias=k_bias, key_bias_free=free
+    )
 
 
 # -- geosharp's own models ------------------------------------------------------------------------
@@ -303,7 +450,7 @@ def geosharp_attention(path: str, module: nn.Module) -> Claim | None:
     if heads is None or h is None or not _all_linear(module, ("q", "k", "v", "o")):
         return None
     kv = _first_int(getattr(module, "num_kv_heads", None), heads)
-    rotary = bool(getattr(module, "rotary", False))
+    rotary = rotary_spec(module, h) if getattr(module, "rotary", False) else None
     return _separate_linear_claim(path, module, ("q", "k", "v", "o"), heads, h, kv, rotary)
 
 
@@ -343,9 +490,8 @@ def bert_attention(path: str, module: nn.Module) -> Claim | None:
     if heads is None:
         return None
     h = h or inner.query.out_features // heads
-    rotary = getattr(inner, "position_embedding_type", None) == "rotary" or _uses_rotary(inner)
     return _separate_linear_claim(
-        path, module, names, heads, h, heads, rotary, _relative_note(inner)
+        path, module, names, heads, h, heads, rotary_spec(inner, h), _relative_note(inner)
     )
 
 
@@ -401,7 +547,7 @@ def clip_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     h = _first_int(getattr(module, "head_dim", None)) or module.q_proj.out_features // heads
     kv = _first_int(getattr(module, "num_key_value_heads", None), heads)
-    return _separate_linear_claim(path, module, names, heads, h, kv, _uses_rotary(module))
+    return _separate_linear_claim(path, module, names, heads, h, kv, rotary_spec(module, h))
 
 
 def gpt2_attention(path: str, module: nn.Module) -> Claim | None:
@@ -443,11 +589,12 @@ def gpt2_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     k = [ParamSlice(w, 1, k_start, k_start + E)]
     v = [ParamSlice(w, 1, k_start + E, k_start + 2 * E)]
+    k_bias = []
     if has_b:
-        k.append(ParamSlice(b, 0, k_start, k_start + E))
+        k_bias.append(ParamSlice(b, 0, k_start, k_start + E))
         v.append(ParamSlice(b, 0, k_start + E, k_start + 2 * E))
     o = [ParamSlice(_join(path, "c_proj.weight"), 0)]
-    return attention_claim(path, q=q, k=k, v=v, o=o, num_heads=heads, head_dim=h)
+    return attention_claim(path, q=q, k=k, v=v, o=o, num_heads=heads, head_dim=h, k_bias=k_bias)
 
 
 def llama_attention(path: str, module: nn.Module) -> Claim | None:
@@ -456,10 +603,12 @@ def llama_attention(path: str, module: nn.Module) -> Claim | None:
     Structure: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (``nn.Linear``). Head counts are
     read from ``num_heads``/``num_key_value_heads`` on the module (transformers 4.x) or its
     ``config`` (``num_attention_heads``, ``num_key_value_heads``; 5.x), the head dimension from
-    ``head_dim``. Rotary embeddings (detected from the config's ``rope_parameters``/
-    ``rope_theta``) restrict the Q/K symmetry to matrices commuting with the rotations, so Q/K
-    stays adaptive and only the VO block is returned, with :data:`ROTARY_NOTE`. Covers Mistral,
-    Qwen2, Gemma and other families with the same layout.
+    ``head_dim``. Rotary embeddings (detected by :func:`rotary_spec`) restrict the Q/K
+    symmetry to the matrices commuting with the rotations: the QK block's group is the rotary
+    commutant (SPEC §8), and the key bias (Qwen2) is rotated with the keys, so it stays a row
+    of ``H_QK``. A QK-norm (``q_norm``/``k_norm``: Qwen3, OLMo 2, Gemma 3) leaves Q/K no
+    continuous symmetry (see :data:`QK_NORM_NOTE`): only V/O is returned. Covers Mistral,
+    Mixtral, Qwen2/3, Gemma and other families with the same layout.
 
     Args:
         path: Dotted module path.
@@ -484,7 +633,9 @@ def llama_attention(path: str, module: nn.Module) -> Claim | None:
         heads // groups if groups else None,
         heads,
     )
-    return _separate_linear_claim(path, module, names, heads, h, kv, _uses_rotary(module))
+    return _separate_linear_claim(
+        path, module, names, heads, h, kv, rotary_spec(module, h), qk_norm_note(module)
+    )
 
 
 # -- diagonal networks ----------------------------------------------------------------------------

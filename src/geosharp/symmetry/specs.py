@@ -13,6 +13,12 @@ Examples for an ``nn.Linear`` ``W`` of shape ``(out, in)`` (``y = x Wᵀ + b``) 
 output features: ``ParamSlice("q.weight", axis=0)`` gives ``W[r_i, :]ᵀ`` (``in`` rows), and
 ``ParamSlice("q.bias", axis=0)`` the bias row. For an output projection the heads sit on the
 input features: ``ParamSlice("o.weight", axis=1)`` gives ``W_o[:, r_i]`` (``out`` rows).
+
+Head-interleaved fused projections (BLOOM's ``query_key_value`` stores, per head, its Q, K and V
+features one after the other; Falcon's stores, per K/V group, ``g`` query heads, then K, then V)
+are described with ``parts``/``part``: the sliced range is viewed as units of ``parts × h``
+features and only the parts ``part`` (an index or a range ``(p0, p1)``) of every unit are taken.
+``ParamSlice("qkv.weight", 0, parts=3, part=1)`` are BLOOM's keys.
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BlockSpec", "Claim", "PairSpec", "ParamSlice", "declare_block", "slice_positions"]
+__all__ = [
+    "BlockSpec",
+    "Claim",
+    "PairSpec",
+    "ParamSlice",
+    "RotarySpec",
+    "TranslationSpec",
+    "declare_block",
+    "slice_positions",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,57 @@ class ParamSlice:
     axis: int = 0
     start: int | None = None
     stop: int | None = None
+    parts: int = 1
+    part: int | tuple[int, int] = 0
+
+    @property
+    def part_range(self) -> tuple[int, int]:
+        """The selected parts as a half-open range ``[p0, p1)``."""
+        if isinstance(self.part, int):
+            return self.part, self.part + 1
+        return int(self.part[0]), int(self.part[1])
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """Rotary position embeddings acting on the first ``dims`` features of every Q/K head.
+
+    The Q/K symmetry of such a head is the commutant of the rotations (SPEC §8): on each
+    rotation plane a scaled rotation ``a I₂ + b J₂``, and the full GL on the ``h − dims``
+    features that are not rotated.
+
+    Attributes:
+        dims: Number of rotated features per head (``dims ≤ h``, even). HF's ``rotary_ndims``
+            / ``rotary_dim`` / ``partial_rotary_factor·h``.
+        layout: ``"half"`` (HF ``rotate_half``: planes ``(i, i + dims/2)``) or
+            ``"interleaved"`` (GPT-J ``rotate_every_two``: planes ``(2i, 2i + 1)``).
+
+    Example:
+        >>> RotarySpec(4, "half").planes()
+        [(0, 2), (1, 3)]
+        >>> RotarySpec(4, "interleaved").planes()
+        [(0, 1), (2, 3)]
+    """
+
+    dims: int
+    layout: str = "half"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("half", "interleaved"):
+            raise ValueError(f"rotary layout must be 'half' or 'interleaved', got {self.layout!r}")
+        if self.dims < 2 or self.dims % 2:
+            raise ValueError(f"rotary dims must be a positive even number, got {self.dims}")
+
+    def planes(self) -> list[tuple[int, int]]:
+        """The rotation planes ``(a, b)`` (feature indices within a head)."""
+        half = self.dims // 2
+        if self.layout == "half":
+            return [(i, i + half) for i in range(half)]
+        return [(2 * i, 2 * i + 1) for i in range(half)]
+
+    def label(self, head_dim: int) -> str:
+        """Short description for summaries, e.g. ``"rotary 16/64 half"``."""
+        return f"rotary {self.dims}/{head_dim} {self.layout}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +126,8 @@ class BlockSpec:
         head_dim: Group dimension ``h``.
         g: Slices stacked row-wise into ``G`` (``B × n × h``).
         h: Slices stacked row-wise into ``H`` (``B × m × h``).
+        rotary: Rotary embeddings acting on the heads (only for ``kind="QK"``): the group is
+            then the rotary commutant, not all of GL(h) (SPEC §8).
     """
 
     name: str
@@ -69,6 +137,40 @@ class BlockSpec:
     head_dim: int
     g: tuple[ParamSlice, ...]
     h: tuple[ParamSlice, ...]
+    rotary: RotarySpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.rotary is not None and self.rotary.dims > self.head_dim:
+            raise ValueError(
+                f"block {self.name!r}: rotary dims {self.rotary.dims} exceed head_dim "
+                f"{self.head_dim}"
+            )
+
+
+@dataclass(frozen=True)
+class TranslationSpec:
+    """Biases the loss does not depend on at all: the key bias of softmax attention (SPEC §8).
+
+    ``q·b_k`` is the same for every key, so the softmax ignores ``b_k``: translations of these
+    coordinates are a symmetry, and the quotient forgets them (geodesic measures hold them
+    fixed). With ``find_symmetries(..., key_bias="keep")`` the pieces are appended to the rows
+    of ``H`` of the block named ``fold_into`` instead (the layout before the quotient).
+
+    Attributes:
+        name: Readable name, e.g. ``"encoder.layer.0.attention[b_k]"``.
+        module: Dotted path of the owning module.
+        heads: Number ``B`` of groups the pieces are cut into (as for :class:`BlockSpec`).
+        head_dim: Features per head ``h``.
+        pieces: Slices of the bias (each gives ``B × k × h`` positions).
+        fold_into: Name of the QK block whose ``H`` takes the pieces when not quotiented.
+    """
+
+    name: str
+    module: str
+    heads: int
+    head_dim: int
+    pieces: tuple[ParamSlice, ...]
+    fold_into: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,14 +195,16 @@ class Claim:
     """What an adapter found in one module; the finder does not descend into that module.
 
     Attributes:
-        blocks: GL(h) blocks of the module.
+        blocks: GL(h) blocks of the module (full GL, rotary commutant or LoRA).
         pairs: Diagonal pairs of the module.
         notes: Remarks for :attr:`ParameterSpace.notes` (the finder appends the module path).
+        translations: Biases that are pure symmetry directions (key biases).
     """
 
     blocks: list[BlockSpec] = field(default_factory=list)
     pairs: list[PairSpec] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    translations: list[TranslationSpec] = field(default_factory=list)
 
 
 def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_dim: int) -> Tensor:
@@ -141,16 +245,27 @@ def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_di
             f"slice [{start}:{stop}] along axis {axis} is out of range for parameter "
             f"{piece.param!r} of shape {shape}"
         )
-    length = stop - start
+    along = torch.arange(start, stop)
+    if piece.parts != 1 or piece.part != 0:
+        p0, p1 = piece.part_range
+        unit = piece.parts * head_dim
+        if piece.parts < 1 or not 0 <= p0 < p1 <= piece.parts or (stop - start) % unit:
+            raise ValueError(
+                f"slice [{start}:{stop}] along axis {axis} of parameter {piece.param!r} cannot "
+                f"be viewed as units of parts={piece.parts} × head_dim={head_dim} with parts "
+                f"[{p0}:{p1}] selected"
+            )
+        along = along.view(-1, piece.parts, head_dim)[:, p0:p1].reshape(-1)
+    length = int(along.numel())
     if heads < 1 or head_dim < 1 or length % (heads * head_dim):
         raise ValueError(
-            f"slice [{start}:{stop}] (length {length}) along axis {axis} of parameter "
+            f"slice [{start}:{stop}] (length {length} selected) along axis {axis} of parameter "
             f"{piece.param!r} cannot be cut into heads={heads} blocks of head_dim={head_dim}: "
             f"the length must be a multiple of heads·head_dim = {heads * head_dim}"
         )
     k = length // (heads * head_dim)
     local = torch.arange(math.prod(shape), dtype=torch.long).view(shape)
-    sliced = local.narrow(axis, start, length).movedim(axis, -1).reshape(-1, length)
+    sliced = local.index_select(axis, along).movedim(axis, -1).reshape(-1, length)
     rows = sliced.shape[0]
     return sliced.reshape(rows, heads, k, head_dim).permute(1, 2, 0, 3).reshape(heads, -1, head_dim)
 
