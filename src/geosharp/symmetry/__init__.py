@@ -18,6 +18,7 @@ Example:
 
 from geosharp.symmetry.adapters import ADAPTERS, Adapter, attention_claim, register_adapter
 from geosharp.symmetry.find import find_symmetries
+from geosharp.symmetry.hf_adapters import EXTRA_ADAPTERS
 from geosharp.symmetry.reparametrize import (
     GroupElement,
     group_action,
@@ -26,6 +27,8 @@ from geosharp.symmetry.reparametrize import (
 )
 from geosharp.symmetry.space import DiagonalPair, GLBlock, ParameterSpace
 from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, ParamSlice, declare_block
+
+ADAPTERS[0:0] = [a for a in EXTRA_ADAPTERS if a not in ADAPTERS]
 
 __all__ = [
     "ADAPTERS",
