@@ -5,6 +5,9 @@ where a query weight lives (for the "the invariance test can fail" check), and h
 every block's ``(G, H)`` directly from the module weights by explicit per-head slicing — an
 index-free reference for the finder's gather machinery.
 
+HF's eager attention of ViT, CLIP and Llama computes its softmax in float32 even for float64
+models, which caps any invariance check at ~1e-8; those cases use the float64 SDPA kernel.
+
 Row-order convention (documented in ``geosharp.symmetry.specs``): the pieces of ``G`` are
 stacked in order weight, bias, extra raw rows; within a piece the ``k`` query heads of a
 grouped-query group are stacked head-major.
@@ -22,7 +25,7 @@ from torch import Tensor, nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DT = torch.float64
-Ref = dict[str, tuple[Tensor, Tensor]]
+Ref = dict[str, tuple[Tensor, ...]]
 
 
 @dataclass
@@ -38,6 +41,8 @@ class Case:
     reference: Callable[[nn.Module], Ref]
     n_pairs: int = 0
     notes: list[str] = field(default_factory=list)
+    #: number of key-bias translation blocks
+    n_translations: int = 0
 
 
 # -- per-head slicing references ------------------------------------------------------------------
@@ -68,17 +73,36 @@ def out_rows(Wo: Tensor, heads: int, h: int, group: int = 1) -> Tensor:
     )
 
 
+def key_bias_ref(b: Tensor, heads: int, h: int) -> tuple[Tensor]:
+    """The key-bias translation block of ``heads`` heads: ``(B, 1, h)``."""
+    return (b.reshape(heads, 1, h),)
+
+
 def linear_attention_ref(
-    prefix: str, q, k, v, o, heads: int, h: int, kv: int | None = None, qk: bool = True
+    prefix: str,
+    q,
+    k,
+    v,
+    o,
+    heads: int,
+    h: int,
+    kv: int | None = None,
+    qk: bool = True,
+    key_bias_free: bool = True,
 ) -> Ref:
+    """Per-head blocks of separate q/k/v/o linears; the key bias is its own translation block
+    when the softmax ignores it (``key_bias_free``), else the last row of ``H_QK``."""
     kv = kv or heads
     g = heads // kv
     ref = {}
     if qk:
+        split = key_bias_free and k.bias is not None
         ref[f"{prefix}[QK]"] = (
             in_rows(q.weight, q.bias, heads, h, g),
-            in_rows(k.weight, k.bias, kv, h),
+            in_rows(k.weight, None if split else k.bias, kv, h),
         )
+        if split:
+            ref[f"{prefix}[b_k]"] = key_bias_ref(k.bias, kv, h)
     ref[f"{prefix}[VO]"] = (in_rows(v.weight, v.bias, kv, h), out_rows(o.weight, heads, h, g))
     return ref
 
@@ -118,10 +142,15 @@ def _mha_ref(prefix: str, m: nn.MultiheadAttention) -> Ref:
     ek = [m.bias_k.reshape(E)] if m.bias_k is not None else []
     ev = [m.bias_v.reshape(E)] if m.bias_v is not None else []
     label = prefix or "<model>"
-    return {
-        f"{label}[QK]": (in_rows(Wq, bq, B, h), in_rows(Wk, bk, B, h, extra=ek)),
+    # b_k is a translation block unless a raw key (bias_k) is appended after the projection
+    split = bk is not None and m.bias_k is None and not m.add_zero_attn
+    ref = {
+        f"{label}[QK]": (in_rows(Wq, bq, B, h), in_rows(Wk, None if split else bk, B, h, extra=ek)),
         f"{label}[VO]": (in_rows(Wv, bv, B, h, extra=ev), out_rows(m.out_proj.weight, B, h)),
     }
+    if split:
+        ref[f"{label}[b_k]"] = key_bias_ref(bk, B, h)
+    return ref
 
 
 def mha_case(bias: bool, batch_first: bool) -> Case:
@@ -132,7 +161,8 @@ def mha_case(bias: bool, batch_first: bool) -> Case:
         build=_seeded(lambda: nn.MultiheadAttention(E, B, bias=bias, batch_first=batch_first)),
         inputs=lambda g: (_randn(g, 2, 5, E) if batch_first else _randn(g, 5, 2, E),),
         forward=lambda m, x: m(x[0], x[0], x[0], need_weights=False)[0],
-        expected=[("QK", B, h, d, d), ("VO", B, h, d, E)],
+        expected=[("QK", B, h, d, E), ("VO", B, h, d, E)],
+        n_translations=int(bias),
         q_weight=("in_proj_weight", 0, 0, E),
         reference=lambda m: _mha_ref("", m),
     )
@@ -168,7 +198,8 @@ def transformer_encoder_case() -> Case:
         build=_seeded(build),
         inputs=lambda g: (_randn(g, 2, 5, E),),
         forward=lambda m, x: m(x[0]),
-        expected=[("QK", B, h, E + 1, E + 1), ("VO", B, h, E + 1, E)] * 2,
+        expected=[("QK", B, h, E + 1, E), ("VO", B, h, E + 1, E)] * 2,
+        n_translations=2,
         q_weight=("layers.0.self_attn.in_proj_weight", 0, 0, E),
         reference=lambda m: {
             k: v
@@ -203,7 +234,8 @@ def geosharp_vit_case() -> Case:
         ),
         inputs=lambda g: (_randn(g, 3, 3, 8, 8),),
         forward=lambda m, x: m(x[0]),
-        expected=[("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * 2,
+        expected=[("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * 2,
+        n_translations=2,
         q_weight=("blocks.0.attn.q.weight", 0, 0, d),
         reference=_geosharp_ref,
     )
@@ -231,7 +263,8 @@ def geosharp_text_gqa_case() -> Case:
         inputs=inputs,
         forward=lambda m, x: m(x[0], attention_mask=x[1]),
         # G_QK stacks the g query heads of a group: g·(d+1) rows; H_VO stacks g slices of W_o
-        expected=[("QK", kv, h, g * (d + 1), d + 1), ("VO", kv, h, d + 1, g * d)] * 2,
+        expected=[("QK", kv, h, g * (d + 1), d), ("VO", kv, h, d + 1, g * d)] * 2,
+        n_translations=2,
         q_weight=("blocks.1.attn.q.weight", 0, 0, d),
         reference=_geosharp_ref,
     )
@@ -279,7 +312,8 @@ def bert_case() -> Case:
         build=_seeded(build),
         inputs=inputs,
         forward=forward,
-        expected=[("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * 2,
+        expected=[("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * 2,
+        n_translations=2,
         q_weight=("encoder.layer.0.attention.self.query.weight", 0, 0, d),
         reference=reference,
     )
@@ -298,7 +332,7 @@ def vit_case() -> Case:
             intermediate_size=37,
             image_size=8,
             patch_size=4,
-            attn_implementation="eager",
+            attn_implementation="sdpa",
         )
         return ViTModel(cfg)
 
@@ -332,7 +366,8 @@ def vit_case() -> Case:
         build=_seeded(build),
         inputs=lambda g: (_randn(g, 2, 3, 8, 8),),
         forward=forward,
-        expected=[("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * 2,
+        expected=[("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * 2,
+        n_translations=2,
         q_weight=q_weight,
         reference=reference,
     )
@@ -390,7 +425,8 @@ def vit_legacy_case() -> Case:
         build=_seeded(lambda: nn.Sequential(LegacyViTAttention(d, B), LegacyViTAttention(d, B))),
         inputs=lambda g: (_randn(g, 2, 5, d),),
         forward=lambda m, x: m(x[0]),
-        expected=[("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * 2,
+        expected=[("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * 2,
+        n_translations=2,
         q_weight=("0.attention.query.weight", 0, 0, d),
         reference=reference,
     )
@@ -414,7 +450,7 @@ def clip_case() -> Case:
             ),
             vision_config=dict(common, image_size=8, patch_size=4),
             projection_dim=16,
-            attn_implementation="eager",
+            attn_implementation="sdpa",
         )
         return CLIPModel(cfg)
 
@@ -454,7 +490,8 @@ def clip_case() -> Case:
         build=_seeded(build),
         inputs=inputs,
         forward=forward,
-        expected=[("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * 4,
+        expected=[("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * 4,
+        n_translations=4,
         q_weight=("vision_model.encoder.layers.1.self_attn.q_proj.weight", 0, 0, d),
         reference=reference,
     )
@@ -488,10 +525,8 @@ def gpt2_case(cross: bool) -> Case:
         # Conv1D: y = x W + b with W (in, out); in nn.Linear convention the weight is Wᵀ
         E = d
         return {
-            f"{prefix}[QK]": (
-                in_rows(q_w.T, q_b, B, h),
-                in_rows(kv_w[:, :E].T, kv_b[:E], B, h),
-            ),
+            f"{prefix}[QK]": (in_rows(q_w.T, q_b, B, h), in_rows(kv_w[:, :E].T, None, B, h)),
+            f"{prefix}[b_k]": key_bias_ref(kv_b[:E], B, h),
             f"{prefix}[VO]": (
                 in_rows(kv_w[:, E : 2 * E].T, kv_b[E : 2 * E], B, h),
                 out_rows(proj.weight.T, B, h),
@@ -518,13 +553,14 @@ def gpt2_case(cross: bool) -> Case:
                 )
         return ref
 
-    per_layer = [("QK", B, h, d + 1, d + 1), ("VO", B, h, d + 1, d)] * (2 if cross else 1)
+    per_layer = [("QK", B, h, d + 1, d), ("VO", B, h, d + 1, d)] * (2 if cross else 1)
     return Case(
         name="hf_gpt2_cross" if cross else "hf_gpt2",
         build=_seeded(build),
         inputs=inputs,
         forward=forward,
         expected=per_layer * 2,
+        n_translations=len(per_layer),
         q_weight=("h.0.attn.c_attn.weight", 1, 0, d),
         reference=reference,
     )
@@ -545,7 +581,7 @@ def llama_case() -> Case:
             vocab_size=50,
             max_position_embeddings=32,
             attention_bias=True,
-            attn_implementation="eager",
+            attn_implementation="sdpa",
         )
         return LlamaModel(cfg)
 
@@ -563,7 +599,7 @@ def llama_case() -> Case:
                     B,
                     h,
                     kv,
-                    qk=False,
+                    key_bias_free=False,  # RoPE rotates b_k differently for every key
                 )
             )
         return ref
@@ -573,11 +609,13 @@ def llama_case() -> Case:
         build=_seeded(build),
         inputs=lambda g: (_ids(g, 2, 6),),
         forward=lambda m, x: m(input_ids=x[0], use_cache=False).last_hidden_state,
-        # only VO (rotary): G_VO = [W_v; b_v] (d+1 rows), H_VO stacks B/kv slices of W_o
-        expected=[("VO", kv, h, d + 1, (B // kv) * d)] * 2,
+        # rotary QK: G stacks the 2 query heads [W_q; b_q] of a K/V group, H = [W_k; b_k];
+        # G_VO = [W_v; b_v] (d+1 rows), H_VO stacks B/kv slices of W_o
+        expected=[("QK", kv, h, (B // kv) * (d + 1), d + 1), ("VO", kv, h, d + 1, (B // kv) * d)]
+        * 2,
         q_weight=("layers.0.self_attn.q_proj.weight", 0, 0, d),
         reference=reference,
-        notes=["rotary position embeddings: Q/K treated adaptively, V/O keeps GL(h)"],
+        notes=["rotary position embeddings (half layout, 8 of 8 features rotated)"],
     )
 
 

@@ -35,7 +35,8 @@ def test_block_counts(setup):
     got = [(b.kind, b.heads, b.head_dim, b.n, b.m) for b in space.gl_blocks]
     assert got == case.expected
     assert len(space.diagonal_pairs) == case.n_pairs
-    assert len({b.name for b in space.gl_blocks}) == len(space.gl_blocks)
+    assert sum(b.kind == "b_k" for b in space.blocks) == case.n_translations
+    assert len({b.name for b in space.blocks}) == len(space.blocks)
     for note in case.notes:
         assert any(note in n for n in space.notes), space.notes
     for b in space.gl_blocks:
@@ -47,12 +48,8 @@ def test_round_trip_is_bit_exact(setup):
     _, model, space, _, _ = setup
     theta = space.flatten_module(model)
     rebuilt = torch.full_like(theta, float("nan"))
-    for b in space.gl_blocks:
-        G, H = b.gather(theta)
-        rebuilt = rebuilt.index_put((b.g_index,), G).index_put((b.h_index,), H)
-    for p in space.diagonal_pairs:
-        u, v = p.gather(theta)
-        rebuilt = p.scatter(rebuilt, u, v)
+    for b in space.blocks:
+        rebuilt = b.scatter(rebuilt, *b.gather(theta))
     rebuilt[space.rest_index] = theta[space.rest_index]
     params = dict(model.named_parameters())
     unflat = space.unflatten(rebuilt)
@@ -63,16 +60,11 @@ def test_round_trip_is_bit_exact(setup):
 
 def test_coverage_is_a_permutation(setup):
     _, model, space, _, _ = setup
-    parts = [space.rest_index]
-    for b in space.gl_blocks:
-        parts += [b.g_index.reshape(-1), b.h_index.reshape(-1)]
-    for p in space.diagonal_pairs:
-        parts += [p.u_index.reshape(-1), p.v_index.reshape(-1)]
-    everything = torch.cat(parts)
+    everything = torch.cat([space.rest_index, *(b.positions() for b in space.blocks)])
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert space.numel() == n
     assert torch.equal(everything.sort().values, torch.arange(n))
-    assert space.gl_numel + space.diagonal_numel + space.adaptive_numel == n
+    assert space.block_numel + space.adaptive_numel == n
 
 
 @pytest.mark.parametrize("scale", [1e-1, 1.0, 10.0])
@@ -84,11 +76,9 @@ def test_reparametrization_invariance(setup, scale):
     assert rel_change(out_twin, out) < INVARIANCE_RTOL
     # ... and the weights really moved (otherwise the check above would be empty)
     theta, theta_twin = space.flatten_module(model), space.flatten_module(twin)
-    moved = torch.cat(
-        [b.g_index.reshape(-1) for b in space.gl_blocks]
-        + [p.u_index.reshape(-1) for p in space.diagonal_pairs]
-    )
-    assert rel_change(theta_twin[moved], theta[moved]) > 1e-2
+    for b in space.blocks:
+        first = b.indices[0].reshape(-1)
+        assert rel_change(theta_twin[first], theta[first]) > 1e-2, b.name
     # the input model is untouched
     assert torch.equal(space.flatten_module(model), theta)
 
@@ -126,13 +116,38 @@ def test_blocks_match_per_head_reference(setup):
     case, model, space, _, _ = setup
     theta = space.flatten_module(model).detach()
     ref = case.reference(model)
-    assert set(ref) == {b.name for b in space.gl_blocks}
+    assert set(ref) == {b.name for b in space.blocks if b.kind != "pair"}
     for b in space.gl_blocks:
         G, H = b.gather(theta)
         G_ref, H_ref = ref[b.name]
         # the bilinear form G Hᵀ the network sees, per head, from the module's own weights
         torch.testing.assert_close(G @ H.mT, G_ref @ H_ref.mT, rtol=0, atol=0)
         assert torch.equal(G, G_ref) and torch.equal(H, H_ref), b.name
+    for b in space.blocks:
+        if b.kind == "b_k":
+            (bias,) = b.gather(theta)
+            assert torch.equal(bias, ref[b.name][0]), b.name
     for p in space.diagonal_pairs:
         u, v = p.gather(theta)
         assert torch.equal(u * v, model.beta)
+
+
+def test_outputs_ignore_the_key_bias(setup):
+    """The translation blocks are exact symmetries: any b_k, even a huge one, changes nothing."""
+    case, model, space, inputs, out = setup
+    theta = space.flatten_module(model).detach()
+    biases = [b for b in space.blocks if b.kind == "b_k"]
+    if not biases:
+        pytest.skip("no key bias the softmax ignores")
+    g = torch.Generator().manual_seed(11)
+    moved = theta
+    for b in biases:
+        (bias,) = b.gather(theta)
+        moved = b.scatter(
+            moved, bias + 100.0 * torch.randn(bias.shape, generator=g, dtype=bias.dtype)
+        )
+    twin = copy.deepcopy(model)
+    space.write_to(twin, moved)
+    with torch.no_grad():
+        # logits move by ~1e3 at most: the softmax removes the shift up to that many ulps
+        assert rel_change(case.forward(twin, inputs), out) < 1e-11

@@ -17,7 +17,6 @@ from geosharp.symmetry import (
     register_adapter,
     reparametrize,
 )
-from geosharp.symmetry.adapters import ROTARY_NOTE
 
 from .cases import DT, bert_case, llama_case
 
@@ -56,7 +55,7 @@ def test_frozen_parameters_are_excluded_and_listed():
 
 def test_block_touching_a_frozen_parameter_is_dropped_with_a_note():
     model = bert_case().build()
-    model.encoder.layer[1].attention.self.key.bias.requires_grad_(False)
+    model.encoder.layer[1].attention.self.key.weight.requires_grad_(False)
     space = find_symmetries(model)
     names = [b.name for b in space.gl_blocks]
     assert "encoder.layer.1.attention[QK]" not in names
@@ -68,22 +67,25 @@ def test_block_touching_a_frozen_parameter_is_dropped_with_a_note():
     assert torch.isin(torch.arange(q, q + 32 * 32), space.rest_index).all()
 
 
-def test_llama_rotary_note_and_adaptive_qk():
+def test_llama_rotary_qk_block_and_note():
     case = llama_case()
     model = case.build()
     space = find_symmetries(model)
-    assert ROTARY_NOTE in space.summary()
-    assert [b.kind for b in space.gl_blocks] == ["VO", "VO"]
-    rest = set(space.rest_index.tolist())
+    text = space.summary()
+    assert "rotary position embeddings (half layout, 8 of 8 features rotated)" in text
+    assert "(ℂ*)^4" in text  # the rotary commutant of h = 8: a scaled rotation per plane
+    qk = [b for b in space.gl_blocks if b.kind == "QK"]
+    assert [type(b).__name__ for b in qk] == ["RotaryBlock", "RotaryBlock"]
+    assert qk[0].rotary.planes() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # under RoPE the key bias is rotated with the keys: a row of H, not a translation
+    assert not any(b.kind == "b_k" for b in space.blocks)
     params = dict(model.named_parameters())
     offsets = dict(zip(space.param_names, space.offsets, strict=True))
-    n_qk = 0
+    covered = torch.cat([b.positions() for b in space.blocks])
     for name in offsets:
         if ".q_proj." in name or ".k_proj." in name:
-            span = range(offsets[name], offsets[name] + params[name].numel())
-            assert rest.issuperset(span), name
-            n_qk += len(span)
-    assert n_qk == 2 * ((32 * 32 + 32) + (16 * 32 + 16))  # 2 layers × (q: 4 heads, k: 2 heads)
+            span = torch.arange(offsets[name], offsets[name] + params[name].numel())
+            assert torch.isin(span, covered).all(), name
 
 
 class Bilinear(nn.Module):
@@ -263,12 +265,31 @@ def test_bert_summary_totals():
     model = bert_case().build()
     text = find_symmetries(model).summary()
     total = sum(p.numel() for p in model.parameters())
-    gl = 2 * (4 * (33 + 33) * 8 + 4 * (33 + 32) * 8)  # 2 layers × (QK + VO)
+    gl = 2 * (4 * (33 + 32) * 8 + 4 * (33 + 32) * 8)  # 2 layers × (QK + VO)
+    bk = 2 * 32  # key biases
     assert f"{total:,} coordinates" in text
+    assert "6 symmetry blocks (24 group factors" in text
     assert re.search(rf"GL\(h\) blocks\s+{gl:,}\s", text)
-    assert re.search(rf"adaptive \(element-wise\)\s+{total - gl:,}\s", text)
-    assert re.search(r"QK\s+encoder\.layer\.0\.attention\s+4\s+8\s+33×8\s+33×8\s+2,112", text)
-    assert re.search(r"VO\s+encoder\.layer\.1\.attention\s+4\s+8\s+33×8\s+32×8\s+2,080", text)
+    assert re.search(rf"key-bias translations \(held fixed\)\s+{bk}\s", text)
+    assert re.search(rf"adaptive \(element-wise\)\s+{total - gl - bk:,}\s", text)
+    assert re.search(
+        r"QK\s+GL\(8\)\s+encoder\.layer\.0\.attention\s+4\s+G 33×8, H 32×8\s+2,080", text
+    )
+    assert re.search(
+        r"b_k\s+ℝ\^32 \(translations\)\s+encoder\.layer\.0\.attention\s+4\s+b: 32\s+32", text
+    )
+    assert re.search(
+        r"VO\s+GL\(8\)\s+encoder\.layer\.1\.attention\s+4\s+G 33×8, H 32×8\s+2,080", text
+    )
+
+
+def test_key_bias_keep_restores_the_old_layout():
+    model = bert_case().build()
+    space = find_symmetries(model, key_bias="keep")
+    assert not any(b.kind == "b_k" for b in space.blocks)
+    assert [(b.kind, b.n, b.m) for b in space.gl_blocks] == [("QK", 33, 33), ("VO", 33, 32)] * 2
+    with pytest.raises(ValueError, match="key_bias must be one of"):
+        find_symmetries(model, key_bias="drop")
 
 
 def test_space_to_device_keeps_indices():

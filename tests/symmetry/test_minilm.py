@@ -14,9 +14,10 @@ pytest.importorskip("transformers")
 
 LAYERS, HEADS, h, d = 6, 12, 32, 384
 TOTAL = 22_713_216  # BertModel incl. pooler, from the checkpoint
-QK = HEADS * (d + 1 + d + 1) * h  # G = [W_q; b_q]ᵀ, H = [W_k; b_k]ᵀ: 385×32 each
+QK = HEADS * (d + 1 + d) * h  # G = [W_q; b_q]ᵀ 385×32, H = W_kᵀ 384×32 (b_k: a translation)
 VO = HEADS * (d + 1 + d) * h  # G = [W_v; b_v]ᵀ 385×32, H = W_o[:, r_i] 384×32
 GL = LAYERS * (QK + VO)
+BK = LAYERS * d  # the key biases, held fixed by geodesic measures
 
 
 @pytest.fixture(scope="module")
@@ -33,28 +34,32 @@ def test_minilm_blocks(minilm):
     expected = []
     for i in range(LAYERS):
         expected += [
-            (f"encoder.layer.{i}.attention[QK]", "QK", HEADS, h, d + 1, d + 1),
+            (f"encoder.layer.{i}.attention[QK]", "QK", HEADS, h, d + 1, d),
             (f"encoder.layer.{i}.attention[VO]", "VO", HEADS, h, d + 1, d),
         ]
     got = [(b.name, b.kind, b.heads, b.head_dim, b.n, b.m) for b in space.gl_blocks]
     assert got == expected
     assert space.numel() == TOTAL == sum(p.numel() for p in model.parameters())
-    assert space.gl_numel == GL == 3_545_856
-    assert space.adaptive_numel == TOTAL - GL
+    assert space.gl_numel == GL == 3_543_552
+    assert space.block_numel == GL + BK
+    assert space.adaptive_numel == TOTAL - GL - BK
     assert space.excluded == {} and space.diagonal_pairs == []
 
 
 def test_minilm_summary_totals(minilm):
     text = minilm[1].summary()
-    assert "12 GL(h) blocks:" in text
+    assert "18 symmetry blocks (216 group factors" in text  # 6 × (QK, b_k, VO), 12 heads each
     assert "22,713,216 coordinates" in text
-    assert re.search(r"GL\(h\) blocks\s+3,545,856\s+15\.6%", text)
+    assert re.search(r"GL\(h\) blocks\s+3,543,552\s+15\.6%", text)
+    assert re.search(r"key-bias translations \(held fixed\)\s+2,304\s+0\.0%", text)
     assert re.search(r"adaptive \(element-wise\)\s+19,167,360\s+84\.4%", text)
     assert re.search(
-        r"QK\s+encoder\.layer\.5\.attention\s+12\s+32\s+385×32\s+385×32\s+295,680", text
+        r"QK\s+GL\(32\)\s+encoder\.layer\.5\.attention\s+12\s+G 385×32, H 384×32\s+295,296",
+        text,
     )
     assert re.search(
-        r"VO\s+encoder\.layer\.5\.attention\s+12\s+32\s+385×32\s+384×32\s+295,296", text
+        r"VO\s+GL\(32\)\s+encoder\.layer\.5\.attention\s+12\s+G 385×32, H 384×32\s+295,296",
+        text,
     )
 
 
@@ -66,7 +71,7 @@ def test_minilm_last_layer_matches_weights(minilm):
     qk, vo = space.gl_blocks[10], space.gl_blocks[11]
     G, H = qk.gather(theta)
     assert torch.equal(G, in_rows(s.query.weight, s.query.bias, HEADS, h))
-    assert torch.equal(H, in_rows(s.key.weight, s.key.bias, HEADS, h))
+    assert torch.equal(H, in_rows(s.key.weight, None, HEADS, h))
     G, H = vo.gather(theta)
     assert torch.equal(G, in_rows(s.value.weight, s.value.bias, HEADS, h))
     assert torch.equal(H, out_rows(o.weight, HEADS, h))

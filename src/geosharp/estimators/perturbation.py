@@ -4,11 +4,11 @@ A :class:`Perturbation` splits the flat parameter vector ``θ`` of a
 :class:`~geosharp.symmetry.ParameterSpace` into *pieces*, each with its own
 :class:`~geosharp.geometry.Geometry`:
 
-* ``measure="geodesic"``: every group of equally-shaped GL(h) blocks becomes one batched
-  :class:`~geosharp.geometry.GLGeometry` (all heads of all layers in one set of batched
-  matmuls), diagonal pairs a :class:`~geosharp.geometry.diagonal.DiagonalGeometry`, and the
-  remaining coordinates the adaptive :class:`~geosharp.geometry.ElementwiseGeometry` (followed
-  along straight lines, as adaptive sharpness does);
+* ``measure="geodesic"``: every group of symmetry blocks with one batch key becomes one
+  batched geometry built by the block class (all heads of all layers in one set of batched
+  matmuls: GL(h), rotary, LoRA, diagonal pairs, key biases held fixed), and the remaining
+  coordinates the adaptive :class:`~geosharp.geometry.ElementwiseGeometry` (followed along
+  straight lines, as adaptive sharpness does);
 * ``measure="adaptive"``: one element-wise piece over all of ``θ``;
 * ``measure="euclidean"``: one Euclidean piece over all of ``θ``.
 
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry, GLGeometry
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry
 from geosharp.geometry.base import Tangent
-from geosharp.geometry.diagonal import DiagonalGeometry
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
@@ -146,34 +145,23 @@ class Perturbation:
             g = EuclideanGeometry(self.theta0, name="all parameters")
             self.pieces.append(Piece("all parameters (euclidean)", None, g, g, 1))
             return
-        for key, blocks in _group_blocks(space).items():
-            g_idx = torch.cat([b.g_index for b in blocks]).to(device)
-            h_idx = torch.cat([b.h_index for b in blocks]).to(device)
-            G, H = self.theta0[g_idx], self.theta0[h_idx]
-            name = f"{len(blocks)} GL({key[2]}) block(s) n={key[0]}, m={key[1]}"
+        for blocks in _group_blocks(space):
+            cls = type(blocks[0])
+            index = tuple(i.to(device) for i in cls.batch(blocks))
+            point = tuple(self.theta0[i] for i in index)
             if metric == "adaptive":
-                geom: Geometry = _ProductElementwise((G, H))
+                geom: Geometry = _ProductElementwise(point)
                 piece_order: int | str = 1
             else:
-                heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
-                geom = GLGeometry(G, H, metric=metric, eps=eps, name=name, head_names=heads)
+                geom = cls.geometry(blocks, point, metric=metric, eps=eps)
                 piece_order = order
-            if corrected_norm:
+            if corrected_norm or geom.is_trivial:
                 norm_geom = geom
             else:  # the adaptive norm, on tangents kept in the block geometry's dtype
                 wide = geom.tangent_dtype
-                norm_geom = _ProductElementwise((G.to(wide), H.to(wide)))
-            self.pieces.append(Piece(name, (g_idx, h_idx), geom, norm_geom, piece_order))
-        for pair in space.diagonal_pairs:
-            u_idx, v_idx = pair.u_index.to(device), pair.v_index.to(device)
-            u, v = self.theta0[u_idx], self.theta0[v_idx]
-            if metric == "adaptive":
-                geom, piece_order = _ProductElementwise((u, v)), 1
-            else:
-                geom = DiagonalGeometry(u, v, metric=metric, eps=eps)
-                piece_order = order
-            norm_geom = geom if corrected_norm else _ProductElementwise((u, v))
-            self.pieces.append(Piece(pair.name, (u_idx, v_idx), geom, norm_geom, piece_order))
+                norm_geom = _ProductElementwise(tuple(p.to(wide) for p in point))
+            name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
+            self.pieces.append(Piece(name, index, geom, norm_geom, piece_order))
         rest = space.rest_index.to(device)
         self._rest_piece: int | None = None
         if rest.numel():
@@ -300,11 +288,7 @@ class Perturbation:
         """Every piece moved along its geodesic (or straight line) from the base point."""
         out = []
         for p, x in zip(self.pieces, xi, strict=True):
-            if p.order == "exact" and isinstance(p.geometry, DiagonalGeometry):
-                # The closed-form geodesics need an exactly horizontal velocity; iterates are
-                # horizontal only up to roundoff, which P removes (P is the identity on them).
-                x = p.geometry.project(x)
-            out.append(p.geometry.geodesic(x, order=p.order, steps=self.exact_steps))
+            out.append(p.geometry.iterate_endpoint(x, order=p.order, steps=self.exact_steps))
         return out
 
     def endpoint(self, xi: Xi) -> Tensor:
@@ -334,12 +318,15 @@ class Perturbation:
         return self._assembly(moved)
 
 
-def _group_blocks(space: ParameterSpace) -> dict[tuple[int, int, int], list]:
-    """GL blocks grouped by ``(n, m, h)`` so that each group is one batched geometry."""
-    groups: dict[tuple[int, int, int], list] = {}
-    for b in space.gl_blocks:
-        groups.setdefault((b.n, b.m, b.head_dim), []).append(b)
-    return groups
+def _group_blocks(space: ParameterSpace) -> list[list]:
+    """Blocks grouped by :meth:`~geosharp.symmetry.SymmetryBlock.batch_key`, in first-seen order.
+
+    Each group becomes one batched geometry (e.g. all QK heads of equal shape of all layers).
+    """
+    groups: dict = {}
+    for b in space.blocks:
+        groups.setdefault(b.batch_key(), []).append(b)
+    return list(groups.values())
 
 
 class _Assembly:

@@ -6,6 +6,8 @@ Modules:
     elementwise: the adaptive (element-wise GL(1)) metric and the Euclidean one.
     diagonal: GL(1) per coordinate of a diagonal linear network, with closed-form geodesics and
         sharpness.
+    gl_subgroup: the GL(h) metrics on the quotient by a subgroup (rotary Q/K).
+    fixed: coordinates whose quotient is a point (key biases).
 
 Every geometry implements :class:`~geosharp.geometry.base.Geometry`.
 """
@@ -14,13 +16,18 @@ from geosharp.geometry import diagonal, elementwise, gl
 from geosharp.geometry.base import Geometry, Point, Tangent
 from geosharp.geometry.diagonal import DiagonalGeometry
 from geosharp.geometry.elementwise import ElementwiseGeometry, EuclideanGeometry
+from geosharp.geometry.fixed import FixedGeometry
 from geosharp.geometry.gl import GLGeometry
+from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra, GLSubgroupGeometry
 
 __all__ = [
+    "BlockDiagonalAlgebra",
     "DiagonalGeometry",
     "ElementwiseGeometry",
     "EuclideanGeometry",
+    "FixedGeometry",
     "GLGeometry",
+    "GLSubgroupGeometry",
     "Geometry",
     "Point",
     "Tangent",

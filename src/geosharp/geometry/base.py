@@ -40,6 +40,8 @@ class Geometry(ABC):
     """
 
     point: Point
+    #: ``True`` when the quotient is a single point (every direction is a symmetry).
+    is_trivial: bool = False
 
     # -- metric ---------------------------------------------------------------------------
     @abstractmethod
@@ -87,6 +89,15 @@ class Geometry(ABC):
             gamma = self.christoffel(xi)
             return tuple(p + x - 0.5 * g for p, x, g in zip(self.point, xi, gamma, strict=True))
         return self._rk4(xi, check_steps(steps))
+
+    def iterate_endpoint(
+        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
+    ) -> Point:
+        """:meth:`geodesic` of an ascent iterate, which is horizontal only up to roundoff.
+
+        Geometries whose closed forms need an exactly horizontal velocity override this.
+        """
+        return self.geodesic(xi, order=order, steps=steps)
 
     def _rk4(self, xi: Tangent, steps: int, point: Point | None = None) -> Point:
         """Integrate ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(point, ξ)`` to ``t = 1`` with classic RK4.

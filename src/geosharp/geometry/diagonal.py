@@ -379,6 +379,18 @@ class DiagonalGeometry(Geometry):
         s = torch.sqrt(stretch.clamp_min(MIX_CHART_FLOOR))
         return self.u * s, self.v * (stretch / s)
 
+    def iterate_endpoint(
+        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
+    ) -> Point:
+        """The geodesic of an ascent iterate: projected first for ``order="exact"``.
+
+        The closed-form geodesics need an exactly horizontal velocity; iterates are horizontal
+        only up to roundoff, which ``P`` removes (``P`` is the identity on them).
+        """
+        if order == "exact":
+            xi = self.project(xi)
+        return self.geodesic(xi, order=order, steps=steps)
+
     # -- sampling -------------------------------------------------------------------------------
     def random_tangent(
         self,

@@ -1,8 +1,9 @@
 """Find the GL(h) symmetry blocks of a PyTorch model and map parameters ↔ blocks (SPEC §3).
 
 The finder returns a :class:`ParameterSpace`: one flat coordinate vector ``θ`` over the
-trainable parameters, split into :class:`GLBlock` s (attention heads: ``(G, H)`` entering only
-through ``G Hᵀ``), :class:`DiagonalPair` s (``u ⊙ v``) and the rest (adaptive geometry).
+trainable parameters, split into symmetry blocks (:mod:`geosharp.symmetry.blocks`: GL(h) heads
+of attention, rotary Q/K heads, LoRA adapters, diagonal pairs ``u ⊙ v``, key-bias translations)
+and the rest (adaptive geometry).
 Architecture knowledge lives in small adapters (:mod:`geosharp.symmetry.adapters`); users can
 add their own or declare blocks by hand with :func:`declare_block`.
 
@@ -17,6 +18,14 @@ Example:
 """
 
 from geosharp.symmetry.adapters import ADAPTERS, Adapter, attention_claim, register_adapter
+from geosharp.symmetry.blocks import (
+    DiagonalPair,
+    GLBlock,
+    LoRABlock,
+    RotaryBlock,
+    SymmetryBlock,
+    TranslationBlock,
+)
 from geosharp.symmetry.find import find_symmetries
 from geosharp.symmetry.hf_adapters import EXTRA_ADAPTERS
 from geosharp.symmetry.reparametrize import (
@@ -25,8 +34,16 @@ from geosharp.symmetry.reparametrize import (
     random_group_elements,
     reparametrize,
 )
-from geosharp.symmetry.space import DiagonalPair, GLBlock, ParameterSpace
-from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, ParamSlice, declare_block
+from geosharp.symmetry.space import ParameterSpace
+from geosharp.symmetry.specs import (
+    BlockSpec,
+    Claim,
+    PairSpec,
+    ParamSlice,
+    RotarySpec,
+    TranslationSpec,
+    declare_block,
+)
 
 ADAPTERS[0:0] = [a for a in EXTRA_ADAPTERS if a not in ADAPTERS]
 
@@ -38,9 +55,15 @@ __all__ = [
     "DiagonalPair",
     "GLBlock",
     "GroupElement",
+    "LoRABlock",
     "PairSpec",
     "ParamSlice",
     "ParameterSpace",
+    "RotaryBlock",
+    "RotarySpec",
+    "SymmetryBlock",
+    "TranslationBlock",
+    "TranslationSpec",
     "attention_claim",
     "declare_block",
     "find_symmetries",

@@ -73,7 +73,6 @@ __all__ = [
 Adapter = Callable[[str, nn.Module], "Claim | None"]
 
 
-
 # -- the one generic constructor ------------------------------------------------------------------
 def _join(path: str, local: str) -> str:
     return f"{path}.{local}" if path else local

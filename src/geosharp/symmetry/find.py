@@ -10,13 +10,22 @@ coordinate may belong to two blocks; whatever no block claims uses the adaptive 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from geosharp.symmetry.adapters import ADAPTERS, Adapter
-from geosharp.symmetry.space import DiagonalPair, GLBlock, ParameterSpace
-from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, slice_positions
+from geosharp.symmetry.blocks import (
+    DiagonalPair,
+    GLBlock,
+    LoRABlock,
+    RotaryBlock,
+    SymmetryBlock,
+    TranslationBlock,
+)
+from geosharp.symmetry.space import ParameterSpace
+from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, TranslationSpec, slice_positions
 
 __all__ = ["find_symmetries"]
 
@@ -67,26 +76,44 @@ class _Resolver:
             )
         return name
 
-    def block(self, spec: BlockSpec) -> GLBlock:
-        def pieces(slices: Sequence) -> Tensor:
-            parts = []
-            for piece in slices:
-                name = self.name(piece.param, f"block {spec.name!r}")
-                local = slice_positions(self.shapes[name], piece, spec.heads, spec.head_dim)
-                parts.append(local + self.offsets[name])
-            return torch.cat(parts, dim=1)
+    def positions(self, pieces: Sequence, heads: int, head_dim: int, owner: str) -> Tensor:
+        """Global positions of slices cut into ``heads`` blocks of ``head_dim``, row-stacked."""
+        parts = []
+        for piece in pieces:
+            name = self.name(piece.param, owner)
+            local = slice_positions(self.shapes[name], piece, heads, head_dim)
+            parts.append(local + self.offsets[name])
+        return torch.cat(parts, dim=1)
 
-        return GLBlock(
-            name=spec.name,
-            kind=spec.kind,
-            module=spec.module,
-            heads=spec.heads,
-            head_dim=spec.head_dim,
-            g_index=pieces(spec.g),
-            h_index=pieces(spec.h),
+    def resolve(self, spec: BlockSpec | PairSpec | TranslationSpec) -> SymmetryBlock:
+        """The block a spec describes, with global indices (the one place spec kinds meet)."""
+        if isinstance(spec, BlockSpec):
+            return self._gl(spec)
+        if isinstance(spec, PairSpec):
+            return self._pair(spec)
+        if isinstance(spec, TranslationSpec):
+            index = self.positions(spec.pieces, spec.heads, spec.head_dim, f"bias {spec.name!r}")
+            return TranslationBlock(spec.name, spec.module, spec.heads, spec.head_dim, index)
+        raise TypeError(f"unknown symmetry spec {type(spec).__name__}")
+
+    def _gl(self, spec: BlockSpec) -> GLBlock:
+        owner = f"block {spec.name!r}"
+        args = (
+            spec.name,
+            spec.kind,
+            spec.module,
+            spec.heads,
+            spec.head_dim,
+            self.positions(spec.g, spec.heads, spec.head_dim, owner),
+            self.positions(spec.h, spec.heads, spec.head_dim, owner),
         )
+        if spec.rotary is not None:
+            return RotaryBlock(*args, rotary=spec.rotary)
+        if spec.kind == "LoRA":
+            return LoRABlock(*args)
+        return GLBlock(*args)
 
-    def pair(self, spec: PairSpec) -> DiagonalPair:
+    def _pair(self, spec: PairSpec) -> DiagonalPair:
         u = self.name(spec.u, f"diagonal pair {spec.name!r}")
         v = self.name(spec.v, f"diagonal pair {spec.name!r}")
         if self.shapes[u] != self.shapes[v]:
@@ -126,20 +153,47 @@ def _collapse_notes(notes: list[tuple[str, str]]) -> list[str]:
     return out
 
 
+KEY_BIAS = ("quotient", "keep")
+
+
+def _specs(claim: Claim, key_bias: str) -> list[BlockSpec | PairSpec | TranslationSpec]:
+    """The specs of a claim; with ``key_bias="keep"`` key biases are rows of their QK block."""
+    blocks = list(claim.blocks)
+    translations = list(claim.translations)
+    if key_bias == "keep":
+        folded = []
+        for t in translations:
+            host = next((i for i, b in enumerate(blocks) if b.name == t.fold_into), None)
+            if host is None:
+                folded.append(t)
+                continue
+            blocks[host] = replace(blocks[host], h=(*blocks[host].h, *t.pieces))
+        translations = folded
+    ordered: list[BlockSpec | PairSpec | TranslationSpec] = []
+    for b in blocks:  # each key bias right after its QK block, as in the module
+        ordered.append(b)
+        ordered.extend(t for t in translations if t.fold_into == b.name)
+    ordered.extend(t for t in translations if t.fold_into not in {b.name for b in blocks})
+    return [*ordered, *claim.pairs]
+
+
 def find_symmetries(
     model: nn.Module,
     *,
     adapters: Sequence[Adapter] | None = None,
     extra_blocks: Iterable[BlockSpec] = (),
     diagonal_pairs: Iterable[PairSpec | tuple[str, str]] = (),
+    key_bias: str = "quotient",
 ) -> ParameterSpace:
-    """Split the trainable parameters of a model into GL(h) blocks, diagonal pairs and the rest.
+    """Split the trainable parameters of a model into symmetry blocks and the rest.
 
     Modules are visited in ``named_modules()`` order; the first adapter that recognises a module
-    claims it (its submodules are not visited again). Parameters with ``requires_grad=False``
-    are left out of ``θ`` and listed in :attr:`ParameterSpace.excluded`; a block found by an
-    adapter that touches one is not used (its trainable coordinates stay adaptive, with a
-    note), whereas a user-declared block that does raises.
+    claims it (its submodules are not visited again, unless every block of the claim touches a
+    frozen parameter: then the finder looks inside, e.g. for LoRA adapters under a frozen
+    attention). Parameters with ``requires_grad=False`` are left out of ``θ`` and listed in
+    :attr:`ParameterSpace.excluded`; a block found by an adapter that touches one is not used
+    (its trainable coordinates stay adaptive, with a note), whereas a user-declared block that
+    does raises.
 
     Args:
         model: Any ``nn.Module``.
@@ -149,14 +203,17 @@ def find_symmetries(
         extra_blocks: Hand-declared blocks, e.g. from
             :func:`geosharp.symmetry.declare_block`.
         diagonal_pairs: Extra diagonal pairs, as :class:`PairSpec` or ``(u_name, v_name)``.
+        key_bias: ``"quotient"`` (default): attention key biases the softmax ignores are
+            translation blocks, held fixed by geodesic measures (SPEC §8); ``"keep"``: they are
+            rows of ``H_QK`` as in geosharp ≤ 0.1 (the setting of Studies 1–3).
 
     Returns:
         The :class:`ParameterSpace`.
 
     Raises:
         ValueError: If two blocks (or pairs) claim the same coordinate, two blocks share a
-            name, a declared block refers to a missing or frozen parameter, or a slice does
-            not fit its heads.
+            name, a declared block refers to a missing or frozen parameter, a slice does
+            not fit its heads, or ``key_bias`` is unknown.
 
     Example:
         >>> import torch
@@ -164,69 +221,79 @@ def find_symmetries(
         >>> mha = nn.MultiheadAttention(embed_dim=8, num_heads=2)
         >>> space = find_symmetries(mha)
         >>> [(b.name, b.heads, b.n, b.m, b.head_dim) for b in space.gl_blocks]
-        [('<model>[QK]', 2, 9, 9, 4), ('<model>[VO]', 2, 9, 8, 4)]
+        [('<model>[QK]', 2, 9, 8, 4), ('<model>[VO]', 2, 9, 8, 4)]
+        >>> [b.name for b in space.blocks if b.kind == "b_k"]
+        ['<model>[b_k]']
         >>> space.adaptive_numel  # the output bias
         8
     """
+    if key_bias not in KEY_BIAS:
+        raise ValueError(f"key_bias must be one of {KEY_BIAS}, got {key_bias!r}")
     adapters = list(ADAPTERS if adapters is None else adapters)
     res = _Resolver(model)
 
-    claims: list[tuple[str, Claim]] = []
+    notes: list[tuple[str, str]] = []
+    frozen: list[str] = []
+    blocks: list[SymmetryBlock] = []
     claimed: list[str] = []
     for path, module in model.named_modules():
         if any(path == c or c == "" or path.startswith(c + ".") for c in claimed):
             continue
         for adapter in adapters:
             claim = adapter(path, module)
-            if claim is not None:
-                claims.append((path, claim))
-                claimed.append(path)
+            if claim is None:
+                continue
+            specs = _specs(claim, key_bias)
+            found, dropped = [], []
+            for spec in specs:
+                try:
+                    found.append(res.resolve(spec))
+                except _FrozenParameterError:
+                    dropped.append(spec.name)
+            if specs and not found:
+                # Everything here is frozen: look inside (a LoRA adapter may be trainable).
+                frozen.extend(dropped)
                 break
-
-    notes: list[tuple[str, str]] = []
-    blocks: list[GLBlock] = []
-    pairs: list[DiagonalPair] = []
-    for path, claim in claims:
-        notes.extend((path, text) for text in claim.notes)
-        for spec in claim.blocks:
-            try:
-                blocks.append(res.block(spec))
-            except _FrozenParameterError as err:
-                notes.append(("", f"block {spec.name!r} not used: {err}"))
-        for pspec in claim.pairs:
-            try:
-                pairs.append(res.pair(pspec))
-            except _FrozenParameterError as err:
-                notes.append(("", f"diagonal pair {pspec.name!r} not used: {err}"))
+            notes.extend((path, text) for text in claim.notes)
+            frozen.extend(dropped)
+            blocks.extend(found)
+            claimed.append(path)
+            break
     for spec in extra_blocks:
-        blocks.append(res.block(spec))
+        blocks.append(res.resolve(spec))
     for pair in diagonal_pairs:
-        pairs.append(res.pair(_as_pair_spec(pair)))
+        blocks.append(res.resolve(_as_pair_spec(pair)))
 
     owner = torch.full((res.numel,), -1, dtype=torch.long)
     owners: list[str] = []
-    seen_names: set[str] = set()
-    for item in [*blocks, *pairs]:
-        if item.name in seen_names:
-            raise ValueError(f"two blocks are named {item.name!r}; block names must be unique")
-        seen_names.add(item.name)
-        if isinstance(item, GLBlock):
-            idx = torch.cat([item.g_index.reshape(-1), item.h_index.reshape(-1)])
-        else:
-            idx = torch.cat([item.u_index.reshape(-1), item.v_index.reshape(-1)])
-        _claim_positions(owner, owners, idx, item.name, res)
-        owners.append(item.name)
+    for block in blocks:
+        if block.name in owners:
+            raise ValueError(f"two blocks are named {block.name!r}; block names must be unique")
+        _claim_positions(owner, owners, block.positions(), block.name, res)
+        owners.append(block.name)
 
+    text = _collapse_notes(notes)
+    if frozen:
+        shown = ", ".join(repr(n) for n in frozen[:3]) + (", …" if len(frozen) > 3 else "")
+        text.append(
+            f"{len(frozen)} symmetry block(s) not used because they touch frozen parameters "
+            f"(requires_grad=False): {shown}; their trainable coordinates stay adaptive"
+        )
+    if any(isinstance(b, TranslationBlock) for b in blocks):
+        text.append(
+            "key biases b_k: the softmax ignores q·b_k (the same for every key), so they are "
+            "pure symmetry directions; geodesic measures hold them fixed (key_bias='quotient'), "
+            "adaptive sharpness keeps them"
+        )
     rest = torch.nonzero(owner < 0).reshape(-1)
     return ParameterSpace(
         param_names=tuple(name for name, _ in res.included),
         shapes=tuple(p.shape for _, p in res.included),
         offsets=tuple(res.offsets[name] for name, _ in res.included),
-        gl_blocks=blocks,
-        diagonal_pairs=pairs,
+        blocks=blocks,
         rest_index=rest,
         excluded=dict(res.excluded),
-        notes=_collapse_notes(notes),
+        notes=text,
     )
 
 

@@ -4,17 +4,16 @@ A :class:`ParameterSpace` fixes one flat coordinate system for the trainable par
 model: ``θ = cat([p.reshape(-1) for p in params])`` in the order of
 :attr:`ParameterSpace.param_names`. Every coordinate of ``θ`` belongs to exactly one of
 
-* a :class:`GLBlock` — a batch of ``B`` pairs ``(G_b, H_b)`` on which the network depends only
-  through ``G_b H_bᵀ`` (SPEC §3, acted on by GL(h): ``(G, H) ↦ (G A⁻¹, H Aᵀ)``),
-* a :class:`DiagonalPair` — the two factors of a diagonal linear network ``β = u ⊙ v``,
+* a symmetry block (:mod:`geosharp.symmetry.blocks`: GL(h) heads of attention, rotary Q/K
+  heads, LoRA adapters, diagonal-net pairs, key-bias translations), in
+  :attr:`ParameterSpace.blocks`,
 * :attr:`ParameterSpace.rest_index` — everything else, treated with the adaptive
   (element-wise) geometry of SPEC §5.
 
 Blocks store *global* flat positions into ``θ``, so gathering and scattering is one indexing
-operation whatever the architecture: ``G = θ[block.g_index]`` and
-``θ.index_put((block.g_index,), G_new)``. The architecture-specific knowledge of *where* the
-blocks live is produced by the adapters of :mod:`geosharp.symmetry.adapters`; this module only
-holds the result.
+operation whatever the architecture. The architecture-specific knowledge of *where* the blocks
+live is produced by the adapters of :mod:`geosharp.symmetry.adapters`; this module only holds
+the result, and never asks a block its kind.
 """
 
 from __future__ import annotations
@@ -26,171 +25,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DiagonalPair", "GLBlock", "ParameterSpace"]
+from geosharp.symmetry.blocks import DiagonalPair, GLBlock, SymmetryBlock
 
-
-@dataclass(frozen=True, eq=False)
-class GLBlock:
-    """A batch of GL(h) symmetry blocks ``(G_b, H_b)``, ``b = 1..B`` (SPEC §3).
-
-    The network depends on ``θ[g_index]`` and ``θ[h_index]`` only through the batched product
-    ``G Hᵀ``; GL(h) acts per head by ``(G_b, H_b) ↦ (G_b A_b⁻¹, H_b A_bᵀ)``. For attention head
-    ``i`` with PyTorch's ``y = x Wᵀ + b`` convention:
-    ``G_QK = [W_q[r_i, :], b_q[r_i]]ᵀ``, ``H_QK = [W_k[r_i, :], b_k[r_i]]ᵀ``,
-    ``G_VO = [W_v[r_i, :], b_v[r_i]]ᵀ``, ``H_VO = W_o[:, r_i]`` with ``r_i = i·h : (i+1)·h``.
-
-    Attributes:
-        name: Unique readable name, e.g. ``"encoder.layer.3.attention[QK]"``.
-        kind: ``"QK"``, ``"VO"`` or ``"custom"``.
-        module: Dotted path of the module the block lives in (``""`` for the root).
-        heads: Number ``B`` of independent blocks (heads, or K/V heads under grouped-query
-            attention).
-        head_dim: Group dimension ``h``.
-        g_index: ``LongTensor (B, n, h)`` of global flat positions into ``θ``.
-        h_index: ``LongTensor (B, m, h)`` of global flat positions into ``θ``.
-
-    Example:
-        >>> import torch
-        >>> blk = GLBlock("toy[custom]", "custom", "toy", 1, 2,
-        ...               torch.arange(6).view(1, 3, 2), torch.arange(6, 10).view(1, 2, 2))
-        >>> G, H = blk.gather(torch.arange(10.0))
-        >>> tuple(G.shape), tuple(H.shape), blk.numel
-        ((1, 3, 2), (1, 2, 2), 10)
-    """
-
-    name: str
-    kind: str
-    module: str
-    heads: int
-    head_dim: int
-    g_index: Tensor
-    h_index: Tensor
-
-    @property
-    def n(self) -> int:
-        """Number of rows ``n`` of each ``G_b``."""
-        return int(self.g_index.shape[1])
-
-    @property
-    def m(self) -> int:
-        """Number of rows ``m`` of each ``H_b``."""
-        return int(self.h_index.shape[1])
-
-    @property
-    def numel(self) -> int:
-        """Number of coordinates of ``θ`` in this block, ``B·(n + m)·h``."""
-        return int(self.g_index.numel() + self.h_index.numel())
-
-    def gather(self, theta: Tensor) -> tuple[Tensor, Tensor]:
-        """Read ``(G, H)`` out of a flat parameter vector (differentiable).
-
-        Args:
-            theta: Flat vector ``θ`` of the owning :class:`ParameterSpace`.
-
-        Returns:
-            ``G`` of shape ``(B, n, h)`` and ``H`` of shape ``(B, m, h)``.
-        """
-        return theta[_on(self.g_index, theta)], theta[_on(self.h_index, theta)]
-
-    def scatter(self, theta: Tensor, G: Tensor, H: Tensor) -> Tensor:
-        """Return a copy of ``θ`` with this block replaced by ``(G, H)`` (differentiable).
-
-        Args:
-            theta: Flat vector ``θ``.
-            G: New ``G`` of shape ``(B, n, h)``.
-            H: New ``H`` of shape ``(B, m, h)``.
-
-        Returns:
-            The updated flat vector (``θ`` itself is not modified).
-        """
-        g, h = _on(self.g_index, theta), _on(self.h_index, theta)
-        return theta.index_put((g,), G).index_put((h,), H)
-
-    def to(self, device: torch.device | str) -> GLBlock:
-        """A copy with the index tensors on ``device`` (avoids a copy per gather on GPUs).
-
-        Args:
-            device: Target device.
-
-        Returns:
-            The moved block.
-        """
-        return replace(self, g_index=self.g_index.to(device), h_index=self.h_index.to(device))
-
-    def __repr__(self) -> str:
-        return (
-            f"GLBlock({self.name!r}, heads={self.heads}, h={self.head_dim}, n={self.n}, m={self.m})"
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class DiagonalPair:
-    """The factors ``(u, v)`` of a diagonal linear network ``y = xᵀ(u ⊙ v)`` (SPEC §3).
-
-    One GL(1) per coordinate acts by ``(u_i, v_i) ↦ (α_i u_i, v_i / α_i)``.
-
-    Attributes:
-        name: Readable name, e.g. ``"net[u*v]"``.
-        module: Dotted path of the owning module.
-        u_index: ``LongTensor`` of global flat positions of ``u`` into ``θ``.
-        v_index: ``LongTensor`` of the same shape: positions of the matching ``v``.
-
-    Example:
-        >>> import torch
-        >>> pair = DiagonalPair("net[u*v]", "net", torch.arange(3), torch.arange(3, 6))
-        >>> u, v = pair.gather(torch.arange(6.0))
-        >>> (u * v).tolist()
-        [0.0, 4.0, 10.0]
-    """
-
-    name: str
-    module: str
-    u_index: Tensor
-    v_index: Tensor
-
-    @property
-    def numel(self) -> int:
-        """Number of coordinates of ``θ`` in this pair (``2·len(u)``)."""
-        return int(self.u_index.numel() + self.v_index.numel())
-
-    def gather(self, theta: Tensor) -> tuple[Tensor, Tensor]:
-        """Read ``(u, v)`` out of a flat parameter vector (differentiable).
-
-        Args:
-            theta: Flat vector ``θ``.
-
-        Returns:
-            ``u`` and ``v``, both shaped like :attr:`u_index`.
-        """
-        return theta[_on(self.u_index, theta)], theta[_on(self.v_index, theta)]
-
-    def scatter(self, theta: Tensor, u: Tensor, v: Tensor) -> Tensor:
-        """Return a copy of ``θ`` with this pair replaced by ``(u, v)`` (differentiable).
-
-        Args:
-            theta: Flat vector ``θ``.
-            u: New ``u``, shaped like :attr:`u_index`.
-            v: New ``v``, shaped like :attr:`v_index`.
-
-        Returns:
-            The updated flat vector.
-        """
-        ui, vi = _on(self.u_index, theta), _on(self.v_index, theta)
-        return theta.index_put((ui,), u).index_put((vi,), v)
-
-    def to(self, device: torch.device | str) -> DiagonalPair:
-        """A copy with the index tensors on ``device``.
-
-        Args:
-            device: Target device.
-
-        Returns:
-            The moved pair.
-        """
-        return replace(self, u_index=self.u_index.to(device), v_index=self.v_index.to(device))
-
-    def __repr__(self) -> str:
-        return f"DiagonalPair({self.name!r}, size={self.u_index.numel()})"
+__all__ = ["ParameterSpace"]
 
 
 @dataclass(eq=False)
@@ -203,10 +40,9 @@ class ParameterSpace:
         param_names: Trainable parameter names in the order they are concatenated into ``θ``.
         shapes: Shape of each parameter.
         offsets: Start of each parameter in ``θ``.
-        gl_blocks: GL(h) blocks, with global indices into ``θ``.
-        diagonal_pairs: Diagonal-network pairs, with global indices into ``θ``.
-        rest_index: Sorted global positions of every coordinate in no block or pair; these use
-            the adaptive element-wise geometry.
+        blocks: The symmetry blocks, with global indices into ``θ``.
+        rest_index: Sorted global positions of every coordinate in no block; these use the
+            adaptive element-wise geometry.
         excluded: Parameters left out of ``θ`` (name → reason), e.g. frozen ones.
         notes: Human-readable remarks of the finder (e.g. why a block was not used).
 
@@ -225,8 +61,7 @@ class ParameterSpace:
     param_names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
-    gl_blocks: list[GLBlock] = field(default_factory=list)
-    diagonal_pairs: list[DiagonalPair] = field(default_factory=list)
+    blocks: list[SymmetryBlock] = field(default_factory=list)
     rest_index: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     excluded: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -362,8 +197,7 @@ class ParameterSpace:
         """
         return replace(
             self,
-            gl_blocks=[b.to(device) for b in self.gl_blocks],
-            diagonal_pairs=[p.to(device) for p in self.diagonal_pairs],
+            blocks=[b.to(device) for b in self.blocks],
             rest_index=self.rest_index.to(device),
             excluded=dict(self.excluded),
             notes=list(self.notes),
@@ -371,8 +205,23 @@ class ParameterSpace:
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
+    def gl_blocks(self) -> list[GLBlock]:
+        """The blocks whose group is GL(h) or a subgroup of it (attention, rotary, LoRA)."""
+        return [b for b in self.blocks if isinstance(b, GLBlock)]
+
+    @property
+    def diagonal_pairs(self) -> list[DiagonalPair]:
+        """The diagonal-network pairs."""
+        return [b for b in self.blocks if isinstance(b, DiagonalPair)]
+
+    @property
+    def block_numel(self) -> int:
+        """Number of coordinates in symmetry blocks."""
+        return sum(b.numel for b in self.blocks)
+
+    @property
     def gl_numel(self) -> int:
-        """Number of coordinates in GL(h) blocks."""
+        """Number of coordinates in GL(h)-type blocks (attention, rotary, LoRA)."""
         return sum(b.numel for b in self.gl_blocks)
 
     @property
@@ -384,6 +233,18 @@ class ParameterSpace:
     def adaptive_numel(self) -> int:
         """Number of coordinates with the adaptive geometry (length of :attr:`rest_index`)."""
         return int(self.rest_index.numel())
+
+    @property
+    def n_group_factors(self) -> int:
+        """Independent group factors over all blocks (heads, pair coordinates, biases)."""
+        return sum(b.count for b in self.blocks)
+
+    def describe_blocks(self) -> str:
+        """``"N symmetry blocks (K group factors)"``, the count used by every report."""
+        return (
+            f"{_plural(len(self.blocks), 'symmetry block')} "
+            f"({_plural(self.n_group_factors, 'group factor')}: heads, pair coordinates, biases)"
+        )
 
     def summary(self) -> str:
         """A readable table of the blocks, the parameter count per geometry and the notes.
@@ -403,38 +264,34 @@ class ParameterSpace:
         lines = [
             f"ParameterSpace: {len(self.param_names)} parameter tensors, {total:,} coordinates"
         ]
-        if not self.gl_blocks and not self.diagonal_pairs:
+        if not self.blocks:
             lines.append(
                 f"no symmetry blocks found: all {total:,} parameters use the adaptive geometry"
             )
-        if self.gl_blocks:
-            header = ("kind", "module", "heads", "h", "G (n×h)", "H (m×h)", "params")
+        else:
+            header = ("kind", "group", "module", "heads", "factors", "params")
             rows = [
                 (
                     b.kind,
+                    b.group,
                     b.module or "<model>",
-                    str(b.heads),
-                    str(b.head_dim),
-                    f"{b.n}×{b.head_dim}",
-                    f"{b.m}×{b.head_dim}",
+                    f"{b.count:,}",
+                    b.shape_label,
                     f"{b.numel:,}",
                 )
-                for b in self.gl_blocks
+                for b in self.blocks
             ]
-            lines.append(_plural(len(self.gl_blocks), "GL(h) block") + ":")
-            lines.extend(_table(header, rows, right=(2, 3, 4, 5, 6)))
-        if self.diagonal_pairs:
-            header = ("pair", "size", "params")
-            rows = [(p.name, f"{p.u_index.numel():,}", f"{p.numel:,}") for p in self.diagonal_pairs]
-            lines.append(_plural(len(self.diagonal_pairs), "diagonal pair") + ":")
-            lines.extend(_table(header, rows, right=(1, 2)))
+            lines.append(self.describe_blocks() + ":")
+            lines.extend(_table(header, rows, right=(3, 5)))
 
         def share(k: int) -> str:
             return f"{100.0 * k / total:.1f}%" if total else "-"
 
-        rows = [
-            ("GL(h) blocks", f"{self.gl_numel:,}", share(self.gl_numel)),
-            ("diagonal pairs", f"{self.diagonal_numel:,}", share(self.diagonal_numel)),
+        families: dict[str, int] = {}
+        for b in self.blocks:
+            families[b.family] = families.get(b.family, 0) + b.numel
+        rows = [(family, f"{n:,}", share(n)) for family, n in families.items()]
+        rows += [
             ("adaptive (element-wise)", f"{self.adaptive_numel:,}", share(self.adaptive_numel)),
             ("total", f"{total:,}", share(total)),
         ]
@@ -450,19 +307,13 @@ class ParameterSpace:
 
     def __repr__(self) -> str:
         return (
-            f"ParameterSpace(numel={self.numel()}, gl_blocks={len(self.gl_blocks)}, "
-            f"diagonal_pairs={len(self.diagonal_pairs)}, adaptive={self.adaptive_numel}, "
-            f"excluded={len(self.excluded)})"
+            f"ParameterSpace(numel={self.numel()}, blocks={len(self.blocks)}, "
+            f"adaptive={self.adaptive_numel}, excluded={len(self.excluded)})"
         )
 
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _on(index: Tensor, theta: Tensor) -> Tensor:
-    """``index`` on the device of ``theta``."""
-    return index if index.device == theta.device else index.to(theta.device)
 
 
 def _table(

@@ -54,7 +54,7 @@ class ParamSlice:
 
     Example:
         >>> ParamSlice("attn.in_proj_weight", 0, 16, 32)
-        ParamSlice(param='attn.in_proj_weight', axis=0, start=16, stop=32)
+        ParamSlice(param='attn.in_proj_weight', axis=0, start=16, stop=32, parts=1, part=0)
     """
 
     param: str
