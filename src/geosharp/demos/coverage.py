@@ -1,0 +1,770 @@
+"""Coverage sweep: which symmetry blocks the finder claims in common architectures, checked.
+
+Every architecture is built tiny from its config (random weights, no download), in float64,
+with every parameter nudged by ``0.05·N(0, 1)`` so that no bias or norm sits at its default.
+The finder's blocks are counted by kind (full-GL Q/K, rotary Q/K, V/O, key-bias translations,
+LoRA), and the model is re-parametrized by a random element of the claimed group
+(:func:`geosharp.symmetry.reparametrize`, ``A = 10·N(0,1)`` per head): if every claim is true
+the outputs stay the same up to rounding, and a false claim moves them at order one.
+
+The relative change is ``max |f(θ′) − f(θ)| / max |f(θ)|`` over all outputs. A float64 model
+changes by ~1e-14; a few models compute part of their forward in float32 even when their
+weights are float64 (GPT-Neo casts Q and K to float32 before ``Q·Kᵀ``), and there rounding of
+the transformed ``Q A⁻¹`` alone gives ~1e-7. Such an architecture is marked with the reason,
+and its tolerance is the float32 one. Changes are reported in coarse bands (``< 1e-12``,
+``< 1e-9``, ``< 1e-5``, ``< 1e-3``, ``≥ 1e-3``), so that the table is the same on every CPU.
+
+Run::
+
+    python -m geosharp.demos.coverage                    # print the table
+    python -m geosharp.demos.coverage --write README.md  # refresh the README section
+    python -m geosharp.demos.coverage --check README.md  # exit 1 if the README is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ARCHITECTURES",
+    "END_MARKER",
+    "START_MARKER",
+    "Architecture",
+    "CoverageRow",
+    "band",
+    "block_counts",
+    "main",
+    "measure",
+    "render_table",
+    "replace_section",
+    "sweep",
+]
+
+DT = torch.float64
+#: Group-element scale of the check (the paper sweeps ``a ∈ [1e-2, 1e2]``).
+SCALE = 10.0
+#: Largest relative output change of an exact float64 claim. Rounding of one solve/matmul with
+#: ``cond(A) ≤ 1e3`` is ~2e-13 per layer; a false claim changes the outputs at order 1.
+FLOAT64_TOL = 1e-9
+#: Largest relative output change of an exact claim when the model computes part of its
+#: forward in float32: ``cond(A)·eps32 ≈ 1e3 · 6e-8``.
+FLOAT32_TOL = 1e-4
+#: Upper edges of the reported bands of the relative output change.
+BANDS = (1e-12, 1e-9, 1e-5, 1e-3)
+
+START_MARKER = "<!-- coverage:start -->"
+END_MARKER = "<!-- coverage:end -->"
+
+D, HEADS, HEAD_DIM, LAYERS, FFN, VOCAB, SEQ = 32, 4, 8, 2, 37, 64, 7
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture of the sweep.
+
+    Attributes:
+        name: Display name.
+        build: Builds the model from its config (float64, eval mode, weights nudged).
+        inputs: Draws the inputs from a generator.
+        forward: Runs the model on the inputs; returns one tensor (all outputs concatenated).
+        float32: Why the model computes part of its forward in float32 (then the tolerance is
+            :data:`FLOAT32_TOL`), or ``None``.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[torch.Generator], tuple]
+    forward: Callable[[nn.Module, tuple], Tensor]
+    float32: str | None = None
+
+
+@dataclass
+class CoverageRow:
+    """The result of one architecture.
+
+    Attributes:
+        name: Architecture name.
+        counts: Number of blocks per kind (see :func:`block_counts`).
+        notes: The finder's notes, without the module lists.
+        change: Largest relative output change over the checked scales.
+        tolerance: Largest change of an exact claim for this architecture.
+        float32: Why the model computes partly in float32, or ``None``.
+    """
+
+    name: str
+    counts: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+    change: float = 0.0
+    tolerance: float = FLOAT64_TOL
+    float32: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the outputs stayed the same (every claim is true)."""
+        return self.change < self.tolerance
+
+    @property
+    def blocks(self) -> int:
+        """Number of symmetry blocks found (all kinds)."""
+        return sum(self.counts.values())
+
+    @property
+    def verdict(self) -> str:
+        """``exact``, ``exact (float32 …)`` or ``FALSE CLAIM``."""
+        if not self.exact:
+            return "**FALSE CLAIM**"
+        if self.change < FLOAT64_TOL or self.float32 is None:
+            return "exact"
+        return f"exact up to float32 ({self.float32})"
+
+
+# -- the architectures ----------------------------------------------------------------------------
+def _seeded(fn: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = fn().to(DT).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        return model
+
+    return build
+
+
+def _ids(g: torch.Generator, batch: int = 2, seq: int = SEQ, low: int = 3) -> Tensor:
+    return torch.randint(low, VOCAB, (batch, seq), generator=g)
+
+
+def _mask(batch: int = 2, seq: int = SEQ) -> Tensor:
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq - 2 :] = 0
+    return mask
+
+
+def _cat(*parts: Tensor | None) -> Tensor:
+    return torch.cat([p.reshape(-1) for p in parts if p is not None])
+
+
+def _text_inputs(g: torch.Generator) -> tuple:
+    return (_ids(g), _mask())
+
+
+def _encoder_forward(m: nn.Module, x: tuple) -> Tensor:
+    out = m(input_ids=x[0], attention_mask=x[1])
+    return _cat(out.last_hidden_state, getattr(out, "pooler_output", None))
+
+
+def _decoder_forward(m: nn.Module, x: tuple) -> Tensor:
+    return m(input_ids=x[0], use_cache=False).last_hidden_state
+
+
+def _decoder_inputs(g: torch.Generator) -> tuple:
+    return (_ids(g),)
+
+
+def _hf(config_cls: str, model_cls: str, **kw: object) -> Callable[[], nn.Module]:
+    """A builder of ``transformers.<model_cls>(<config_cls>(**kw))``.
+
+    The attention runs through ``torch.nn.functional.scaled_dot_product_attention`` (float64
+    throughout) where the model supports it, else through its eager code: several eager
+    implementations compute the softmax in float32, which the check would see (a Q/K group
+    element shifts every score of a query by the same ``q·A⁻¹b_k``, invisible to an exact
+    softmax but not to its float32 rounding).
+    """
+
+    def build() -> nn.Module:
+        import transformers
+
+        config_type = getattr(transformers, config_cls)
+        model_type = getattr(transformers, model_cls)
+        try:
+            return model_type(config_type(**{"attn_implementation": "sdpa", **kw}))
+        except ValueError as err:
+            if "does not support" not in str(err):
+                raise
+            return model_type(config_type(**{**kw, "attn_implementation": "eager"}))
+
+    return _seeded(build)
+
+
+_BERTLIKE = dict(
+    hidden_size=D,
+    num_attention_heads=HEADS,
+    num_hidden_layers=LAYERS,
+    intermediate_size=FFN,
+    vocab_size=VOCAB,
+    max_position_embeddings=16,
+)
+_DECODER = dict(
+    hidden_size=D,
+    num_attention_heads=HEADS,
+    num_hidden_layers=LAYERS,
+    intermediate_size=FFN,
+    vocab_size=VOCAB,
+    max_position_embeddings=32,
+)
+_GQA = dict(_DECODER, num_key_value_heads=2)
+
+#: Reasons why a model computes part of its float64 forward in float32.
+_F32_QK = "Q·Kᵀ in float32"
+_F32_SOFTMAX = "softmax in float32"
+_F32_NORM = "RMSNorm output rounded to float32"
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _encoder(name: str, config_cls: str, model_cls: str, **kw: object) -> Architecture:
+    return Architecture(
+        name, _hf(config_cls, model_cls, **{**_BERTLIKE, **kw}), _text_inputs, _encoder_forward
+    )
+
+
+def _decoder(
+    name: str, config_cls: str, model_cls: str, float32: str | None = None, **kw: object
+) -> Architecture:
+    return Architecture(
+        name,
+        _hf(config_cls, model_cls, **{**_DECODER, **_TOKENS, **kw}),
+        _decoder_inputs,
+        _decoder_forward,
+        float32,
+    )
+
+
+def _seq2seq_forward(m: nn.Module, x: tuple) -> Tensor:
+    out = m(input_ids=x[0], attention_mask=x[1], decoder_input_ids=x[2], use_cache=False)
+    return _cat(out.last_hidden_state, out.encoder_last_hidden_state)
+
+
+def _seq2seq_inputs(g: torch.Generator) -> tuple:
+    return (_ids(g), _mask(), _ids(g, seq=5))
+
+
+def _pixels(g: torch.Generator, size: int = 8) -> tuple:
+    return (torch.randn(2, 3, size, size, generator=g, dtype=DT),)
+
+
+def _vision_forward(m: nn.Module, x: tuple) -> Tensor:
+    out = m(pixel_values=x[0])
+    return _cat(out.last_hidden_state, getattr(out, "pooler_output", None))
+
+
+_VISION = dict(
+    hidden_size=D,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    intermediate_size=FFN,
+    image_size=8,
+    patch_size=4,
+)
+
+
+def _dual_inputs(g: torch.Generator) -> tuple:
+    # the CLIP text tower pools at the EOS token (id 2 here); put it last so that it attends to
+    # every token
+    ids = _ids(g)
+    ids[:, -1] = 2
+    return ids, torch.randn(2, 3, 8, 8, generator=g, dtype=DT)
+
+
+def _dual_forward(m: nn.Module, x: tuple) -> Tensor:
+    out = m(input_ids=x[0], pixel_values=x[1])
+    return _cat(out.logits_per_image, out.text_embeds, out.image_embeds)
+
+
+def _dual(name: str, config_cls: str, model_cls: str) -> Architecture:
+    common = dict(
+        hidden_size=D, intermediate_size=FFN, num_attention_heads=HEADS, num_hidden_layers=LAYERS
+    )
+    text = dict(common, vocab_size=VOCAB, max_position_embeddings=16, **_TOKENS)
+    kw: dict = dict(
+        text_config=text,
+        vision_config=dict(common, image_size=8, patch_size=4),
+    )
+    if config_cls == "CLIPConfig":
+        kw["projection_dim"] = 16
+    return Architecture(name, _hf(config_cls, model_cls, **kw), _dual_inputs, _dual_forward)
+
+
+def _whisper() -> Architecture:
+    mels, frames = 8, 16
+
+    def inputs(g: torch.Generator) -> tuple:
+        return torch.randn(2, mels, frames, generator=g, dtype=DT), _ids(g, seq=5)
+
+    def forward(m: nn.Module, x: tuple) -> Tensor:
+        out = m(input_features=x[0], decoder_input_ids=x[1], use_cache=False)
+        return _cat(out.last_hidden_state, out.encoder_last_hidden_state)
+
+    build = _hf(
+        "WhisperConfig",
+        "WhisperModel",
+        vocab_size=VOCAB,
+        num_mel_bins=mels,
+        d_model=D,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_source_positions=frames // 2,
+        max_target_positions=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )
+    return Architecture("Whisper", build, inputs, forward)
+
+
+def _wav2vec2() -> Architecture:
+    def inputs(g: torch.Generator) -> tuple:
+        return (torch.randn(2, 400, generator=g, dtype=DT),)
+
+    def forward(m: nn.Module, x: tuple) -> Tensor:
+        return m(input_values=x[0]).last_hidden_state
+
+    build = _hf(
+        "Wav2Vec2Config",
+        "Wav2Vec2Model",
+        hidden_size=D,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        conv_dim=(16, 16),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 4),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        vocab_size=VOCAB,
+    )
+    return Architecture("Wav2Vec2", build, inputs, forward)
+
+
+class _TorchMHA(nn.Module):
+    """``nn.MultiheadAttention`` as a self-attention layer with a key padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        return self.attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+
+
+def _torch_archs() -> list[Architecture]:
+    def mha_inputs(g: torch.Generator) -> tuple:
+        return torch.randn(2, SEQ, D, generator=g, dtype=DT), _mask() == 0
+
+    def transformer_inputs(g: torch.Generator) -> tuple:
+        return (
+            torch.randn(2, SEQ, D, generator=g, dtype=DT),
+            torch.randn(2, 5, D, generator=g, dtype=DT),
+        )
+
+    def transformer_forward(m: nn.Module, x: tuple) -> Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=DT)
+        return m(x[0], x[1], tgt_mask=causal)
+
+    transformer = _seeded(
+        lambda: nn.Transformer(D, HEADS, LAYERS, LAYERS, FFN, dropout=0.0, batch_first=True)
+    )
+    return [
+        Architecture(
+            "torch MultiheadAttention", _seeded(_TorchMHA), mha_inputs, lambda m, x: m(*x)
+        ),
+        Architecture("torch Transformer", transformer, transformer_inputs, transformer_forward),
+    ]
+
+
+def _architectures() -> list[Architecture]:
+    t5 = dict(
+        vocab_size=VOCAB,
+        d_model=D,
+        d_kv=HEAD_DIM,
+        num_heads=HEADS,
+        num_layers=LAYERS,
+        d_ff=FFN,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+    )
+    bart = dict(
+        vocab_size=VOCAB,
+        d_model=D,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        max_position_embeddings=16,
+        **_TOKENS,
+    )
+    return [
+        _encoder("BERT", "BertConfig", "BertModel"),
+        _encoder("RoBERTa", "RobertaConfig", "RobertaModel", pad_token_id=1),
+        _encoder("XLM-R", "XLMRobertaConfig", "XLMRobertaModel", pad_token_id=1),
+        _encoder("ELECTRA", "ElectraConfig", "ElectraModel", embedding_size=16),
+        Architecture(
+            "DistilBERT",
+            _hf(
+                "DistilBertConfig",
+                "DistilBertModel",
+                vocab_size=VOCAB,
+                dim=D,
+                n_heads=HEADS,
+                n_layers=LAYERS,
+                hidden_dim=FFN,
+                max_position_embeddings=16,
+            ),
+            _text_inputs,
+            _encoder_forward,
+        ),
+        _encoder("ALBERT", "AlbertConfig", "AlbertModel", embedding_size=16),
+        _encoder(
+            "DeBERTa-v2",
+            "DebertaV2Config",
+            "DebertaV2Model",
+            relative_attention=True,
+            pos_att_type=["c2p", "p2c"],
+            position_buckets=4,
+            max_relative_positions=8,
+            share_att_key=True,
+            norm_rel_ebd="layer_norm",
+        ),
+        # MPNet's encoder computes the position bias with 32 buckets whatever the config says
+        _encoder("MPNet", "MPNetConfig", "MPNetModel", pad_token_id=1),
+        _decoder(
+            "GPT-2",
+            "GPT2Config",
+            "GPT2Model",
+            n_embd=D,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_positions=32,
+        ),
+        _decoder(
+            "GPT-Neo",
+            "GPTNeoConfig",
+            "GPTNeoModel",
+            _F32_QK,
+            num_layers=LAYERS,
+            attention_types=[[["global", "local"], 1]],
+            window_size=4,
+            num_heads=HEADS,
+        ),
+        _decoder(
+            "GPT-J",
+            "GPTJConfig",
+            "GPTJModel",
+            n_embd=D,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            rotary_dim=4,
+            n_positions=32,
+            n_inner=FFN,
+        ),
+        _decoder(
+            "GPT-NeoX",
+            "GPTNeoXConfig",
+            "GPTNeoXModel",
+            rotary_pct=0.5,
+            partial_rotary_factor=0.5,
+        ),
+        _decoder(
+            "OPT",
+            "OPTConfig",
+            "OPTModel",
+            ffn_dim=FFN,
+            word_embed_proj_dim=D,
+        ),
+        _decoder("BLOOM", "BloomConfig", "BloomModel", _F32_SOFTMAX, n_layer=LAYERS, n_head=HEADS),
+        _decoder(
+            "Falcon",
+            "FalconConfig",
+            "FalconModel",
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            alibi=False,
+            bias=True,
+        ),
+        Architecture(
+            "BART", _hf("BartConfig", "BartModel", **bart), _seq2seq_inputs, _seq2seq_forward
+        ),
+        Architecture("T5", _hf("T5Config", "T5Model", **t5), _seq2seq_inputs, _seq2seq_forward),
+        _decoder("Llama", "LlamaConfig", "LlamaModel", _F32_NORM, **_GQA, attention_bias=True),
+        _decoder("Mistral", "MistralConfig", "MistralModel", _F32_NORM, **_GQA, sliding_window=4),
+        _decoder(
+            "Mixtral",
+            "MixtralConfig",
+            "MixtralModel",
+            _F32_NORM,
+            **_GQA,
+            experts_implementation="eager",
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        _decoder("Qwen2", "Qwen2Config", "Qwen2Model", _F32_NORM, **_GQA),
+        _decoder("Qwen3", "Qwen3Config", "Qwen3Model", _F32_NORM, **_GQA, head_dim=HEAD_DIM),
+        _decoder("Gemma", "GemmaConfig", "GemmaModel", _F32_NORM, **_GQA, head_dim=HEAD_DIM),
+        _decoder("Gemma2", "Gemma2Config", "Gemma2Model", _F32_NORM, **_GQA, head_dim=HEAD_DIM),
+        _decoder("OLMo2", "Olmo2Config", "Olmo2Model", _F32_NORM, **_GQA),
+        _decoder("StableLM", "StableLmConfig", "StableLmModel", **_GQA),
+        _decoder("Phi", "PhiConfig", "PhiModel", partial_rotary_factor=0.5),
+        _decoder("Phi3", "Phi3Config", "Phi3Model", _F32_NORM, **_GQA, partial_rotary_factor=0.5),
+        Architecture("ViT", _hf("ViTConfig", "ViTModel", **_VISION), _pixels, _vision_forward),
+        Architecture("DeiT", _hf("DeiTConfig", "DeiTModel", **_VISION), _pixels, _vision_forward),
+        Architecture(
+            "Swin",
+            _hf(
+                "SwinConfig",
+                "SwinModel",
+                image_size=16,
+                patch_size=2,
+                embed_dim=16,
+                depths=[2, 1],
+                num_heads=[2, 4],
+                window_size=2,
+                mlp_ratio=2.0,
+            ),
+            lambda g: _pixels(g, 16),
+            _vision_forward,
+        ),
+        _dual("CLIP", "CLIPConfig", "CLIPModel"),
+        _dual("SigLIP", "SiglipConfig", "SiglipModel"),
+        _whisper(),
+        _wav2vec2(),
+        *_torch_archs(),
+    ]
+
+
+#: The architectures of the sweep, in table order.
+ARCHITECTURES: list[Architecture] = _architectures()
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def block_counts(space: object) -> dict[str, int]:
+    """Number of symmetry blocks of a :class:`~geosharp.symmetry.ParameterSpace` per kind.
+
+    Kinds: ``"QK"`` (full GL(h)), ``"QK rotary"`` (the rotary commutant), ``"VO"``, ``"b_k"``
+    (key-bias translations), ``"LoRA"``, ``"u⊙v"`` (diagonal pairs) and any other block
+    ``kind``.
+
+    Args:
+        space: The parameter space.
+
+    Returns:
+        ``{kind: count}`` in the order above, without zero counts.
+    """
+    blocks = getattr(space, "blocks", None)
+    if blocks is None:
+        blocks = [*space.gl_blocks, *space.diagonal_pairs]
+    counts: dict[str, int] = {}
+    for b in blocks:
+        cls = type(b).__name__
+        kind = str(getattr(b, "kind", cls))
+        if getattr(b, "rotary", None) is not None:
+            kind = "QK rotary"
+        elif "LoRA" in cls or kind.lower() == "lora":
+            kind = "LoRA"
+        elif "Translation" in cls:
+            kind = "b_k"
+        elif "Diagonal" in cls:
+            kind = "u⊙v"
+        counts[kind] = counts.get(kind, 0) + 1
+    order = ["QK", "QK rotary", "VO", "b_k", "LoRA", "u⊙v"]
+    return dict(sorted(counts.items(), key=lambda kv: [*order, kv[0]].index(kv[0])))
+
+
+def _short_note(note: str) -> str:
+    """A finder note without its module list and explanation: ``"QK-norm"``, ``"rotary …"``."""
+    head = note.split(":")[0]
+    if head.endswith(")") and "(" in head and "modules" in head.rsplit("(", 1)[1]:
+        head = head.rsplit("(", 1)[0]
+    return head.strip()
+
+
+def _rel_change(new: Tensor, ref: Tensor) -> float:
+    return float((new - ref).abs().max() / ref.abs().max())
+
+
+def measure(arch: Architecture, scales: Sequence[float] = (SCALE,), seed: int = 0) -> CoverageRow:
+    """Build one architecture, find its blocks and check them by re-parametrization.
+
+    Args:
+        arch: The architecture.
+        scales: Group-element scales to check; the largest change is reported.
+        seed: Seed of the inputs and group elements.
+
+    Returns:
+        The :class:`CoverageRow`.
+    """
+    from geosharp.symmetry import find_symmetries, reparametrize
+
+    model = arch.build()
+    space = find_symmetries(model)
+    inputs = arch.inputs(torch.Generator().manual_seed(seed))
+    change = 0.0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = arch.forward(model, inputs)
+        for i, scale in enumerate(scales):
+            gen = torch.Generator().manual_seed(seed + 1 + i)
+            twin = reparametrize(model, generator=gen, scale=scale, space=space)
+            change = max(change, _rel_change(arch.forward(twin, inputs), out))
+    # the key-bias note is the "b_k" count of the blocks column
+    notes = [_short_note(n) for n in space.notes if not n.startswith("key biases b_k")]
+    notes = list(dict.fromkeys(notes))
+    return CoverageRow(
+        name=arch.name,
+        counts=block_counts(space),
+        notes=notes,
+        change=change,
+        tolerance=FLOAT32_TOL if arch.float32 else FLOAT64_TOL,
+        float32=arch.float32,
+    )
+
+
+def sweep(
+    names: Sequence[str] | None = None, scales: Sequence[float] = (SCALE,)
+) -> list[CoverageRow]:
+    """Measure every architecture of :data:`ARCHITECTURES` (or the named ones).
+
+    Args:
+        names: Architecture names to measure (default: all).
+        scales: Group-element scales to check.
+
+    Returns:
+        One :class:`CoverageRow` per architecture, in table order.
+
+    Raises:
+        KeyError: If a name is not in the sweep.
+    """
+    by_name = {a.name: a for a in ARCHITECTURES}
+    chosen = list(by_name) if names is None else list(names)
+    missing = [n for n in chosen if n not in by_name]
+    if missing:
+        raise KeyError(f"not in the sweep: {missing}; known: {list(by_name)}")
+    return [measure(by_name[n], scales) for n in chosen]
+
+
+# -- rendering ------------------------------------------------------------------------------------
+def band(change: float) -> str:
+    """The reported band of a relative change, e.g. ``"< 1e-12"``.
+
+    Args:
+        change: Relative output change.
+
+    Returns:
+        ``"< 1e-k"`` for the first band edge above the change, else ``"≥ 1e-3"``.
+    """
+    for edge in BANDS:
+        if change < edge:
+            return f"< {edge:.0e}".replace("e-0", "e-")
+    return f"≥ {BANDS[-1]:.0e}".replace("e-0", "e-")
+
+
+def _blocks_cell(counts: dict[str, int]) -> str:
+    if not counts:
+        return "none"
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
+def render_table(rows: Sequence[CoverageRow]) -> str:
+    """The Markdown table of a sweep (deterministic: no timings, changes in bands).
+
+    Args:
+        rows: The sweep results.
+
+    Returns:
+        The table, ending with a newline.
+    """
+    lines = [
+        "| architecture | blocks found | notes | max rel. output change | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        notes = "; ".join(r.notes) or "—"
+        lines.append(
+            f"| {r.name} | {_blocks_cell(r.counts)} | {notes} | {band(r.change)} | {r.verdict} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, table: str) -> str:
+    """``text`` with the part between :data:`START_MARKER` and :data:`END_MARKER` replaced.
+
+    Args:
+        text: The README text.
+        table: The new content (the rendered table).
+
+    Returns:
+        The new README text.
+
+    Raises:
+        ValueError: If the markers are missing or out of order.
+    """
+    start, end = text.find(START_MARKER), text.find(END_MARKER)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no {START_MARKER} … {END_MARKER} section")
+    return text[: start + len(START_MARKER)] + "\n" + table + text[end:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the coverage table; optionally check or rewrite a README section.
+
+    Args:
+        argv: Command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 1 if ``--check`` found a stale README or a claim was false.
+    """
+    parser = argparse.ArgumentParser(prog="python -m geosharp.demos.coverage")
+    parser.add_argument("--check", metavar="README", help="exit 1 if the README section differs")
+    parser.add_argument("--write", metavar="README", help="replace the README section")
+    parser.add_argument("--only", nargs="*", help="measure only these architectures")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # config warnings of the tiny models
+    rows = sweep(args.only or None)
+    table = render_table(rows)
+    print(table, end="")
+    status = 0
+    if any(not r.exact for r in rows):
+        print("false claims: " + ", ".join(r.name for r in rows if not r.exact), file=sys.stderr)
+        status = 1
+    for path, write in ((args.check, False), (args.write, True)):
+        if path is None:
+            continue
+        readme = Path(path)
+        old = readme.read_text(encoding="utf-8")
+        new = replace_section(old, table)
+        if write:
+            if new != old:
+                readme.write_text(new, encoding="utf-8")
+        elif new != old:
+            print(f"{path}: the coverage section is stale; rerun with --write", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
