@@ -63,6 +63,7 @@ __all__ = [
     "geosharp_attention",
     "gpt2_attention",
     "llama_attention",
+    "peft_lora",
     "register_adapter",
     "rotary_note",
     "rotary_spec",
@@ -637,6 +638,84 @@ def llama_attention(path: str, module: nn.Module) -> Claim | None:
     )
 
 
+# -- LoRA (PEFT) ----------------------------------------------------------------------------------
+#: LoRA variants whose output depends on ``B`` and ``A`` only through ``B A`` (DoRA normalizes
+#: ``W + s·B A``); others (e.g. variants with their own activations) are left adaptive.
+_PRODUCT_VARIANTS = ("DoraLinearVariant", "DoraEmbeddingVariant", "DoraConv2dVariant")
+
+
+def peft_lora(path: str, module: nn.Module) -> Claim | None:
+    """A PEFT ``LoraLayer`` (``lora.Linear``, ``lora.Embedding``, ``lora.Conv2d``; SPEC §8).
+
+    The update ``s·B A`` of every active adapter is a GL(r) block ``G = B`` (``out × r``),
+    ``H = Aᵀ`` (``in × r``), acted on by ``(B, A) ↦ (B M⁻¹, M A)``; its scaling, dropout, a
+    LoRA bias and DoRA's magnitude (which normalizes ``W + s·B A``) do not break it. Merged or
+    disabled adapters do not enter the forward pass (their factors are left adaptive, with a
+    note), and the frozen base layer is not perturbed: sharpness of a LoRA fine-tune is over
+    its trainable adapter parameters. Recognised by structure, without importing ``peft``.
+
+    Args:
+        path: Dotted module path.
+        module: Candidate module.
+
+    Returns:
+        A :class:`Claim` with one ``"LoRA"`` block per active adapter, or ``None``.
+    """
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    emb_a = getattr(module, "lora_embedding_A", None)
+    emb_b = getattr(module, "lora_embedding_B", None)
+    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return None
+    if getattr(module, "base_layer", None) is None:
+        return None
+    claim = Claim()
+    label = path or "<model>"
+    active = getattr(module, "active_adapters", None) or []
+    if isinstance(active, str):
+        active = [active]
+    if bool(getattr(module, "disable_adapters", False)) or bool(getattr(module, "merged", False)):
+        claim.notes.append(
+            "LoRA adapters merged into the base weight or disabled: they do not enter the "
+            "forward pass, no LoRA block"
+        )
+        return claim
+    variants = getattr(module, "lora_variant", {}) or {}
+    names = [n for n in lora_a.keys() if n in lora_b.keys()]
+    if isinstance(emb_a, nn.ParameterDict) and isinstance(emb_b, nn.ParameterDict):
+        names += [n for n in emb_a.keys() if n in emb_b.keys() and n not in names]
+    for name in names:
+        if name not in active:
+            claim.notes.append(f"LoRA adapter {name!r} is not active: no block")
+            continue
+        variant = variants.get(name)
+        if variant is not None and type(variant).__name__ not in _PRODUCT_VARIANTS:
+            claim.notes.append(
+                f"LoRA adapter {name!r} uses the variant {type(variant).__name__}: "
+                "treated adaptively"
+            )
+            continue
+        if name in lora_a.keys():
+            a_w, b_w = lora_a[name].weight, lora_b[name].weight
+            h = (ParamSlice(_join(path, f"lora_A.{name}.weight"), 0),)
+            g = (ParamSlice(_join(path, f"lora_B.{name}.weight"), 1),)
+        else:  # lora.Embedding: A (r × vocab) is looked up, B is (dim × r)
+            a_w, b_w = emb_a[name], emb_b[name]
+            h = (ParamSlice(_join(path, f"lora_embedding_A.{name}"), 0),)
+            g = (ParamSlice(_join(path, f"lora_embedding_B.{name}"), 1),)
+        r = int(a_w.shape[0])
+        if b_w.dim() < 2 or int(b_w.shape[1]) != r:
+            claim.notes.append(f"LoRA adapter {name!r}: unexpected factor shapes, no block")
+            continue
+        claim.blocks.append(BlockSpec(f"{label}[LoRA:{name}]", "LoRA", path, 1, r, g, h))
+    if claim.blocks:
+        claim.notes.append(
+            "LoRA adapters: one GL(r) block per adapter (B A is unchanged by (B M⁻¹, M A)); "
+            "sharpness is over the adapters' trainable parameters, the frozen base is not "
+            "perturbed"
+        )
+    return claim
+
+
 # -- diagonal networks ----------------------------------------------------------------------------
 def diagonal_net(path: str, module: nn.Module) -> Claim | None:
     """Modules declaring ``symmetry_pairs = (("u", "v"), ...)``: diagonal nets ``β = u ⊙ v``.
@@ -661,6 +740,7 @@ def diagonal_net(path: str, module: nn.Module) -> Claim | None:
 
 #: The default adapter registry, tried in order for every module.
 ADAPTERS: list[Adapter] = [
+    peft_lora,
     torch_multihead_attention,
     geosharp_attention,
     bert_attention,

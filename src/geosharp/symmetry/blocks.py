@@ -156,6 +156,20 @@ class SymmetryBlock(ABC):
     def act(self, parts: tuple[Tensor, ...], element: Tensor) -> tuple[Tensor, ...]:
         """Apply a group element to the block's factors (differentiable; function unchanged)."""
 
+    @abstractmethod
+    def random_vertical(
+        self, parts: tuple[Tensor, ...], generator: torch.Generator | None = None
+    ) -> tuple[Tensor, ...]:
+        """A random vertical vector at ``parts``: the velocity of a curve in the orbit.
+
+        Args:
+            parts: The block's factors (a point).
+            generator: Random generator on the device of ``parts``.
+
+        Returns:
+            A tangent vector shaped like ``parts`` along which the network does not change.
+        """
+
     # -- the geometry -----------------------------------------------------------------------
     def batch_key(self) -> Hashable:
         """Blocks with equal keys are batched into one geometry (see :meth:`batch`)."""
@@ -291,6 +305,21 @@ class GLBlock(SymmetryBlock):
         G, H = parts
         return gl_math.act(G, H, element.to(dtype=G.dtype, device=G.device))
 
+    def _random_lie(self, like: Tensor, generator: torch.Generator | None) -> Tensor:
+        """A random element ``Ω`` of the group's Lie algebra, ``(B, h, h)``."""
+        h = self.head_dim
+        return torch.randn(
+            self.heads, h, h, generator=generator, dtype=like.dtype, device=like.device
+        )
+
+    def random_vertical(
+        self, parts: tuple[Tensor, ...], generator: torch.Generator | None = None
+    ) -> tuple[Tensor, ...]:
+        """``(−GΩ, HΩᵀ)``: the velocity of ``(G e^{−tΩ}, H e^{tΩᵀ})`` at ``t = 0``."""
+        G, H = parts
+        omega = self._random_lie(G, generator)
+        return -G @ omega, H @ omega.mT
+
     def batch_key(self) -> Hashable:
         """GL blocks of equal ``(n, m, h)`` share one batched geometry."""
         return ("GL", self.n, self.m, self.head_dim)
@@ -356,10 +385,14 @@ class RotaryBlock(GLBlock):
     def random_element(
         self, generator: torch.Generator | None, scale: float, max_cond: float
     ) -> Tensor:
-        """Scaled rotations ``x I₂ + y J₂`` (``x, y ~ N(0, 1)``) per plane, ``N(0, 1)`` elsewhere."""
+        """``x I₂ + y J₂`` (``x, y ~ N(0, 1)``) per rotation plane, ``N(0, 1)`` elsewhere."""
         alg = self.algebra
         A = alg.random_element((self.heads,), generator)
         return scale * _redraw(A, lambda n: alg.random_element((n,), generator), max_cond)
+
+    def _random_lie(self, like: Tensor, generator: torch.Generator | None) -> Tensor:
+        """A random element of the rotary algebra (planes ⊕ gl of the rest)."""
+        return self.algebra.project(super()._random_lie(like, generator))
 
     def batch_key(self) -> Hashable:
         """Rotary blocks of equal shape and rotary layout share one batched geometry."""
@@ -443,6 +476,14 @@ class DiagonalPair(SymmetryBlock):
         alpha = element.to(dtype=u.dtype, device=u.device)
         return u * alpha, v / alpha
 
+    def random_vertical(
+        self, parts: tuple[Tensor, ...], generator: torch.Generator | None = None
+    ) -> tuple[Tensor, ...]:
+        """``(u ω, −v ω)``: the velocity of ``(u e^{tω}, v e^{−tω})`` at ``t = 0``."""
+        u, v = parts
+        w = torch.randn(u.shape, generator=generator, dtype=u.dtype, device=u.device)
+        return u * w, -v * w
+
     def batch_key(self) -> Hashable:
         """Each pair is its own piece (as the closed-form studies expect)."""
         return ("pair", self.name)
@@ -508,6 +549,13 @@ class TranslationBlock(SymmetryBlock):
         """``b ↦ b + t``."""
         (b,) = parts
         return (b + element.to(dtype=b.dtype, device=b.device),)
+
+    def random_vertical(
+        self, parts: tuple[Tensor, ...], generator: torch.Generator | None = None
+    ) -> tuple[Tensor, ...]:
+        """Any direction: every translation is a symmetry."""
+        (b,) = parts
+        return (torch.randn(b.shape, generator=generator, dtype=b.dtype, device=b.device),)
 
     def batch_key(self) -> Hashable:
         """All translations form one piece."""

@@ -29,6 +29,9 @@ from geosharp.symmetry.blocks import DiagonalPair, GLBlock, SymmetryBlock
 
 __all__ = ["ParameterSpace"]
 
+#: At most this many excluded tensors are listed by name in :meth:`ParameterSpace.summary`.
+_MAX_EXCLUDED_SHOWN = 8
+
 
 @dataclass(eq=False)
 class ParameterSpace:
@@ -299,7 +302,13 @@ class ParameterSpace:
         lines.extend(_table(("geometry", "params", "share"), rows, right=(1, 2)))
         if self.excluded:
             lines.append(f"excluded ({len(self.excluded)} tensors, not perturbed):")
-            lines.extend(f"  - {name}: {why}" for name, why in self.excluded.items())
+            shown = list(self.excluded.items())
+            if len(shown) > _MAX_EXCLUDED_SHOWN:
+                hidden = shown[_MAX_EXCLUDED_SHOWN - 1 :]
+                shown = shown[: _MAX_EXCLUDED_SHOWN - 1]
+                reasons = sorted({why for _, why in hidden})
+                shown.append((f"… and {len(hidden)} more", "; ".join(reasons)))
+            lines.extend(f"  - {name}: {why}" for name, why in shown)
         if self.notes:
             lines.append("notes:")
             lines.extend(f"  - {note}" for note in self.notes)
