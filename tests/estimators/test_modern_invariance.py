@@ -1,0 +1,230 @@
+"""Geodesic sharpness of today's transformers is a property of the function (SPEC §8).
+
+Tiny float64 models built from their configs — Llama with grouped-query attention, Qwen2 (q/k/v
+biases), Mistral, GPT-NeoX (fused head-interleaved QKV, partial rotary), a PEFT LoRA on Llama
+(r = 4 on q, v and an MLP projection), BERT (key biases) — are replaced by random equivalent
+models under their *full* symmetry group (the rotary commutant on Q/K, GL(h) on V/O, GL(r) on
+LoRA, translations of b_k) at scales 1e-2 … 1e2. Geodesic sharpness (inv and mix, order 2,
+ε = 0) must not move beyond roundoff, while adaptive sharpness visibly does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import geosharp as gs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+DT = torch.float64
+SCALES = (1e-2, 1.0, 1e2)
+VOCAB = 40
+# Worst-case Auto-PGD maps to itself under the group: every iterate is pushed forward exactly,
+# so values agree to roundoff, amplified by cond(A) ≤ 1e3 and the 1e±2 scales: 1e-9 relative.
+RTOL = 1e-9
+
+
+def _perturbed(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    model = model.to(DT).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def llama(**kw):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        **kw,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def qwen2():
+    cfg = transformers.Qwen2Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def mistral():
+    cfg = transformers.MistralConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        sliding_window=4,
+        attn_implementation="sdpa",
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
+def neox():
+    cfg = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rotary_pct=0.5,
+        attn_implementation="sdpa",
+    )
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def lora_llama():
+    peft = pytest.importorskip("peft")
+    base = _perturbed(llama())
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():  # B = 0 at init would make every LoRA block degenerate
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def bert():
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        num_labels=3,
+        attn_implementation="sdpa",
+    )
+    return transformers.BertForSequenceClassification(cfg)
+
+
+class LM(nn.Module):
+    """Next-token cross-entropy through ``model(input_ids=…).logits``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def lm_loss(logits, ids):
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def cls_loss(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+class Classifier(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def lm_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(ids, ids) for ids in (torch.randint(0, VOCAB, (2, 9), generator=g),)]
+
+
+def cls_batches():
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, VOCAB, (4, 7), generator=g), torch.tensor([0, 1, 2, 1]))]
+
+
+# name, builder, wrapper, loss, batches, expected block kinds (a subset that must be found)
+MODELS = [
+    ("llama_gqa", lambda: _perturbed(llama()), LM, lm_loss, lm_batches, {"RotaryBlock", "GLBlock"}),
+    (
+        "qwen2_qkv_bias",
+        lambda: _perturbed(qwen2()),
+        LM,
+        lm_loss,
+        lm_batches,
+        {"RotaryBlock", "GLBlock"},
+    ),
+    ("mistral", lambda: _perturbed(mistral()), LM, lm_loss, lm_batches, {"RotaryBlock", "GLBlock"}),
+    (
+        "gpt_neox_partial_rotary",
+        lambda: _perturbed(neox()),
+        LM,
+        lm_loss,
+        lm_batches,
+        {"RotaryBlock", "GLBlock"},
+    ),
+    ("peft_lora_llama", lora_llama, LM, lm_loss, lm_batches, {"LoRABlock"}),
+    (
+        "bert_key_bias",
+        lambda: _perturbed(bert()),
+        Classifier,
+        cls_loss,
+        cls_batches,
+        {"GLBlock", "TranslationBlock"},
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[m[0] for m in MODELS])
+def setup(request):
+    name, build, wrap, loss, batches, kinds = request.param
+    model = wrap(build()).eval()
+    return name, model, loss, batches(), kinds
+
+
+def _measure(model, loss, batches, **kw):
+    return gs.sharpness(model, loss, batches, rho=0.05, steps=6, **kw).value
+
+
+def test_blocks_found(setup):
+    name, model, _, _, kinds = setup
+    space = gs.find_symmetries(model)
+    found = {type(b).__name__ for b in space.blocks}
+    assert kinds <= found, (name, found)
+    if "RotaryBlock" in kinds:  # every Q/K projection is in a rotary block
+        assert sum(b.kind == "QK" for b in space.blocks) == 2
+
+
+def test_geodesic_sharpness_is_invariant_adaptive_is_not(setup, record_property):
+    name, model, loss, batches, _ = setup
+    ref = {m: _measure(model, loss, batches, metric=m) for m in ("inv", "mix")}
+    ada = _measure(model, loss, batches, measure="adaptive")
+    assert min(ref.values()) > 0 and ada > 0
+    worst, ada_change = 0.0, []
+    for i, scale in enumerate(SCALES):
+        twin = gs.reparametrize(model, torch.Generator().manual_seed(10 + i), scale=scale)
+        for m, value in ref.items():
+            worst = max(worst, abs(_measure(twin, loss, batches, metric=m) - value) / value)
+        ada_change.append(abs(_measure(twin, loss, batches, measure="adaptive") - ada) / ada)
+    record_property("geodesic_rel_change", worst)
+    record_property("adaptive_rel_change", ada_change)
+    print(f"{name}: geodesic max rel. change {worst:.1e}; adaptive {ada_change}")
+    assert worst < RTOL, (name, worst)
+    assert max(ada_change) > 0.1, (name, ada_change)  # adaptive sharpness is not invariant
