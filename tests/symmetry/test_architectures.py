@@ -799,7 +799,7 @@ def test_a_false_claim_shows():
 
 def test_bands_and_section_replacement():
     assert coverage.band(3e-16) == "< 1e-12"
-    assert coverage.band(5e-11) == "< 1e-9"
+    assert coverage.band(5e-11) == "< 1e-5"
     assert coverage.band(6e-8) == "< 1e-5"
     assert coverage.band(0.2) == "≥ 1e-3"
     text = f"a\n{coverage.START_MARKER}\nold\n{coverage.END_MARKER}\nb\n"

@@ -12,7 +12,7 @@ changes by ~1e-14; a few models compute part of their forward in float32 even wh
 weights are float64 (GPT-Neo casts Q and K to float32 before ``Q·Kᵀ``), and there rounding of
 the transformed ``Q A⁻¹`` alone gives ~1e-7. Such an architecture is marked with the reason,
 and its tolerance is the float32 one. Changes are reported in coarse bands (``< 1e-12``,
-``< 1e-9``, ``< 1e-5``, ``< 1e-3``, ``≥ 1e-3``), so that the table is the same on every CPU.
+``< 1e-5``, ``< 1e-3``, ``≥ 1e-3``), so that the table is the same on every CPU.
 
 Run::
 
@@ -59,8 +59,9 @@ FLOAT64_TOL = 1e-9
 #: Largest relative output change of an exact claim when the model computes part of its
 #: forward in float32: ``cond(A)·eps32 ≈ 1e3 · 6e-8``.
 FLOAT32_TOL = 1e-4
-#: Upper edges of the reported bands of the relative output change.
-BANDS = (1e-12, 1e-9, 1e-5, 1e-3)
+#: Upper edges of the reported bands of the relative output change: float64 rounding (~1e-14)
+#: and float32 rounding (~1e-9 … 1e-7) each sit two decades or more inside their band.
+BANDS = (1e-12, 1e-5, 1e-3)
 
 START_MARKER = "<!-- coverage:start -->"
 END_MARKER = "<!-- coverage:end -->"
