@@ -228,6 +228,7 @@ def sharpness(
     corrected_norm: bool = True,
     exact_steps: int = 10,
     space: ParameterSpace | None = None,
+    key_bias: str = "quotient",
     progress: bool | None = None,
     distributed: bool | None = None,
 ) -> SharpnessResult:
@@ -265,6 +266,10 @@ def sharpness(
         corrected_norm: ``False``: the paper's "no corrected norm" ablation.
         exact_steps: RK4 steps for ``order="exact"``.
         space: A precomputed :func:`geosharp.find_symmetries` result (default: found here).
+        key_bias: How the symmetry finder treats attention key biases when ``space`` is not
+            given: ``"quotient"`` (default) holds them fixed in geodesic measures (the softmax
+            ignores them, SPEC §8); ``"keep"`` makes them rows of ``H_QK`` (the setting of
+            Studies 1–3). Adaptive and Euclidean sharpness perturb them either way.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -305,7 +310,7 @@ def sharpness(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 
-    space = space if space is not None else find_symmetries(model)
+    space = space if space is not None else find_symmetries(model, key_bias=key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     params = dict(model.named_parameters())
@@ -387,6 +392,9 @@ def sharpness(
         "exact_steps": exact_steps if order == "exact" else None,
         "n_params": space.numel(),
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
+        "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
+        if measure == "geodesic" and metric != "adaptive"
+        else 0,
         "dtype": str(theta0.dtype),
         "device": str(device),
     }

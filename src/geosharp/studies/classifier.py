@@ -435,7 +435,13 @@ def calibrate_rhos(
         for _ in range(max_evals):
             try:
                 value = sharpness(
-                    model, study.loss_fn, batches, rho=10 ** (k / 2), progress=False, **kw
+                    model,
+                    study.loss_fn,
+                    batches,
+                    rho=10 ** (k / 2),
+                    progress=False,
+                    key_bias=study.key_bias,
+                    **kw,
                 ).value
             except (FloatingPointError, ValueError):
                 value = math.inf

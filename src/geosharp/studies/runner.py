@@ -101,6 +101,11 @@ class Study(ABC):
     gap_label: str = "generalization gap"
     #: The paper's τ per measure family (SPEC §7), or ``None``.
     paper: dict[str, float] | None = None
+    #: How geodesic measures treat attention key biases (``find_symmetries(key_bias=…)``).
+    #: ``"keep"`` (key biases are rows of ``H_QK``) is the setting Studies 1–3 were measured
+    #: with, so their committed results reproduce; a study that quotients them out says so
+    #: here and records it in its :meth:`config`.
+    key_bias: str = "keep"
 
     @abstractmethod
     def config(self) -> dict[str, Any]:
@@ -240,7 +245,15 @@ def run_study(
                     kw.pop("measure")
                     res = relative_flatness(model, study.loss_fn, batches, **kw)
                 else:
-                    res = sharpness(model, study.loss_fn, batches, rho=rho, progress=False, **kw)
+                    res = sharpness(
+                        model,
+                        study.loss_fn,
+                        batches,
+                        rho=rho,
+                        progress=False,
+                        key_bias=study.key_bias,
+                        **kw,
+                    )
             except (FloatingPointError, ValueError, RuntimeError) as err:
                 # Recorded as a failed row (value NULL, the error in its settings): the report
                 # lists it, and a rerun does not repeat a deterministic failure.

@@ -148,7 +148,7 @@ def symmetry_test(
             continue
         row = {**row, "checkpoint_path": str(out / row["checkpoint"])}
         model = study.load(row)
-        space = find_symmetries(model)
+        space = find_symmetries(model, key_bias=study.key_bias)
         gen = torch.Generator().manual_seed(seed + 1 + i)
         twin = reparametrize(model, generator=gen, scale=a, space=space)
         change = _relative_output_change(model, twin, batches[0][0])
@@ -156,9 +156,13 @@ def symmetry_test(
             kw = dict(spec.kwargs)
             original = stored.get((row["model_id"], spec.name, rho))
             if original is None:
-                original = sharpness(model, study.loss_fn, batches, rho=rho, progress=False, **kw)
+                original = sharpness(
+                    model, study.loss_fn, batches, rho=rho, progress=False, space=space, **kw
+                )
                 original = original.value
-            value = sharpness(twin, study.loss_fn, batches, rho=rho, progress=False, **kw).value
+            value = sharpness(
+                twin, study.loss_fn, batches, rho=rho, progress=False, space=space, **kw
+            ).value
             new = SymmetryTestRow(
                 row["model_id"], spec.name, rho, a, row["gap"], original, value, change
             )
