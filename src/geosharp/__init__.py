@@ -13,6 +13,7 @@ Example:
 from geosharp import geometry
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
+from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.measure import measure
 from geosharp.symmetry import (
     GLBlock,
@@ -25,12 +26,14 @@ from geosharp.symmetry import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CurvatureResult",
     "GLBlock",
     "ParameterSpace",
     "SharpnessResult",
     "__version__",
     "check_geometry",
     "check_invariance",
+    "curvature",
     "declare_block",
     "find_symmetries",
     "geometry",
