@@ -629,7 +629,11 @@ def measure(arch: Architecture, scales: Sequence[float] = (SCALE,), seed: int = 
             twin = reparametrize(model, generator=gen, scale=scale, space=space)
             change = max(change, _rel_change(arch.forward(twin, inputs), out))
     # the key-bias note is the "b_k" count of the blocks column
-    notes = [_short_note(n) for n in space.notes if not n.startswith("key biases b_k")]
+    notes = [
+        _short_note(n)
+        for n in space.notes
+        if not n.startswith(("key biases b_k", "symmetry claims"))
+    ]
     notes = list(dict.fromkeys(notes))
     return CoverageRow(
         name=arch.name,

@@ -13,36 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from geosharp.estimators.perturbation import Perturbation
-from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
-from geosharp.symmetry import (
-    ParameterSpace,
-    find_symmetries,
-    group_action,
-    random_group_elements,
+from geosharp.symmetry import ParameterSpace, find_symmetries
+from geosharp.symmetry.verify import (
+    SYMMETRY_TO_RANDOM,
+    default_tol,
+    invariance_changes,
+    is_symmetry,
 )
-
-
-def _flatten_outputs(out: Any) -> Tensor:
-    """All floating tensors of a model output (tensor, tuple, dict, HF ModelOutput) as a vector."""
-    if isinstance(out, Tensor):
-        return out.reshape(-1) if out.is_floating_point() else out.new_zeros(0, dtype=torch.float)
-    if isinstance(out, dict) or hasattr(out, "items"):
-        parts = [_flatten_outputs(v) for _, v in out.items()]
-    elif isinstance(out, (list, tuple)):
-        parts = [_flatten_outputs(v) for v in out]
-    else:
-        return torch.zeros(0)
-    parts = [p.double() for p in parts if p.numel()]
-    return torch.cat(parts) if parts else torch.zeros(0)
-
-
-#: A claimed symmetry changes the outputs by at most this fraction of what a random,
-#: non-symmetric move of the same size changes them: it is roundoff of the model's own
-#: arithmetic (float32 softmaxes or norms inside a float64 model), not a broken symmetry.
-_SYMMETRY_TO_RANDOM = 1e-5
 
 
 @dataclass
@@ -114,7 +94,8 @@ def check_invariance(
     by roundoff only, a false claim by a sizeable fraction of the random move. A model that
     computes internally below its parameters' precision (HF's float32 softmax or RMSNorm in a
     float64 model, GPT-Neo's float32 scores) may exceed the float64 tolerance by roundoff: it
-    passes when its change stays below 1e-5 of the random one, with a note.
+    passes when its change stays below 1e-5 of the random one, with a note
+    (:func:`geosharp.symmetry.verify.invariance_changes`).
 
     Args:
         model: The model.
@@ -136,53 +117,21 @@ def check_invariance(
         True
     """
     space = space if space is not None else find_symmetries(model)
-    param = next(iter(model.parameters()))
-    inputs = _to_device(inputs, param.device)
-    if tol is None:
-        tol = 1e-9 if param.dtype == torch.float64 else 1e-4
+    tol = default_tol(model) if tol is None else tol
     if not space.blocks:
         return InvarianceReport(False, [], list(scales), tol, 0, n_factors=0)
-    params = dict(model.named_parameters())
-    with eval_mode(model), torch.no_grad():
-        ref = _flatten_outputs(call_model(model, params, inputs))
-
-        def change(theta_new: Tensor) -> float:
-            moved = space.unflatten(theta_new)
-            out = _flatten_outputs(call_model(model, {**params, **moved}, inputs))
-            return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
-
-        theta = space.flatten(params)
-        changes, randoms = [], []
-        for i, a in enumerate(scales):
-            # The draws of reparametrize(model, generator, scale=a), applied functionally: the
-            # transformed weights are passed to functional_call, the model is never copied.
-            gen = torch.Generator().manual_seed(seed + i)
-            element = random_group_elements(
-                space, generator=gen, scale=a, dtype=theta.dtype, device=theta.device
-            )
-            acted = group_action(space, theta, element)
-            changes.append(change(acted))
-            # the same distance in a random direction, block by block
-            noise = torch.zeros_like(theta)
-            for b in space.blocks:
-                pos = b.positions().to(theta.device)
-                step = acted[pos] - theta[pos]
-                direction = torch.randn(
-                    step.shape, generator=gen, dtype=theta.dtype, device="cpu"
-                ).to(theta.device)
-                noise[pos] = direction * (step.norm() / direction.norm().clamp_min(1e-300))
-            randoms.append(change(theta + noise))
+    changes, randoms = invariance_changes(model, space, inputs, scales=scales, seed=seed)
     notes = []
     within = all(c <= tol for c in changes)
-    roundoff = all(c <= _SYMMETRY_TO_RANDOM * r for c, r in zip(changes, randoms, strict=True))
+    roundoff = is_symmetry(changes, randoms, tol)
     if not within and roundoff:
         notes.append(
             f"outputs changed by up to {max(changes):.1e} > tol {tol:g}, but by less than "
-            f"{_SYMMETRY_TO_RANDOM:g} of a random move of the same size (≥ {min(randoms):.1e}): "
+            f"{SYMMETRY_TO_RANDOM:g} of a random move of the same size (≥ {min(randoms):.1e}): "
             "roundoff of a model computing internally below its parameters' precision"
         )
     return InvarianceReport(
-        passed=within or roundoff,
+        passed=roundoff,
         rel_changes=changes,
         scales=list(scales),
         tol=tol,

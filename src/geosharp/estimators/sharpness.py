@@ -19,17 +19,17 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from geosharp.estimators.apgd import autopgd
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.symmetry import ParameterSpace, find_symmetries
+from geosharp.symmetry.verify import call_model, eval_mode
+from geosharp.symmetry.verify import to_device as _to_device
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
 KINDS = ("worst", "average")
@@ -98,40 +98,6 @@ def measure_name(
     else:
         base = measure
     return f"{base} {kind} {norm}"
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
-
-
-def call_model(model: nn.Module, params: Mapping[str, Tensor], inputs: Any) -> Any:
-    """``model(inputs)`` with the given parameters (``functional_call``; no weights copied).
-
-    A dict of inputs is passed as keyword arguments (Hugging Face style), a tuple as positional
-    arguments, anything else as the single argument.
-    """
-    if isinstance(inputs, Mapping):
-        return functional_call(model, dict(params), (), dict(inputs))
-    if isinstance(inputs, tuple):
-        return functional_call(model, dict(params), inputs)
-    return functional_call(model, dict(params), (inputs,))
-
-
-@contextmanager
-def eval_mode(model: nn.Module):
-    """Put ``model`` in eval mode and restore its previous mode afterwards, on any exit."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def _check_float(name: str, value: Any, positive: bool = True) -> float:

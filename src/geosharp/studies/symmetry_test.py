@@ -28,13 +28,13 @@ import torch
 
 from geosharp._io import atomic_write_text
 from geosharp.estimators import sharpness
-from geosharp.estimators.checks import _flatten_outputs
-from geosharp.estimators.sharpness import call_model
 from geosharp.stats import correlation_summary, tau_difference
 from geosharp.studies.report import Section
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 from geosharp.symmetry import find_symmetries, reparametrize
+from geosharp.symmetry.verify import call_model
+from geosharp.symmetry.verify import flatten_outputs as _flatten_outputs
 
 __all__ = ["SymmetryTestRow", "default_specs", "read_rows", "symmetry_section", "symmetry_test"]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -184,6 +185,8 @@ def find_symmetries(
     extra_blocks: Iterable[BlockSpec] = (),
     diagonal_pairs: Iterable[PairSpec | tuple[str, str]] = (),
     key_bias: str = "quotient",
+    example_inputs: Any = None,
+    verify_tol: float | None = None,
 ) -> ParameterSpace:
     """Split the trainable parameters of a model into symmetry blocks and the rest.
 
@@ -206,6 +209,14 @@ def find_symmetries(
         key_bias: ``"quotient"`` (default): attention key biases the softmax ignores are
             translation blocks, held fixed by geodesic measures (SPEC §8); ``"keep"``: they are
             rows of ``H_QK`` as in geosharp ≤ 0.1 (the setting of Studies 1–3).
+        example_inputs: One batch of inputs (as for :func:`geosharp.sharpness`). Names and
+            classes are only hints: with a batch, every block is proven on it — a random
+            element of its group must leave the outputs unchanged (within ``verify_tol``, or
+            below 1e-5 of a random move of the same size for models computing below float64)
+            — and a block that fails is dropped, with a note. Without, the notes say that the
+            claims are unverified.
+        verify_tol: Relative tolerance of that check (default ``1e-9`` in float64, ``1e-4``
+            otherwise).
 
     Returns:
         The :class:`ParameterSpace`.
@@ -285,16 +296,94 @@ def find_symmetries(
             "pure symmetry directions; geodesic measures hold them fixed (key_bias='quotient'), "
             "adaptive sharpness keeps them"
         )
-    rest = torch.nonzero(owner < 0).reshape(-1)
+    text.extend(_unknown_attention_notes(model, claimed, blocks))
+    space = _space(res, blocks, text)
+    if blocks and example_inputs is None:
+        space.notes.append(
+            "symmetry claims unverified: pass example_inputs= to find_symmetries (geosharp "
+            "measure does) or run gs.check_invariance to prove them on data"
+        )
+    elif blocks:
+        space = _verified(model, space, res, example_inputs, verify_tol)
+    return space
+
+
+def _space(res: _Resolver, blocks: list[SymmetryBlock], notes: list[str]) -> ParameterSpace:
+    owned = torch.zeros(res.numel, dtype=torch.bool)
+    for b in blocks:
+        owned[b.positions()] = True
     return ParameterSpace(
         param_names=tuple(name for name, _ in res.included),
         shapes=tuple(p.shape for _, p in res.included),
         offsets=tuple(res.offsets[name] for name, _ in res.included),
         blocks=blocks,
-        rest_index=rest,
+        rest_index=torch.nonzero(~owned).reshape(-1),
         excluded=dict(res.excluded),
-        notes=text,
+        notes=notes,
     )
+
+
+def _verified(
+    model: nn.Module, space: ParameterSpace, res: _Resolver, inputs: Any, tol: float | None
+) -> ParameterSpace:
+    """Prove every block on a batch; drop (with a note) those that are not symmetries."""
+    from geosharp.symmetry.verify import default_tol, invariance_changes, is_symmetry
+
+    tol = default_tol(model) if tol is None else tol
+    scales = (0.5, 2.0)
+    changes, randoms = invariance_changes(model, space, inputs, scales=scales)
+    if is_symmetry(changes, randoms, tol):
+        space.notes.append(
+            f"symmetry claims verified on the example batch: {len(space.blocks)} blocks, "
+            f"outputs moved by ≤ {max(changes):.1e} under random group elements"
+        )
+        return space
+    kept, dropped = [], []
+    for b in space.blocks:
+        single = _space(res, [b], [])
+        c, r = invariance_changes(model, single, inputs, scales=scales)
+        (kept if is_symmetry(c, r, tol) else dropped).append((b, max(c), max(r)))
+    notes = list(space.notes)
+    for b, c, r in dropped:
+        notes.append(
+            f"block {b.name!r} ({type(b).__name__}) dropped: a random element of its group "
+            f"moved the outputs by {c:.1e} (a random move of the same size: {r:.1e}), so it is "
+            "not a symmetry of this model; its coordinates stay adaptive"
+        )
+    notes.append(
+        f"symmetry claims verified on the example batch: {len(kept)} of {len(space.blocks)} "
+        "blocks hold"
+    )
+    return _space(res, [b for b, _, _ in kept], notes)
+
+
+#: Class-name fragments of modules that look like attention.
+_ATTENTION_NAMES = ("Attention", "SelfAttention", "MultiHead", "Attn")
+
+
+def _unknown_attention_notes(
+    model: nn.Module, claimed: list[str], blocks: list[SymmetryBlock]
+) -> list[str]:
+    """A note naming every attention-like class with trainable weights that no adapter took."""
+    covered = {b.module for b in blocks}
+    unknown: dict[str, str] = {}
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if not any(tag.lower() in name.lower() for tag in _ATTENTION_NAMES):
+            continue
+        inside = any(path == c or c == "" or path.startswith(c + ".") for c in claimed)
+        outer = any(m.startswith(path + ".") or m == path for m in covered if path)
+        if inside or outer:
+            continue
+        if any(p.requires_grad for p in module.parameters(recurse=False)) or any(
+            p.requires_grad for _, p in module.named_parameters()
+        ):
+            unknown.setdefault(name, path)
+    return [
+        f"attention module {cls} (e.g. {path!r}) is not understood by any adapter: its "
+        "weights stay adaptive; declare its blocks with declare_block if it has symmetries"
+        for cls, path in unknown.items()
+    ]
 
 
 def _claim_positions(
