@@ -21,8 +21,9 @@ from geosharp.measure.core import (
     MeasureError,
     measure,
 )
+from geosharp.measure.lm import SOURCE_COLS, TARGET_COLS, TASKS, TXT_MODES
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "check_out_dir", "run"]
 
 _EPILOG = """\
 examples:
@@ -31,6 +32,30 @@ examples:
   geosharp measure model.pt data.npz --measures adaptive-linf geodesic-inv-exact --rho 0.05
   geosharp measure mypkg.models:build data.npz --weights ckpt.pt --report --out runs/m1
   geosharp measure mypkg.models:build mypkg.data:batches --weights ckpt.pt --device cuda
+  geosharp measure ./my-llama-folder corpus.txt --max-length 256 --batch-size 8
+  geosharp measure ./my-gpt2-folder docs.jsonl --text-col body --task causal-lm
+  geosharp measure ./my-t5-folder pairs.jsonl --source-col question --target-col answer
+  geosharp measure ./my-lora-adapter corpus.txt --base ./my-llama-folder
+
+tasks (--task, default auto: from the folder's config; the chosen task is printed):
+  classification  labels from --label-col (integers or the model's label names),
+                  cross-entropy; float targets: squared error. Any model kind.
+  causal-lm       next-token cross-entropy on a text corpus: a .txt file (one document per
+                  line, or --txt-mode chunks: the whole file in blocks of --max-length
+                  tokens), or .jsonl/.json/.csv/.parquet/datasets folder with a --text-col
+                  column (default text). Tokenized with the folder's tokenizer (or
+                  --tokenizer), truncated to --max-length, padded on the right; padding is
+                  masked out of the loss; batches keep the corpus's order. Auto for config
+                  architectures *ForCausalLM and *LMHeadModel (Llama, Qwen, GPT-2, ...).
+  seq2seq         teacher-forced cross-entropy of --target-col given --source-col (defaults:
+                  source/src/input/... and target/tgt/output/...) from .jsonl/.json/.csv/
+                  .parquet/datasets; target padding masked. Auto for encoder-decoder configs
+                  (T5, BART: *ForConditionalGeneration).
+  A folder with adapter_config.json is a PEFT adapter, loaded with peft on its base model
+  (base_model_name_or_path of the adapter config, a local folder, or --base PATH): the base
+  is frozen, so sharpness is measured over the adapter's trainable parameters (LoRA A/B).
+  With --loss module:function, causal-lm targets are the inputs shifted by one token
+  (-100 on padding and at the end), seq2seq targets the target token ids (-100 on padding).
 
 measures: FAMILY[-OPTION...], FAMILY one of geodesic, adaptive, euclidean, relative-flatness;
 options: inv|mix, o1|o2|exact (geodesic), l2|linf (adaptive, euclidean), worst|average.
@@ -62,13 +87,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     m.add_argument(
         "model",
-        help="a Hugging Face model folder (config.json), a torch.save(model) or torch.jit.save "
-        "file, or module:function building the model (with --weights)",
+        help="a Hugging Face model folder (config.json), a PEFT adapter folder "
+        "(adapter_config.json), a torch.save(model) or torch.jit.save file, or module:function "
+        "building the model (with --weights)",
     )
     m.add_argument(
         "data",
-        help="a Hugging Face datasets folder, a .csv/.tsv/.jsonl/.json file of text and labels, "
-        "an .npz of arrays, or module:function returning (inputs, targets) batches",
+        help="a Hugging Face datasets folder, a .csv/.tsv/.jsonl/.json/.parquet file of text "
+        "and labels (causal-lm: of text; seq2seq: of source and target texts), a .txt corpus "
+        "(causal-lm), an .npz of arrays, or module:function returning (inputs, targets) batches",
+    )
+    m.add_argument(
+        "--task",
+        default="auto",
+        choices=("auto", *TASKS),
+        help="what the loss is (default auto: causal-lm for *ForCausalLM/*LMHeadModel "
+        "configs, seq2seq for encoder-decoder configs, else classification); see below",
     )
     m.add_argument("--weights", default=None, help="a state dict to load into the model")
     m.add_argument(
@@ -101,15 +135,48 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=1024,
         help="use the first N samples (default 1024, the paper's for BERT); 0: all",
     )
-    m.add_argument("--text-col", default="text", help="text column; a,b for pairs (text)")
+    m.add_argument(
+        "--text-col",
+        default="text",
+        help="text column (default text); classification: a,b for sentence pairs",
+    )
     m.add_argument(
         "--label-col", default=None, help="label column or .npz array (label; npz: y, targets, ...)"
     )
     m.add_argument(
-        "--max-length", type=int, default=128, help="longest tokenized text; longer is truncated"
+        "--source-col",
+        default=None,
+        help="seq2seq: source text column (default: the first of "
+        f"{', '.join(SOURCE_COLS)} present)",
+    )
+    m.add_argument(
+        "--target-col",
+        default=None,
+        help="seq2seq: target text column (default: the first of "
+        f"{', '.join(TARGET_COLS)} present)",
+    )
+    m.add_argument(
+        "--txt-mode",
+        default="lines",
+        choices=TXT_MODES,
+        help="causal-lm on a .txt file: one document per non-empty line (lines, the default) "
+        "or the whole file cut into blocks of --max-length tokens (chunks)",
+    )
+    m.add_argument(
+        "--max-length",
+        type=int,
+        default=128,
+        help="longest tokenized text (causal-lm: document or chunk; seq2seq: source and "
+        "target); longer is truncated (128)",
     )
     m.add_argument("--split", default=None, help="split of a datasets folder (default train)")
     m.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
+    m.add_argument(
+        "--base",
+        default=None,
+        help="the base model folder of a PEFT adapter (default: the adapter config's "
+        "base_model_name_or_path)",
+    )
     m.add_argument(
         "--num-labels",
         type=int,
@@ -169,9 +236,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise MeasureError(f"--threads must be >= 1, got {args.threads}")
 
 
-def _needs_head(model_spec: str) -> bool:
-    """Whether ``model_spec`` is a Hugging Face folder without a task head."""
-    from geosharp.measure.loading import _is_base_architecture
+def _needs_head(model_spec: str, task: str = "classification") -> bool:
+    """Whether ``model_spec`` is a Hugging Face folder without a head for ``task``."""
+    from geosharp.measure.loading import _is_base_architecture, _lm_head
 
     cfg = Path(model_spec).expanduser() / "config.json"
     if not cfg.is_file():
@@ -180,14 +247,53 @@ def _needs_head(model_spec: str) -> bool:
         archs = json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or []
     except (OSError, ValueError) as err:
         raise MeasureError(f"cannot read {cfg}: {err}") from err
-    return _is_base_architecture(archs[0] if archs else None)
+    arch = archs[0] if archs else None
+    return _is_base_architecture(arch) or (task == "classification" and _lm_head(arch))
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail at once, in one line, if the output folder cannot be created or written to.
+
+    Creates the folder (and its parents) and writes and removes a temporary file in it, so a
+    run that would measure for minutes and then fail to write its results fails before any
+    work instead.
+
+    Raises:
+        MeasureError: If the folder cannot be created or a file cannot be written in it.
+    """
+    import tempfile
+
+    out = Path(out).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise MeasureError(
+            f"cannot create the output folder {out} (--out): {err.strerror or err}"
+        ) from err
+    if not out.is_dir():
+        raise MeasureError(f"the output folder {out} (--out) is a file, not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".geosharp-write-test-"):
+            pass
+    except OSError as err:
+        raise MeasureError(
+            f"cannot write to the output folder {out} (--out): {err.strerror or err}"
+        ) from err
+
+
+def _label_map_line(label_map: dict[str, int]) -> str:
+    shown = ", ".join(f"{k!r} → {v}" for k, v in list(label_map.items())[:20])
+    more = f", … ({len(label_map)} in all)" if len(label_map) > 20 else ""
+    return f"labels: text labels mapped to class ids: {shown}{more}"
 
 
 def _execute(args: argparse.Namespace) -> int:
     import torch
 
     from geosharp.measure.core import flush_unrepresentable, resolve_loss
+    from geosharp.measure.lm import detect_task, load_lm_data, load_seq2seq_data
     from geosharp.measure.loading import (
+        _columns,
         check_model_spec,
         data_kind,
         import_callable,
@@ -200,6 +306,7 @@ def _execute(args: argparse.Namespace) -> int:
     )
 
     _validate(args)
+    check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -214,15 +321,38 @@ def _execute(args: argparse.Namespace) -> int:
         resolve_loss(loss)  # fail on an unknown name before loading anything
 
     check_model_spec(args.model)  # before reading any data
+    task, why = detect_task(args.model, base=args.base, forced=args.task)
+    if task != "classification" and isinstance(loss, str) and loss.strip().lower() == "mse":
+        raise MeasureError(f"--loss mse does not fit the {task} task (a cross-entropy over tokens)")
+    _say(f"task: {task} ({why})")
     kind = data_kind(args.data)
     rows, table = None, None
     num_labels, label2id = args.num_labels, None
-    if kind in ("csv", "jsonl", "json", "hf_dataset"):
+    if task == "classification" and kind in (
+        "csv",
+        "jsonl",
+        "json",
+        "parquet",
+        "hf_dataset",
+        "txt",
+    ):
         table = read_table(args.data, split=args.split, limit=samples)
         rows = table[0]
         if not rows:
             raise MeasureError(f"the data set {args.data} is empty: it holds no rows")
-    if _needs_head(args.model) and num_labels is None and rows is not None:
+        col = args.label_col or "label"
+        cols = _columns(rows)
+        if col not in cols:  # say so first, before "no task head" or anything else
+            raise MeasureError(
+                f"{Path(args.data).name} has no label column {col!r} (columns: "
+                f"{', '.join(cols)}); name it with --label-col"
+                + (
+                    ", or measure a language-model loss with --task causal-lm or seq2seq"
+                    if args.label_col is None
+                    else ""
+                )
+            )
+    if _needs_head(args.model, task) and num_labels is None and rows is not None:
         col = args.label_col or "label"
         values = [r.get(col) for r in rows[:samples] if r.get(col) not in (None, "")]
         if values:
@@ -236,29 +366,49 @@ def _execute(args: argparse.Namespace) -> int:
         num_labels=num_labels,
         label2id=label2id,
         seed=args.seed,
+        task=task,
+        base=args.base,
     )
     for note in loaded.notes:
         _warn(note)
     n_params = sum(p.numel() for p in loaded.model.parameters())
+    n_train = sum(p.numel() for p in loaded.model.parameters() if p.requires_grad)
+    trainable = f" ({n_train:,} trainable)" if n_train != n_params else ""
     _say(
-        f"model: {loaded.name}, {n_params:,} parameters, {dtype} on {device}".replace("torch.", "")
+        f"model: {loaded.name}, {n_params:,} parameters{trainable}, {dtype} on {device}".replace(
+            "torch.", ""
+        )
     )
-    data = load_data(
-        args.data,
-        loaded,
-        batch_size=args.batch_size,
-        samples=samples,
-        text_col=args.text_col,
-        label_col=args.label_col,
-        max_length=args.max_length,
-        split=args.split,
-        tokenizer=args.tokenizer,
-        dtype=dtype,
-        table=table,
-    )
+    for line in loaded.info:
+        _say(line)
+    common = {
+        "batch_size": args.batch_size,
+        "samples": samples,
+        "max_length": args.max_length,
+        "split": args.split,
+        "tokenizer": args.tokenizer,
+        "dtype": dtype,
+    }
+    if task == "causal-lm":
+        data = load_lm_data(
+            args.data, loaded, text_col=args.text_col, txt_mode=args.txt_mode, **common
+        )
+    elif task == "seq2seq":
+        data = load_seq2seq_data(
+            args.data, loaded, source_col=args.source_col, target_col=args.target_col, **common
+        )
+    else:
+        data = load_data(
+            args.data, loaded, text_col=args.text_col, label_col=args.label_col, table=table,
+            **common,
+        )  # fmt: skip
     for w in data.warnings:
         _warn(w)
     _say(f"data: {data.description}")
+    for line in data.info:
+        _say(line)
+    if data.label_map:
+        _say(_label_map_line(data.label_map))
     flushed = flush_unrepresentable(loaded.model)
     if flushed:
         where = ", ".join(f"{k} ({v})" for k, v in list(flushed.items())[:4])
@@ -290,11 +440,16 @@ def _execute(args: argparse.Namespace) -> int:
     report.settings = {
         "model": loaded.name,
         "model_kind": loaded.kind,
+        "task": task,
+        "task_reason": why,
         "weights": args.weights,
         "data": data.description,
         "batch_size": args.batch_size,
         "samples": data.n_samples,
         "max_length": args.max_length,
+        **({"n_tokens": data.n_tokens} if data.n_tokens is not None else {}),
+        **({"label_map": data.label_map} if data.label_map else {}),
+        **({"model_info": loaded.info} if loaded.info else {}),
         **report.settings,
     }
     if not torch.cuda.is_available() and device.type == "cpu":

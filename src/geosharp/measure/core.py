@@ -68,6 +68,7 @@ __all__ = [
     "default_loss",
     "measure",
     "resolve_loss",
+    "still_rising",
 ]
 
 #: The paper's three measures (SPEC §7): adaptive ℓ2, geodesic inv and mix at order 2.
@@ -544,6 +545,7 @@ class MeasureReport:
                 "scales": self.invariance.scales,
                 "tol": self.invariance.tol,
                 "n_blocks": self.invariance.n_blocks,
+                "nothing_to_check": self.invariance.n_blocks == 0,
             }
         return _json_safe(
             {
@@ -728,12 +730,14 @@ def _clean_pass(
                 raise MeasureError(
                     f"the model failed on batch {b}: {type(err).__name__}: {err}"
                 ) from err
-            if _uses_cross_entropy(loss_fn, targets):
-                _check_labels(b, _logits(out), targets)
             try:
+                if _uses_cross_entropy(loss_fn, targets):
+                    _check_labels(b, _logits(out), targets)
                 loss = loss_fn(out, targets)
-            except MeasureError:
-                raise
+            except MeasureError as err:
+                if str(err).startswith(f"batch {b}"):
+                    raise
+                raise MeasureError(f"batch {b}: {err}") from err
             except Exception as err:
                 raise MeasureError(
                     f"the loss failed on batch {b}: {type(err).__name__}: {err}"
@@ -750,6 +754,57 @@ def _clean_pass(
                 )
             losses.append(value)
     return losses
+
+
+#: A loss rise within this many units of the dtype's precision (relative to the loss) is
+#: rounding: a mean of many float32 terms computed twice along nearby paths differs by a few ulp.
+RISE_TOL_ULPS = 16
+#: The trend is judged over this many last Auto-PGD steps.
+RISE_WINDOW = 3
+
+
+def _loss_eps(model: nn.Module) -> float:
+    """Machine epsilon of the dtype the model computes its loss in (its parameters')."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return float(torch.finfo(dtypes[0] if dtypes else torch.float32).eps)
+
+
+def still_rising(
+    trace: Sequence[float],
+    eps: float = float(torch.finfo(torch.float32).eps),
+    *,
+    ulps: float = RISE_TOL_ULPS,
+    window: int = RISE_WINDOW,
+) -> bool:
+    """Whether an Auto-PGD loss trace was still rising at its last step (beyond rounding).
+
+    A rise counts only above ``tol = ulps · eps · max|loss|``: the loss at the last step must be
+    the trace's best (within ``tol``), higher than at the step before by more than ``tol``, and
+    higher than ``window`` steps before by more than ``window · tol`` — a trend, not a one-ulp
+    wobble of a flat trace.
+
+    Args:
+        trace: The loss at every iterate (the clean loss first).
+        eps: Machine epsilon of the dtype the loss was computed in (float32 by default).
+        ulps: The tolerance in units of ``eps`` relative to the loss.
+        window: The number of last steps the trend is judged over.
+
+    Returns:
+        ``True`` if more steps would likely raise the loss further.
+
+    Example:
+        >>> still_rising([0.5, 0.6899, 0.689989447593689, 0.6899895071983337])  # one ulp
+        False
+        >>> still_rising([0.5, 0.6, 0.65, 0.68])
+        True
+    """
+    values = [float(v) for v in trace]
+    if len(values) < 3 or not all(math.isfinite(v) for v in values):
+        return False
+    tol = ulps * eps * max(max(abs(v) for v in values), 1e-30)
+    last = values[-1]
+    k = min(window, len(values) - 1)
+    return last >= max(values) - tol and last - values[-2] > tol and last - values[-1 - k] > k * tol
 
 
 def _invariance_tol(model: nn.Module) -> float:
@@ -922,13 +977,19 @@ def measure(
             say("self-check: no symmetry blocks, so there is nothing to re-parametrize")
         else:
             say(f"self-check: {invariance}")
-        if not invariance.passed and not all(math.isfinite(c) for c in invariance.rel_changes):
+        # without blocks there is nothing to check (check_invariance then reports passed=False)
+        checked = invariance.n_blocks > 0
+        if (
+            checked
+            and not invariance.passed
+            and not all(map(math.isfinite, invariance.rel_changes))
+        ):
             raise MeasureError(
                 "self-check failed: the model's outputs on batch 0 are not finite (NaN or inf), "
                 "so the invariance under re-parametrization cannot be checked; check the data "
                 "and the model's weights"
             )
-        if not invariance.passed:
+        if checked and not invariance.passed:
             worst = max(invariance.rel_changes)
             raise MeasureError(
                 f"self-check failed: the model's outputs changed by up to {worst:.2g} (relative; "
@@ -944,6 +1005,7 @@ def measure(
     say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
 
     rows: list[MeasureRow] = []
+    loss_eps = _loss_eps(model)
     bar = _progress(n_cells, progress, "measures")
     try:
         for spec in specs:
@@ -956,7 +1018,7 @@ def measure(
                     )
                 )
                 row = rows[-1]
-                rising = sum(len(t) > 2 and t[-1] >= max(t) and t[-1] > t[-2] for t in row.traces)
+                rising = sum(still_rising(t, loss_eps) for t in row.traces)
                 if row.error is not None:
                     _warn(f"{row.measure} at rho={row.rho} failed: {row.error}")
                 elif 2 * rising > len(row.traces) > 0:

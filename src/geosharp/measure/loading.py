@@ -1,14 +1,16 @@
 """Loading a model and its data for ``geosharp measure`` (kept apart from the measuring).
 
 Models: a Hugging Face model folder (``config.json``; loaded offline with
-``attn_implementation="eager"``), a file written by ``torch.jit.save`` or ``torch.save(model)``,
-or ``module:function`` (``package.module:build`` or ``path/to/file.py:build``) that builds the
-model, optionally with a state dict (``--weights``; ``.pt``/``.pth``/``.bin`` or
-``.safetensors``).
+``attn_implementation="eager"``), a PEFT adapter folder (``adapter_config.json``, loaded on its
+base model folder, see :mod:`~geosharp.measure.lm`), a file written by ``torch.jit.save`` or
+``torch.save(model)``, or ``module:function`` (``package.module:build`` or
+``path/to/file.py:build``) that builds the model, optionally with a state dict (``--weights``;
+``.pt``/``.pth``/``.bin`` or ``.safetensors``).
 
-Data: a Hugging Face ``datasets`` folder (``save_to_disk``), a CSV/TSV, JSONL or JSON file of
-text and labels (tokenized with the model's tokenizer), an ``.npz`` of arrays, or
-``module:function`` returning ``(inputs, targets)`` batches.
+Data: a Hugging Face ``datasets`` folder (``save_to_disk``), a CSV/TSV, JSONL, JSON or Parquet
+file of text and labels (tokenized with the model's tokenizer), an ``.npz`` of arrays, or
+``module:function`` returning ``(inputs, targets)`` batches. The language-model and
+sequence-to-sequence tasks (a ``.txt`` corpus too) are read by :mod:`~geosharp.measure.lm`.
 
 Every problem a user can cause — a missing path, a checkpoint whose keys do not match, labels
 outside the model's classes, an empty data set, a device that is not there — raises
@@ -223,14 +225,18 @@ class LoadedModel:
 
     Attributes:
         model: The ``nn.Module`` (eval mode, on its device, in its dtype).
-        kind: ``"huggingface"``, ``"torchscript"``, ``"torch.save"`` or ``"module:function"``.
+        kind: ``"huggingface"``, ``"peft"``, ``"torchscript"``, ``"torch.save"`` or
+            ``"module:function"``.
         name: Readable name (the path or spec, and the class).
         tokenizer: The Hugging Face tokenizer of a model folder (``None`` otherwise).
         num_labels: Number of classes, if the model says (Hugging Face config).
         regression: Whether the model is a regression model (Hugging Face config).
         label2id: Label names → class index (Hugging Face config).
         max_positions: Longest sequence the model accepts, if known.
-        notes: Things the user should know about how the model was loaded.
+        notes: Things the user should know about how the model was loaded (warnings).
+        info: What was loaded, said without a warning (e.g. which parameters are trainable).
+        task: The head the model was loaded with: ``"classification"``, ``"causal-lm"`` or
+            ``"seq2seq"`` (``None`` for models that are not Hugging Face folders).
     """
 
     model: nn.Module
@@ -242,6 +248,8 @@ class LoadedModel:
     label2id: dict[str, int] = field(default_factory=dict)
     max_positions: int | None = None
     notes: list[str] = field(default_factory=list)
+    info: list[str] = field(default_factory=list)
+    task: str | None = None
 
 
 class TorchScriptModule(nn.Module):
@@ -394,8 +402,15 @@ def load_state_dict(model: nn.Module, path: str | Path) -> list[str]:
 
 
 def _is_base_architecture(arch: str | None) -> bool:
-    """``BertModel``-like (no task head)."""
-    return arch is None or (arch.endswith("Model") and "For" not in arch)
+    """``BertModel``-like (no task head; ``GPT2LMHeadModel`` has one)."""
+    return arch is None or (
+        arch.endswith("Model") and "For" not in arch and not arch.endswith("LMHeadModel")
+    )
+
+
+def _lm_head(arch: str | None) -> bool:
+    """A language-model head (``*ForCausalLM``, ``*LMHeadModel``, ``*ForConditionalGeneration``)."""
+    return bool(arch) and arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
 
 
 def _load_hf(
@@ -405,6 +420,7 @@ def _load_hf(
     num_labels: int | None,
     seed: int,
     label2id: Mapping[str, int] | None,
+    task: str | None = None,
 ) -> LoadedModel:
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
@@ -427,7 +443,13 @@ def _load_hf(
     fresh_head = False
     kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "eager"}
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
-    if _is_base_architecture(arch) or cls is None:
+    if task in ("causal-lm", "seq2seq"):
+        from geosharp.measure.lm import model_class
+
+        cls = model_class(task, arch)
+    elif (
+        _is_base_architecture(arch) or cls is None or (task == "classification" and _lm_head(arch))
+    ):
         if num_labels is None:
             raise MeasureError(
                 f"{folder} holds a model without a task head (architectures: {archs or 'none'}); "
@@ -448,7 +470,7 @@ def _load_hf(
     torch.manual_seed(seed)  # a fresh head is drawn reproducibly
     with quiet_transformers():
         try:
-            model = cls.from_pretrained(str(folder), **kwargs)
+            model, info = cls.from_pretrained(str(folder), output_loading_info=True, **kwargs)
         except Exception as err:
             raise MeasureError(
                 f"cannot load the model in {folder} as {cls.__name__}: {type(err).__name__}: {err}"
@@ -459,6 +481,18 @@ def _load_hf(
             f"a fresh head with {num_labels} labels was drawn (seed {seed}), so the measured "
             "sharpness includes a random head"
         )
+    elif task in ("causal-lm", "seq2seq") and info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        shown = ", ".join(missing[:4]) + (
+            f", … ({len(missing)} in all)" if len(missing) > 4 else ""
+        )
+        notes.append(
+            f"{folder} does not hold every weight of {type(model).__name__} (architectures: "
+            f"{archs or 'none'}): {shown} were drawn fresh (seed {seed}), so the measured "
+            "sharpness includes random weights"
+        )
+    if task in ("causal-lm", "seq2seq") and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # no key/value cache in the outputs: the loss needs none
     tokenizer = None
     with quiet_transformers():
         try:
@@ -466,17 +500,23 @@ def _load_hf(
         except Exception:
             tokenizer = None
     cfg = model.config
-    regression = getattr(cfg, "problem_type", None) == "regression" or cfg.num_labels == 1
+    lm = task in ("causal-lm", "seq2seq")
+    regression = not lm and (
+        getattr(cfg, "problem_type", None) == "regression" or cfg.num_labels == 1
+    )
     return LoadedModel(
         model=model.eval(),
         kind="huggingface",
         name=f"{folder} ({type(model).__name__})",
         tokenizer=tokenizer,
-        num_labels=None if regression else int(cfg.num_labels),
+        num_labels=None if regression or lm else int(cfg.num_labels),
         regression=regression,
-        label2id={str(k): int(v) for k, v in (getattr(cfg, "label2id", None) or {}).items()},
+        label2id={}
+        if lm
+        else {str(k): int(v) for k, v in (getattr(cfg, "label2id", None) or {}).items()},
         max_positions=getattr(cfg, "max_position_embeddings", None),
         notes=notes,
+        task=task or "classification",
     )
 
 
@@ -541,12 +581,15 @@ def load_model(
     num_labels: int | None = None,
     label2id: Mapping[str, int] | None = None,
     seed: int = 0,
+    task: str | None = None,
+    base: str | Path | None = None,
 ) -> LoadedModel:
     """Load a model from a Hugging Face folder, a saved file or ``module:function``.
 
     Args:
-        spec: A folder with ``config.json``, a ``torch.save``/``torch.jit.save`` file, or
-            ``module:function`` (called without arguments, must return an ``nn.Module``).
+        spec: A folder with ``config.json``, a PEFT adapter folder (``adapter_config.json``),
+            a ``torch.save``/``torch.jit.save`` file, or ``module:function`` (called without
+            arguments, must return an ``nn.Module``).
         weights: A state dict loaded (strictly) into the model.
         device: Where to put the model.
         dtype: Parameter dtype.
@@ -554,6 +597,11 @@ def load_model(
             classification head.
         label2id: Names of the labels of such a head.
         seed: Seed of a fresh head.
+        task: For a Hugging Face folder: ``"causal-lm"`` or ``"seq2seq"`` load it with its
+            language-model head (``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``);
+            ``None`` or ``"classification"``: its own class, or a classification head.
+        base: The base model folder of a PEFT adapter (default: the adapter config's
+            ``base_model_name_or_path``).
 
     Returns:
         A :class:`LoadedModel` in eval mode.
@@ -565,14 +613,27 @@ def load_model(
     dtype = resolve_dtype(dtype)
     path = Path(spec).expanduser()
     if path.exists():
-        if path.is_dir():
+        if path.is_dir() and (path / "adapter_config.json").is_file():
+            from geosharp.measure.lm import load_peft
+
+            loaded = load_peft(
+                path,
+                base=base,
+                dtype=dtype,
+                task=task,
+                num_labels=num_labels,
+                label2id=label2id,
+                seed=seed,
+            )
+        elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise MeasureError(
-                    f"{path} is a folder without config.json: a Hugging Face model folder "
-                    "(save_pretrained) is expected"
+                    f"{path} is a folder without config.json (nor adapter_config.json): a "
+                    "Hugging Face model folder (save_pretrained) or a PEFT adapter folder is "
+                    "expected"
                 )
             loaded = _load_hf(
-                path, dtype=dtype, num_labels=num_labels, seed=seed, label2id=label2id
+                path, dtype=dtype, num_labels=num_labels, seed=seed, label2id=label2id, task=task
             )
         else:
             model, kind, notes = _load_file(path)
@@ -621,16 +682,26 @@ class DataSet:
         description: One line saying what was read.
         n_samples: Number of samples in the batches.
         warnings: E.g. how many texts were truncated.
+        label_map: Text label → class index, for every text label met (empty if the labels
+            were class indices already).
+        info: What was read, said without a warning (e.g. which columns were chosen).
+        n_tokens: Number of predicted tokens (language-model and sequence-to-sequence tasks).
     """
 
     batches: list[tuple[Any, Any]]
     description: str
     n_samples: int
     warnings: list[str] = field(default_factory=list)
+    label_map: dict[str, int] = field(default_factory=dict)
+    info: list[str] = field(default_factory=list)
+    n_tokens: int | None = None
 
 
 def data_kind(spec: str) -> str:
-    """``"hf_dataset"``, ``"csv"``, ``"jsonl"``, ``"json"``, ``"npz"`` or ``"function"``.
+    """The kind of the data ``spec``: a datasets folder, a file format, or a function.
+
+    One of ``"hf_dataset"``, ``"csv"``, ``"jsonl"``, ``"json"``, ``"parquet"``, ``"txt"``,
+    ``"npz"`` or ``"function"``.
 
     Raises:
         MeasureError: If the path does not exist or its kind is unknown.
@@ -646,12 +717,21 @@ def data_kind(spec: str) -> str:
         )
     if path.is_file():
         suffix = path.suffix.lower()
-        kinds = {".csv": "csv", ".tsv": "csv", ".jsonl": "jsonl", ".json": "json", ".npz": "npz"}
+        kinds = {
+            ".csv": "csv",
+            ".tsv": "csv",
+            ".jsonl": "jsonl",
+            ".json": "json",
+            ".parquet": "parquet",
+            ".txt": "txt",
+            ".npz": "npz",
+        }
         if suffix in kinds:
             return kinds[suffix]
         raise MeasureError(
             f"unknown data format {suffix or '(no suffix)'} of {path}: use a Hugging Face "
-            "datasets folder, .csv/.tsv, .jsonl/.json, .npz, or module:function"
+            "datasets folder, .csv/.tsv, .jsonl/.json, .parquet, .txt (a text corpus, for "
+            "--task causal-lm), .npz, or module:function"
         )
     if _is_function_spec(spec):
         return "function"
@@ -663,12 +743,12 @@ def data_kind(spec: str) -> str:
 def read_table(
     spec: str, *, split: str | None = None, limit: int | None = None
 ) -> tuple[list[dict[str, Any]], str]:
-    """Rows of a CSV/TSV, JSONL/JSON file or Hugging Face datasets folder.
+    """Rows of a CSV/TSV, JSONL/JSON or Parquet file or Hugging Face datasets folder.
 
     Args:
         spec: The path.
         split: Split of a ``DatasetDict`` folder (default ``train`` if there, else the only one).
-        limit: Read at most this many rows of a datasets folder (its first ones).
+        limit: Read at most this many rows of a datasets folder or Parquet file (its first ones).
 
     Returns:
         ``(rows, description)``.
@@ -710,7 +790,33 @@ def read_table(
         raise MeasureError(f"cannot read {path}: {err}") from err
     if kind == "hf_dataset":
         return _read_hf_dataset(path, split, limit)
+    if kind == "parquet":
+        return _read_parquet(path, limit)
+    if kind == "txt":
+        raise MeasureError(
+            f"{path} is a plain-text corpus: it has no columns or labels. Measure a language "
+            "model on it (--task causal-lm), or give a table (.csv, .jsonl, ...) with a label "
+            "column"
+        )
     raise MeasureError(f"{path} is not a table of rows")  # pragma: no cover
+
+
+def _read_parquet(path: Path, limit: int | None) -> tuple[list[dict[str, Any]], str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise MeasureError(
+            f"reading the Parquet file {path} needs pyarrow (pip install pyarrow)"
+        ) from err
+    try:
+        table = pq.read_table(str(path))
+    except Exception as err:
+        raise MeasureError(f"cannot read {path} as Parquet: {err}") from err
+    desc = f"{path} (Parquet"
+    if limit is not None and table.num_rows > limit:
+        desc += f", the first {limit} of {table.num_rows} rows"
+        table = table.slice(0, limit)
+    return table.to_pylist(), desc + ")"
 
 
 def _read_hf_dataset(
@@ -984,13 +1090,20 @@ def load_data(
             f"{where} has no label column {label_col!r} (columns: {', '.join(cols)}); "
             "name it with --label-col"
         )
+    values = [r.get(label_col) for r in rows]
     targets = parse_labels(
-        [r.get(label_col) for r in rows],
+        values,
         regression=loaded.regression,
         label2id=loaded.label2id,
         num_labels=loaded.num_labels,
         where=where,
     )
+    label_map: dict[str, int] = {}
+    if not loaded.regression:
+        for v in values:
+            if _as_int(v) is None and str(v) not in label_map:
+                label_map[str(v)] = int(loaded.label2id[str(v)])
+        label_map = dict(sorted(label_map.items(), key=lambda kv: (kv[1], kv[0])))
     if targets.is_floating_point():
         targets = targets.to(dtype)
     text_cols = [c.strip() for c in text_col.split(",") if c.strip()]
@@ -1049,6 +1162,7 @@ def load_data(
         f"{len(batches)} batch(es) of ≤ {batch_size}",
         n_samples=len(rows),
         warnings=warns,
+        label_map=label_map,
     )
 
 
