@@ -545,6 +545,8 @@ class MeasureReport:
                 "scales": self.invariance.scales,
                 "tol": self.invariance.tol,
                 "n_blocks": self.invariance.n_blocks,
+                "n_factors": self.invariance.n_factors,
+                "random_changes": self.invariance.random_changes,
                 "nothing_to_check": self.invariance.n_blocks == 0,
             }
         return _json_safe(
@@ -623,7 +625,7 @@ def adaptive_note(space: ParameterSpace, top: int = 8) -> str:
         "no symmetry is known for them (SPEC §3), so geodesic sharpness gives them the "
         "adaptive (element-wise) metric of SPEC §5 and perturbs them along straight lines, as "
         "adaptive sharpness does"
-        if space.gl_blocks or space.diagonal_pairs
+        if space.blocks
         else "no symmetry block was found in this model, so every measure but the Euclidean one "
         "uses the adaptive (element-wise) geometry of SPEC §5: geodesic and adaptive sharpness "
         "coincide here"
@@ -948,9 +950,20 @@ def measure(
             "ρ|w| is below 1e-19 there anyway)"
         )
 
+    inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
     if space is None:
-        say("finding symmetry blocks ...")
-        space = find_symmetries(model)
+        say("finding symmetry blocks (and proving each on batch 0) ...")
+        try:
+            space = find_symmetries(
+                model,
+                example_inputs=inputs0 if check else None,
+                verify_tol=_invariance_tol(model),
+            )
+        except Exception as err:
+            raise MeasureError(
+                f"the symmetry finder could not run the model on batch 0: "
+                f"{type(err).__name__}: {err}"
+            ) from err
     summary = space.summary()
     note = adaptive_note(space)
     say(summary)
@@ -963,7 +976,6 @@ def measure(
     invariance = None
     if check:
         say("self-check: random re-parametrization of every block found ...")
-        inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
         try:
             invariance = check_invariance(
                 model, inputs0, space=space, seed=seed, tol=_invariance_tol(model)
@@ -1064,6 +1076,8 @@ def measure(
         "n_params": space.numel(),
         "n_gl_heads": sum(b.heads for b in space.gl_blocks),
         "n_diagonal_pairs": len(space.diagonal_pairs),
+        "n_symmetry_blocks": len(space.blocks),
+        "n_group_factors": space.n_group_factors,
         "device": str(next(iter(model.parameters())).device),
         "dtype": str(dtype).replace("torch.", ""),
     }

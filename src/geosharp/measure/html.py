@@ -133,12 +133,21 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
         cls = "pass" if inv.passed else "fail"
         out.append(
             f"<p><span class='{cls}'>{'PASSED' if inv.passed else 'FAILED'}</span>: every one of "
-            f"the {inv.n_blocks} symmetry blocks found was re-parametrized by a random group "
-            "element (GL(h): A = a·N(0, 1)); the relative change of the model's outputs was</p>"
-            "<table><tr><th>scale a</th><th>‖f(A·w) − f(w)‖ / ‖f(w)‖</th></tr>"
+            f"the {inv.n_blocks} symmetry blocks found ({inv.n_factors} group factors) was "
+            "re-parametrized by a random element of its group (GL(h): A = a·N(0, 1)); the "
+            "relative change of the model's outputs was, beside that of a random move of the "
+            "same size</p>"
+            "<table><tr><th>scale a</th><th>‖f(g·w) − f(w)‖ / ‖f(w)‖</th>"
+            "<th>random move</th></tr>"
             + "".join(
-                f"<tr><td class='num'>{a:g}</td><td class='num'>{c:.2e}</td></tr>"
-                for a, c in zip(inv.scales, inv.rel_changes, strict=True)
+                f"<tr><td class='num'>{a:g}</td><td class='num'>{c:.2e}</td>"
+                f"<td class='num'>{r:.2e}</td></tr>"
+                for a, c, r in zip(
+                    inv.scales,
+                    inv.rel_changes,
+                    inv.random_changes or [float("nan")] * len(inv.scales),
+                    strict=True,
+                )
             )
             + f"</table><p>tolerance {inv.tol:g}.</p>"
         )
