@@ -228,3 +228,40 @@ def test_geodesic_sharpness_is_invariant_adaptive_is_not(setup, record_property)
     print(f"{name}: geodesic max rel. change {worst:.1e}; adaptive {ada_change}")
     assert worst < RTOL, (name, worst)
     assert max(ada_change) > 0.1, (name, ada_change)  # adaptive sharpness is not invariant
+
+
+def test_attention_only_measures():
+    """perturb='blocks': only the symmetry blocks move (issue: the attention-only measure)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, bias=False).to(DT)  # all in blocks
+    x = torch.randn(3, 5, 8, dtype=DT)
+
+    class Net(nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, z):
+            return self.attn(z, z, z, need_weights=False)[0]
+
+    net = Net(mha).eval()
+    batches = [(x, torch.randn(3, 5, 8, dtype=DT))]
+    loss = nn.functional.mse_loss
+    space = gs.find_symmetries(net)
+    assert space.adaptive_numel == 0
+    for kw in ({"metric": "inv"}, {"metric": "mix"}, {"measure": "adaptive"}):
+        full = gs.sharpness(net, loss, batches, rho=0.05, steps=5, **kw)
+        only = gs.sharpness(net, loss, batches, rho=0.05, steps=5, perturb="blocks", **kw)
+        # nothing outside the blocks: the same measure (the adaptive one through the blocks'
+        # element-wise ball, a different path through the code)
+        assert abs(only.value - full.value) <= 1e-10 * full.value, kw
+        assert only.measure.split()[0].endswith("-blocks")
+    # on a model with other parameters the rest is held fixed: a smaller rise, still invariant
+    model = LM(_perturbed(llama())).eval()
+    b = lm_batches()
+    only = gs.sharpness(model, lm_loss, b, rho=0.05, steps=4, perturb="blocks")
+    full = gs.sharpness(model, lm_loss, b, rho=0.05, steps=4)
+    assert 0 < only.value < full.value
+    twin = gs.reparametrize(model, torch.Generator().manual_seed(3), scale=10.0)
+    again = gs.sharpness(twin, lm_loss, b, rho=0.05, steps=4, perturb="blocks").value
+    assert abs(again - only.value) <= RTOL * only.value

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
+PERTURB = ("all", "blocks")
 BLOCK_METRICS = ("inv", "mix", "adaptive")
 
 Xi = list[Tangent]
@@ -111,6 +112,9 @@ class Perturbation:
             block metric instead would not be orthogonal in the ball's metric and can inflate
             the adaptive norm of a useful direction many-fold.
         exact_steps: RK4 steps for ``order="exact"``.
+        perturb: ``"all"`` (default) or ``"blocks"``: only the symmetry blocks move, every other
+            coordinate is held fixed (the attention-only measures, where the effect of the
+            quotient is not diluted by MLP and embedding coordinates).
     """
 
     def __init__(
@@ -124,7 +128,15 @@ class Perturbation:
         eps: float = 0.0,
         corrected_norm: bool = True,
         exact_steps: int = 10,
+        perturb: str = "all",
     ) -> None:
+        if perturb not in PERTURB:
+            raise ValueError(f"perturb must be one of {PERTURB}, got {perturb!r}")
+        if perturb == "blocks" and measure != "geodesic":
+            raise ValueError(
+                "perturb='blocks' needs measure='geodesic' (metric='adaptive', order=1 is "
+                "adaptive sharpness of the blocks)"
+            )
         if measure not in MEASURES:
             raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
         if measure == "geodesic" and metric not in BLOCK_METRICS:
@@ -165,9 +177,14 @@ class Perturbation:
         rest = space.rest_index.to(device)
         self._rest_piece: int | None = None
         if rest.numel():
-            g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
+            if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
+                g = FixedGeometry((self.theta0[rest],), name="other parameters (held fixed)")
+                label = "other parameters (held fixed)"
+            else:
+                g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
+                label = "other parameters (adaptive)"
             self._rest_piece = len(self.pieces)
-            self.pieces.append(Piece("other parameters (adaptive)", (rest,), g, g, 1))
+            self.pieces.append(Piece(label, (rest,), g, g, 1))
         # θ′ is assembled by one gather: the pieces' values, concatenated, put back in θ order.
         # (Pieces cover every coordinate exactly once; the symmetry finder guarantees it.)
         covered = sum(i.numel() for p in self.pieces for i in p.index)

@@ -90,14 +90,25 @@ class SharpnessResult:
 
 
 def measure_name(
-    measure: str, metric: str, order: int | str, kind: str, norm: str, corrected_norm: bool = True
+    measure: str,
+    metric: str,
+    order: int | str,
+    kind: str,
+    norm: str,
+    corrected_norm: bool = True,
+    perturb: str = "all",
 ) -> str:
-    """Canonical name of a measure, e.g. ``"geodesic-inv-o2 worst l2"``."""
+    """Canonical name of a measure, e.g. ``"geodesic-inv-o2 worst l2"``.
+
+    Attention-only measures (``perturb="blocks"``) carry ``-blocks``:
+    ``"geodesic-inv-o2-blocks worst l2"``, ``"adaptive-blocks worst l2"``.
+    """
+    blocks = "-blocks" if perturb == "blocks" else ""
     if measure == "geodesic":
         base = f"geodesic-{metric}-o{order}" + ("" if corrected_norm else "-adaptivenorm")
     else:
         base = measure
-    return f"{base} {kind} {norm}"
+    return f"{base}{blocks} {kind} {norm}"
 
 
 def _check_float(name: str, value: Any, positive: bool = True) -> float:
@@ -195,6 +206,7 @@ def sharpness(
     exact_steps: int = 10,
     space: ParameterSpace | None = None,
     key_bias: str = "quotient",
+    perturb: str = "all",
     progress: bool | None = None,
     distributed: bool | None = None,
 ) -> SharpnessResult:
@@ -236,6 +248,10 @@ def sharpness(
             given: ``"quotient"`` (default) holds them fixed in geodesic measures (the softmax
             ignores them, SPEC §8); ``"keep"`` makes them rows of ``H_QK`` (the setting of
             Studies 1–3). Adaptive and Euclidean sharpness perturb them either way.
+        perturb: ``"all"`` (default) or ``"blocks"``: the attention-only measures — only the
+            symmetry blocks move, everything else is held fixed. With ``measure="adaptive"``
+            the blocks' coordinates get the element-wise ball (adaptive sharpness of the
+            blocks); with ``"geodesic"`` their quotient geometry.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -265,6 +281,12 @@ def sharpness(
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if norm == "linf" and measure == "geodesic":
         raise ValueError("norm='linf' is defined for measure='adaptive' or 'euclidean' only")
+    if perturb not in ("all", "blocks"):
+        raise ValueError(f"perturb must be 'all' or 'blocks', got {perturb!r}")
+    if perturb == "blocks" and (measure == "euclidean" or norm == "linf"):
+        raise ValueError(
+            "perturb='blocks' (attention-only) is defined for the geodesic and adaptive ℓ2 measures"
+        )
     if measure == "geodesic" and metric not in BLOCK_METRICS:
         raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
     if isinstance(order, bool) or order not in (1, 2, "exact"):
@@ -282,19 +304,31 @@ def sharpness(
     params = dict(model.named_parameters())
     theta0 = space.flatten(params).detach()
     device = theta0.device
+    if perturb == "blocks":
+        if not space.blocks:
+            raise ValueError(
+                "perturb='blocks' but the model has no symmetry blocks: nothing would move"
+            )
+        # adaptive sharpness of the blocks alone: their coordinates, element-wise, straight
+        pert_kw = (
+            {"measure": "geodesic", "metric": "adaptive", "order": 1}
+            if measure == "adaptive"
+            else {"measure": measure, "metric": metric, "order": order}
+        )
+    else:
+        pert_kw = {"measure": measure, "metric": metric, "order": order}
     pert = Perturbation(
         space,
         theta0,
-        measure=measure,
-        metric=metric,
-        order=order,
         eps=eps,
         corrected_norm=corrected_norm,
         exact_steps=exact_steps,
+        perturb=perturb,
+        **pert_kw,
     )
     counter = {"forward": 0, "backward": 0}
     per_batch, clean, perturbed, traces = [], [], [], []
-    name = measure_name(measure, metric, order, kind, norm, corrected_norm)
+    name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
     # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
     from geosharp.estimators.distributed import BatchSplit, batch_seed
 
@@ -355,6 +389,7 @@ def sharpness(
         "restarts": restarts if kind == "worst" else None,
         "random_init": random_init,
         "corrected_norm": corrected_norm,
+        "perturb": perturb,
         "exact_steps": exact_steps if order == "exact" else None,
         "n_params": space.numel(),
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,

@@ -60,6 +60,7 @@ class MeasureSpec:
             kw.get("kind", "worst"),
             kw.get("norm", "l2"),
             kw.get("corrected_norm", True),
+            kw.get("perturb", "all"),
         )
 
 
