@@ -15,10 +15,88 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+#: Threads of ``geosharp study`` and ``geosharp symmetry-test`` without ``--threads``: one, so
+#: that two studies can run side by side on a 2-core machine without oversubscribing it.
+DEFAULT_STUDY_THREADS = 1
+
+
+def _limit_numpy_blas(threads: int) -> bool:
+    """Limit the BLAS under NumPy to ``threads`` threads, for the rest of the process.
+
+    NumPy's BLAS (OpenBLAS in the wheels) keeps its own thread pool, which
+    :func:`torch.set_num_threads` does not touch; the diagonal study trains with NumPy matmuls.
+    Uses ``threadpoolctl`` when it is installed, else OpenBLAS's own ``*set_num_threads*``
+    function found among the loaded libraries (Linux).
+
+    Returns:
+        Whether a limit was applied.
+    """
+    import numpy  # noqa: F401  (loads the BLAS, so that it can be found)
+
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass
+    else:
+        threadpool_limits(limits=threads, user_api="blas")
+        return True
+    import ctypes
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as fh:
+            paths = {line.split()[-1] for line in fh if "openblas" in line.lower()}
+    except OSError:
+        return False
+    names = (
+        "scipy_openblas_set_num_threads64_",
+        "scipy_openblas_set_num_threads",
+        "openblas_set_num_threads64_",
+        "openblas_set_num_threads",
+    )
+    done = False
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in names:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(threads))
+                done = True
+                break
+    return done
+
+
+def set_threads(threads: int | None, default: int | None = DEFAULT_STUDY_THREADS) -> int | None:
+    """Apply ``--threads``: torch's intra-op threads and NumPy's BLAS threads.
+
+    Args:
+        threads: The option's value (``None``: not given).
+        default: Threads when the option is not given; ``None`` leaves the libraries' own.
+
+    Returns:
+        The number of threads set, or ``None`` if nothing was changed.
+
+    Raises:
+        ValueError: If ``threads < 1``.
+    """
+    import torch
+
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    n = threads if threads is not None else default
+    if n is None:
+        return None
+    torch.set_num_threads(n)
+    _limit_numpy_blas(n)
+    return n
+
 
 def _diagonal_study(args: argparse.Namespace):
     from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
 
+    set_threads(args.threads)
     overrides = {"seed": args.seed}
     if args.models is not None:
         overrides["n_models"] = args.models
@@ -29,17 +107,13 @@ def _diagonal_study(args: argparse.Namespace):
 
 
 def _threads_and_overrides(args: argparse.Namespace, name: str) -> dict:
-    """Shared options of the transformer studies: torch threads, --models, --seed; no --rho."""
-    import torch
-
+    """Shared options of the transformer studies: threads, --models, --seed; no --rho."""
     if args.rho is not None:
         raise ValueError(
             f"{name} measures every measure on its own ρ grid (fixed by its ρ rule, listed in "
             "the report's settings); --rho is not supported"
         )
-    if args.threads is not None and args.threads < 1:
-        raise ValueError("--threads must be at least 1")
-    torch.set_num_threads(args.threads or 1)
+    set_threads(args.threads)
     overrides = {"seed": args.seed}
     if args.models is not None:
         overrides["n_models"] = args.models
@@ -77,6 +151,11 @@ STUDIES = {
     "vit-mnist": ("Study 2: small ViTs trained on MNIST", _vit_mnist_study),
     "minilm-text": ("Study 3: MiniLM-L6 fine-tuned on review sentiment", _minilm_text_study),
 }
+
+
+_LIBRARY_THREADS_HELP = (
+    "CPU threads of torch and NumPy's BLAS (default: the libraries' own; statistics and plots only)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,8 +202,8 @@ def _parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads of vit-mnist and minilm-text (default 1: run the two side by "
-        "side on a 2-core machine)",
+        help=f"CPU threads of torch and of NumPy's BLAS, for every study (default "
+        f"{DEFAULT_STUDY_THREADS}: two studies side by side on a 2-core machine)",
     )
     t = sub.add_parser(
         "symmetry-test",
@@ -142,7 +221,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--models", type=int, default=None, help="as given to geosharp study")
     t.add_argument("--seed", type=int, default=0, help="as given to geosharp study")
     t.add_argument("--quick", action="store_true", help="as given to geosharp study")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
+    t.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"CPU threads of torch and NumPy's BLAS (default {DEFAULT_STUDY_THREADS})",
+    )
     t.add_argument(
         "--scale",
         type=float,
@@ -167,6 +251,7 @@ def _parser() -> argparse.ArgumentParser:
         help="write the report into DEST instead, with a consistent copy of study.sqlite and "
         "without checkpoints: a small folder to share or commit (safe while the study runs)",
     )
+    r.add_argument("--threads", type=int, default=None, help=_LIBRARY_THREADS_HELP)
     m = sub.add_parser(
         "merge",
         help="merge the output folders of the shards of one study, then write its report",
@@ -178,6 +263,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("out", type=Path, help="the merged folder (created if missing)")
     m.add_argument("shards", type=Path, nargs="+", help="the shards' output folders")
+    m.add_argument("--threads", type=int, default=None, help=_LIBRARY_THREADS_HELP)
     from geosharp.measure.cli import add_parser as add_measure_parser
 
     add_measure_parser(sub)
@@ -201,8 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "measure":
         from geosharp.measure.cli import run as run_measure
 
+        if args.threads is not None and args.threads >= 1:  # measure reports a bad value itself
+            set_threads(args.threads)  # torch again in measure's own run, NumPy's BLAS here
         return run_measure(args)
     try:
+        if args.command in ("report", "merge"):
+            set_threads(args.threads, default=None)
         if args.command == "study":
             if args.models is not None and args.models < 2:
                 raise ValueError("--models must be at least 2 (τ needs pairs of models)")
