@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.measure.core import (
+    DEFAULT_CURVATURE_ITERS,
+    DEFAULT_CURVATURE_PROBES,
     DEFAULT_MEASURES,
     DEFAULT_RHOS,
     DEFAULT_STEPS,
@@ -59,6 +61,10 @@ tasks (--task, default auto: from the folder's config; the chosen task is printe
 
 measures: FAMILY[-OPTION...], FAMILY one of geodesic, adaptive, euclidean, relative-flatness;
 options: inv|mix, o1|o2|exact (geodesic), l2|linf (adaptive, euclidean), worst|average.
+Curvature (the Hessian on the quotient, SPEC §9; no rho, measured once):
+curvature[-geodesic|adaptive|euclidean][-inv|mix]-lmax|lmin|trace, e.g. curvature-inv-lmax,
+curvature-mix-trace, curvature-adaptive-lmax, curvature-euclidean-trace (PyHessian's numbers);
+Lanczos for lmax/lmin (--iters), Hutchinson for the trace (--probes, with its standard error).
 The default is the paper's three measures: adaptive-l2, geodesic-inv-o2, geodesic-mix-o2, worst
 case, 20 Auto-PGD steps, at rho 0.01, 0.1 and 1 (the paper reports no rho; one decade apart).
 """
@@ -123,6 +129,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"
     )
     m.add_argument("--eps", type=float, default=0.0, help="Gram damping of GL(h) blocks (0)")
+    m.add_argument(
+        "--iters",
+        type=int,
+        default=DEFAULT_CURVATURE_ITERS,
+        help=f"curvature lmax/lmin: most Lanczos iterations per batch ({DEFAULT_CURVATURE_ITERS})",
+    )
+    m.add_argument(
+        "--probes",
+        type=int,
+        default=DEFAULT_CURVATURE_PROBES,
+        help=f"curvature trace: Hutchinson probes per batch ({DEFAULT_CURVATURE_PROBES})",
+    )
+    m.add_argument(
+        "--trace-method",
+        default="hutchinson",
+        choices=("hutchinson", "hutch++", "exact"),
+        help="curvature trace: hutchinson (with its standard error), hutch++ or exact (one "
+        "product per coordinate: small models only)",
+    )
     m.add_argument(
         "--batch-size",
         type=int,
@@ -220,6 +245,10 @@ def _say(msg: str) -> None:
 def _validate(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise MeasureError(f"--steps must be >= 1, got {args.steps}")
+    if args.iters < 1:
+        raise MeasureError(f"--iters must be >= 1, got {args.iters}")
+    if args.probes < 1:
+        raise MeasureError(f"--probes must be >= 1, got {args.probes}")
     if args.batch_size < 1:
         raise MeasureError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.samples < 0:
@@ -427,6 +456,9 @@ def _execute(args: argparse.Namespace) -> int:
         steps=args.steps,
         eps=args.eps,
         seed=args.seed,
+        iters=args.iters,
+        probes=args.probes,
+        trace_method=args.trace_method,
         check=not args.no_check,
         progress=False if args.no_progress else None,
         log=_say,

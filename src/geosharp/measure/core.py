@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from geosharp._io import atomic_write_text
 from geosharp.estimators.checks import InvarianceReport, check_invariance
+from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.estimators.relative_flatness import relative_flatness
 from geosharp.estimators.sharpness import (
     SharpnessResult,
@@ -57,6 +58,8 @@ from geosharp.estimators.sharpness import (
 from geosharp.symmetry import ParameterSpace, find_symmetries
 
 __all__ = [
+    "DEFAULT_CURVATURE_ITERS",
+    "DEFAULT_CURVATURE_PROBES",
     "DEFAULT_MEASURES",
     "DEFAULT_RHOS",
     "DEFAULT_STEPS",
@@ -65,6 +68,7 @@ __all__ = [
     "MeasureRow",
     "MeasureSpec",
     "MeasureWarning",
+    "curvature_name",
     "default_loss",
     "measure",
     "resolve_loss",
@@ -77,6 +81,9 @@ DEFAULT_MEASURES = ("adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2")
 DEFAULT_RHOS = (0.01, 0.1, 1.0)
 #: Auto-PGD iterations, as in the paper (SPEC §6).
 DEFAULT_STEPS = 20
+#: Lanczos iterations and Hutchinson probes of the curvature measures (``gs.curvature``'s).
+DEFAULT_CURVATURE_ITERS = 50
+DEFAULT_CURVATURE_PROBES = 100
 
 #: Cross-entropy ignores targets equal to this (PyTorch's and Hugging Face's convention).
 IGNORE_INDEX = -100
@@ -105,25 +112,105 @@ _FAMILIES = {
 _RELATIVE_FLATNESS = {"relative-flatness", "relative_flatness", "relflat", "rf"}
 _ORDERS = {"o1": 1, "1": 1, "o2": 2, "2": 2, "exact": "exact", "oexact": "exact"}
 _KINDS = {"worst": "worst", "average": "average", "avg": "average"}
+_QUANTITIES = {
+    "lmax": "lambda_max",
+    "lambda_max": "lambda_max",
+    "lambdamax": "lambda_max",
+    "λmax": "lambda_max",
+    "lmin": "lambda_min",
+    "lambda_min": "lambda_min",
+    "lambdamin": "lambda_min",
+    "λmin": "lambda_min",
+    "trace": "trace",
+    "tr": "trace",
+}
 _GRAMMAR = (
     "a measure is FAMILY[-OPTION...] with FAMILY one of geodesic, adaptive, euclidean, "
-    "relative-flatness and options metric inv|mix (geodesic), order o1|o2|exact (geodesic), "
-    "norm l2|linf (adaptive, euclidean), kind worst|average; e.g. geodesic-inv-o2, "
-    "geodesic-mix-exact, adaptive-linf, adaptive-l2-average, or a name as the table prints it "
-    "('geodesic-inv-o2 worst l2')"
+    "relative-flatness, curvature and options metric inv|mix (geodesic), order o1|o2|exact "
+    "(geodesic), norm l2|linf (adaptive, euclidean), kind worst|average; a curvature measure "
+    "is curvature[-geodesic|adaptive|euclidean][-inv|mix]-lmax|lmin|trace (no rho); e.g. "
+    "geodesic-inv-o2, geodesic-mix-exact, adaptive-linf, adaptive-l2-average, "
+    "curvature-inv-lmax, curvature-euclidean-trace, or a name as the table prints it "
+    "('geodesic-inv-o2 worst l2', 'geodesic-inv curvature lambda_max')"
 )
+
+
+def curvature_name(measure: str, metric: str, quantity: str) -> str:
+    """Canonical name of a curvature measure: :attr:`geosharp.CurvatureResult.measure` + quantity.
+
+    Args:
+        measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
+        metric: Block metric of the geodesic measure (ignored otherwise).
+        quantity: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
+
+    Example:
+        >>> curvature_name("geodesic", "mix", "trace")
+        'geodesic-mix curvature trace'
+        >>> curvature_name("euclidean", "", "lambda_max")
+        'euclidean curvature lambda_max'
+    """
+    base = f"geodesic-{metric or 'inv'}" if measure == "geodesic" else measure
+    return f"{base} curvature {quantity}"
+
+
+def _parse_curvature(text: str, tokens: list[str]) -> dict[str, Any]:
+    """The options of a curvature measure; ``tokens`` hold ``"curvature"`` once."""
+    opts: dict[str, Any] = {}
+    for tok in tokens:
+        if tok == "curvature":
+            continue
+        if tok in _FAMILIES:
+            key, value = "of", _FAMILIES[tok]
+        elif tok in ("inv", "mix"):
+            key, value = "metric", tok
+        elif tok in _QUANTITIES:
+            key, value = "quantity", _QUANTITIES[tok]
+        elif tok in _ORDERS or tok in _KINDS or tok in ("l2", "linf"):
+            raise MeasureError(
+                f"measure {text!r}: a curvature measure has no order, kind or norm (it is the "
+                "Hessian spectrum on the quotient, SPEC §9: second-order geodesics, no rho); "
+                f"{_GRAMMAR}"
+            )
+        else:
+            raise MeasureError(f"unknown option {tok!r} in measure {text!r}: {_GRAMMAR}")
+        if key in opts and opts[key] != value:
+            raise MeasureError(f"measure {text!r} gives the {key} twice: {_GRAMMAR}")
+        opts[key] = value
+    if "quantity" not in opts:
+        raise MeasureError(
+            f"measure {text!r}: say which curvature quantity, lmax (largest eigenvalue), lmin "
+            f"(smallest) or trace; {_GRAMMAR}"
+        )
+    of = opts.get("of", "geodesic")
+    if of != "geodesic" and "metric" in opts:
+        raise MeasureError(
+            f"measure {text!r}: the metric inv|mix belongs to geodesic curvature only; {of} "
+            "curvature has its own (element-wise) metric"
+        )
+    return {
+        "of": of,
+        "metric": opts.get("metric", "inv") if of == "geodesic" else "",
+        "quantity": opts["quantity"],
+    }
 
 
 @dataclass(frozen=True)
 class MeasureSpec:
     """One sharpness measure, as :func:`geosharp.sharpness` takes it.
 
+    A curvature measure (:func:`geosharp.curvature`, SPEC §9) has ``measure="curvature"``, the
+    measure whose Hessian spectrum it is in :attr:`of`, the quantity in :attr:`quantity`, and
+    neither ρ, kind nor norm.
+
     Attributes:
-        measure: ``"geodesic"``, ``"adaptive"``, ``"euclidean"`` or ``"relative_flatness"``.
-        metric: Block metric of geodesic sharpness (``"inv"`` or ``"mix"``).
-        order: Geodesic order (``1``, ``2`` or ``"exact"``).
-        kind: ``"worst"`` or ``"average"``.
-        norm: ``"l2"`` or ``"linf"``.
+        measure: ``"geodesic"``, ``"adaptive"``, ``"euclidean"``, ``"relative_flatness"`` or
+            ``"curvature"``.
+        metric: Block metric of geodesic sharpness or curvature (``"inv"`` or ``"mix"``).
+        order: Geodesic order (``1``, ``2`` or ``"exact"``; ``2`` for curvature).
+        kind: ``"worst"`` or ``"average"`` (``""`` for curvature).
+        norm: ``"l2"`` or ``"linf"`` (``""`` for curvature).
+        of: Curvature only: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
+        quantity: Curvature only: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
 
     Example:
         >>> MeasureSpec.parse("geodesic-mix-exact").name
@@ -132,6 +219,10 @@ class MeasureSpec:
         'adaptive worst linf'
         >>> MeasureSpec.parse("geodesic-mix-oexact worst l2") == MeasureSpec.parse("geo-mix-exact")
         True
+        >>> MeasureSpec.parse("curvature-mix-trace").name
+        'geodesic-mix curvature trace'
+        >>> MeasureSpec.parse("curvature-euclidean-lmax").name
+        'euclidean curvature lambda_max'
     """
 
     measure: str
@@ -139,10 +230,12 @@ class MeasureSpec:
     order: int | str = 2
     kind: str = "worst"
     norm: str = "l2"
+    of: str = ""
+    quantity: str = ""
 
     @classmethod
     def parse(cls, text: str | MeasureSpec) -> MeasureSpec:
-        """Parse ``"geodesic-inv-o2"``, ``"adaptive-linf"``, ``"relative-flatness"``, ....
+        """Parse ``"geodesic-inv-o2"``, ``"adaptive-linf"``, ``"curvature-inv-lmax"``, ....
 
         Args:
             text: The measure, or a :class:`MeasureSpec` (returned as is).
@@ -161,6 +254,11 @@ class MeasureSpec:
         if raw in _RELATIVE_FLATNESS:
             return cls("relative_flatness", metric="", order=1, kind="", norm="")
         tokens = [t for t in re.split(r"[\s\-]+", raw) if t]
+        if tokens.count("curvature") > 1:
+            raise MeasureError(f"measure {text!r} names curvature twice: {_GRAMMAR}")
+        if "curvature" in tokens:
+            c = _parse_curvature(text, tokens)
+            return cls("curvature", order=2, kind="", norm="", **c)
         if not tokens or tokens[0] not in _FAMILIES:
             raise MeasureError(f"unknown measure {text!r}: {_GRAMMAR}")
         family = _FAMILIES[tokens[0]]
@@ -199,12 +297,14 @@ class MeasureSpec:
         """Canonical name, as :attr:`geosharp.SharpnessResult.measure` spells it."""
         if self.measure == "relative_flatness":
             return "relative_flatness"
+        if self.measure == "curvature":
+            return curvature_name(self.of, self.metric, self.quantity)
         return measure_name(self.measure, self.metric, self.order, self.kind, self.norm)
 
     @property
     def uses_rho(self) -> bool:
-        """Whether the measure has a radius (relative flatness has none)."""
-        return self.measure != "relative_flatness"
+        """Whether the measure has a radius (relative flatness and curvature have none)."""
+        return self.measure not in ("relative_flatness", "curvature")
 
     def __str__(self) -> str:
         return self.name
@@ -346,6 +446,9 @@ class MeasureRow:
         n_forward: Forward passes.
         n_backward: Backward passes.
         error: Why the measurement failed (``None`` if it did not).
+        stderr: Curvature trace only: the Hutchinson standard error of :attr:`value` (``0``
+            for the exact trace; ``None`` for every other measure).
+        n_hvp: Curvature only: Hessian-vector products (double-backward passes).
     """
 
     measure: str
@@ -359,6 +462,8 @@ class MeasureRow:
     n_forward: int = 0
     n_backward: int = 0
     error: str | None = None
+    stderr: float | None = None
+    n_hvp: int = 0
 
     @property
     def std(self) -> float | None:
@@ -396,6 +501,22 @@ class MeasureRow:
             n_backward=res.n_backward,
         )
 
+    @classmethod
+    def from_curvature(cls, res: CurvatureResult, quantity: str) -> MeasureRow:
+        """Build the row of one quantity from a :class:`geosharp.CurvatureResult`."""
+        return cls(
+            measure=f"{res.measure} {quantity}",
+            rho=None,
+            value=res.values[quantity],
+            per_batch=list(res.per_batch[quantity]),
+            clean_losses=list(res.clean_losses),
+            time_s=res.time_s,
+            n_forward=res.n_forward,
+            n_backward=res.n_backward,
+            stderr=res.trace_stderr if quantity == "trace" else None,
+            n_hvp=res.n_hvp,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (spread statistics included)."""
         return {
@@ -409,6 +530,8 @@ class MeasureRow:
             "time_s": self.time_s,
             "n_forward": self.n_forward,
             "n_backward": self.n_backward,
+            "n_hvp": self.n_hvp,
+            "stderr": self.stderr,
             "error": self.error,
             "per_batch": self.per_batch,
             "clean_losses": self.clean_losses,
@@ -428,6 +551,8 @@ _CSV_FIELDS = (
     "time_s",
     "n_forward",
     "n_backward",
+    "n_hvp",
+    "stderr",
     "error",
     "per_batch",
 )
@@ -505,7 +630,11 @@ class MeasureReport:
         return [r for r in self.rows if r.error is not None]
 
     def table(self) -> str:
-        """The results as an aligned plain-text table (measure, ρ, value, spread, time)."""
+        """The results as an aligned plain-text table (measure, ρ, value, spread, time).
+
+        A curvature row's spread also gives the trace's standard error (Hutchinson) and the
+        number of Hessian-vector products.
+        """
         header = ("measure", "rho", "value", "per-batch spread", "time")
         rows = []
         for r in self.rows:
@@ -519,6 +648,10 @@ class MeasureReport:
                 if n > 1
                 else "(1 batch)"
             )
+            if r.stderr is not None:
+                spread += f"; s.e. {_g(r.stderr, 2)}"
+            if r.n_hvp:
+                spread += f"; {r.n_hvp} HVPs"
             rows.append((r.measure, _g(r.rho), _g(r.value, 5), spread, _time(r.time_s)))
         widths = [max(len(x[j]) for x in [header, *rows]) for j in range(len(header))]
         right = {1, 2, 4}
@@ -840,6 +973,9 @@ def measure(
     steps: int = DEFAULT_STEPS,
     eps: float = 0.0,
     seed: int = 0,
+    iters: int = DEFAULT_CURVATURE_ITERS,
+    probes: int = DEFAULT_CURVATURE_PROBES,
+    trace_method: str = "hutchinson",
     check: bool = True,
     space: ParameterSpace | None = None,
     progress: bool | None = None,
@@ -850,7 +986,8 @@ def measure(
 
     Steps: find the symmetry blocks; check that a random re-parametrization of them leaves the
     outputs unchanged and that the clean loss of every batch is finite (cross-entropy: labels
-    within the model's classes); then every measure at every ρ (relative flatness once). A
+    within the model's classes); then every measure at every ρ (relative flatness and the
+    curvature measures once: :func:`geosharp.curvature` with one quantity each). A
     measurement that fails (e.g. the loss becomes infinite inside a large ball) is recorded
     with its error and the others go on. The model's weights are not written to; if some
     weights are so small that ``1/w²`` overflows (:func:`unrepresentable_weights`), a copy with
@@ -867,7 +1004,11 @@ def measure(
         rhos: Radii (default ``0.01, 0.1, 1``, see the module docstring).
         steps: Auto-PGD iterations per batch (worst case).
         eps: Gram-matrix damping of GL(h) blocks.
-        seed: Seed of the invariance check and of random starts / samples.
+        seed: Seed of the invariance check, of random starts / samples and of the curvature
+            measures' Lanczos starts and trace probes.
+        iters: Most Lanczos iterations per batch of a curvature λ measure.
+        probes: Hutchinson probes per batch of a curvature trace.
+        trace_method: ``"hutchinson"``, ``"hutch++"`` or ``"exact"`` (curvature trace).
         check: Run the invariance self-check and refuse to measure if it fails.
         space: Precomputed :func:`geosharp.find_symmetries` result.
         progress: Progress bars (default: when stderr is a terminal).
@@ -925,6 +1066,18 @@ def measure(
                 raise MeasureError(f"every rho must be finite, got {r!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise MeasureError(f"steps must be an int >= 1, got {steps!r}")
+    curv = {"iters": iters, "probes": probes, "trace_method": trace_method}
+    if any(s.measure == "curvature" for s in specs):
+        for key in ("iters", "probes"):
+            n = curv[key]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise MeasureError(f"{key} must be an int >= 1, got {n!r}")
+        if trace_method not in ("hutchinson", "hutch++", "exact"):
+            raise MeasureError(
+                f"trace_method must be hutchinson, hutch++ or exact, got {trace_method!r}"
+            )
+        if trace_method == "hutch++" and probes < 3:
+            raise MeasureError(f"hutch++ needs at least 3 probes, got {probes}")
     loss_fn, loss_name = resolve_loss(loss_fn)
     batches = list(batches)
     if not batches:
@@ -1026,7 +1179,7 @@ def measure(
                     bar.set_postfix_str(f"{spec.name} rho={rho}")
                 rows.append(
                     _measure_one(
-                        model, loss_fn, batches, spec, rho, steps, eps, seed, space, progress
+                        model, loss_fn, batches, spec, rho, steps, eps, seed, space, progress, curv
                     )
                 )
                 row = rows[-1]
@@ -1073,6 +1226,7 @@ def measure(
         "seed": seed,
         "loss": loss_name,
         "check": check,
+        **({"curvature": curv} if any(s.measure == "curvature" for s in specs) else {}),
         "n_params": space.numel(),
         "n_gl_heads": sum(b.heads for b in space.gl_blocks),
         "n_diagonal_pairs": len(space.diagonal_pairs),
@@ -1106,11 +1260,29 @@ def _measure_one(
     seed: int,
     space: ParameterSpace,
     progress: bool,
+    curv: Mapping[str, Any],
 ) -> MeasureRow:
     t0 = time.perf_counter()
     try:
         if spec.measure == "relative_flatness":
             res = relative_flatness(model, loss_fn, batches)
+        elif spec.measure == "curvature":
+            cres = curvature(
+                model,
+                loss_fn,
+                batches,
+                measure=spec.of,
+                metric=spec.metric or "inv",
+                quantities=(spec.quantity,),
+                iters=curv["iters"],
+                probes=curv["probes"],
+                trace_method=curv["trace_method"],
+                seed=seed,
+                eps=eps,
+                space=space,
+                progress=progress,
+            )
+            return MeasureRow.from_curvature(cres, spec.quantity)
         else:
             res = sharpness(
                 model,

@@ -1,7 +1,8 @@
 """The self-contained HTML report of ``geosharp measure``, with the loss-ascent curves.
 
 One page (inline CSS, plots embedded as base64 PNG, drawn with matplotlib's Agg backend): the
-settings, the results table, the invariance self-check, the symmetry summary, the warnings and,
+settings, the results table (curvature rows with their Hessian-vector products and the
+trace's standard error), the invariance self-check, the symmetry summary, the warnings and,
 for every worst-case measure, the loss rise ``L_S(w′_k) − L_S(w)`` at every Auto-PGD iterate
 ``k`` of every batch, one panel per ρ.
 """
@@ -101,17 +102,21 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
         f"<p>{report.n_batches} batch(es)"
         + (f", {report.n_samples} samples" if report.n_samples is not None else "")
         + f"; total time {report.time_s:.1f} s. Sharpness is the loss rise "
-        "L<sub>S</sub>(w′) − L<sub>S</sub>(w) averaged over batches (SPEC §2, §6).</p>",
+        "L<sub>S</sub>(w′) − L<sub>S</sub>(w) averaged over batches (SPEC §2, §6); curvature "
+        "(no ρ) is the largest eigenvalue or the trace of the Hessian on the quotient, per "
+        "batch, averaged over batches (SPEC §9; HVPs: Hessian-vector products, s.e.: the "
+        "Hutchinson standard error of the trace).</p>",
         "<h2>Results</h2>",
         "<table>",
         "<tr><th>measure</th><th>ρ</th><th>value</th><th>std over batches</th>"
-        "<th>min</th><th>max</th><th>time (s)</th><th>forward / backward</th></tr>",
+        "<th>min</th><th>max</th><th>time (s)</th><th>forward / backward</th>"
+        "<th>HVPs</th><th>s.e. (trace)</th></tr>",
     ]
     for r in report.rows:
         if r.error is not None:
             out.append(
                 f"<tr><th>{e(r.measure)}</th><td class='num'>{e(_num(r.rho))}</td>"
-                f"<td colspan='6' class='fail'>failed: {e(r.error)}</td></tr>"
+                f"<td colspan='8' class='fail'>failed: {e(r.error)}</td></tr>"
             )
             continue
         out.append(
@@ -119,7 +124,9 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
             f"<td class='num'>{e(_num(r.value))}</td><td class='num'>{e(_num(r.std, 3))}</td>"
             f"<td class='num'>{e(_num(r.min, 4))}</td><td class='num'>{e(_num(r.max, 4))}</td>"
             f"<td class='num'>{r.time_s:.1f}</td>"
-            f"<td class='num'>{r.n_forward} / {r.n_backward}</td></tr>"
+            f"<td class='num'>{r.n_forward} / {r.n_backward}</td>"
+            f"<td class='num'>{r.n_hvp or '–'}</td><td class='num'>{e(_num(r.stderr, 3))}</td>"
+            "</tr>"
         )
     out.append("</table>")
 
