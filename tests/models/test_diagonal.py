@@ -28,4 +28,4 @@ def test_pair_is_found_automatically():
     )
     nested = find_symmetries(torch.nn.ModuleDict({"a": DiagonalNet(2), "b": DiagonalNet(3)}))
     assert [p.name for p in nested.diagonal_pairs] == ["a[u*v]", "b[u*v]"]
-    assert "2 diagonal pairs" in nested.summary()
+    assert "2 symmetry blocks (5 group factors" in nested.summary()

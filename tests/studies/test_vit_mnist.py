@@ -33,8 +33,11 @@ def tiny(**kw):
 
 @pytest.mark.parametrize("cfg", [ViTMNISTConfig(), ViTMNISTConfig.quick()], ids=["full", "quick"])
 def test_symmetry_finder_sees_every_head(cfg):
-    model = ViTMNISTStudy(cfg).build()
-    space = find_symmetries(model)
+    study = ViTMNISTStudy(cfg)
+    model = study.build()
+    # the study measures with key_bias="keep" (its committed results): b_k is a row of H_QK
+    assert study.key_bias == "keep"
+    space = find_symmetries(model, key_bias=study.key_bias)
     h = cfg.dim // cfg.num_heads
     expected = []
     for i in range(cfg.depth):

@@ -209,7 +209,7 @@ def test_custom_adapter_and_registry():
     assert find_symmetries(model).gl_blocks == []
     space = find_symmetries(model, adapters=[bilinear_adapter])
     assert [b.name for b in space.gl_blocks] == ["0[custom]", "1[custom]"]
-    assert space.notes == ["bilinear scores (0, 1)"]
+    assert space.notes[0] == "bilinear scores (0, 1)" and "unverified" in space.notes[1]
     try:
         register_adapter(bilinear_adapter)
         assert ADAPTERS[0] is bilinear_adapter

@@ -163,8 +163,9 @@ def test_symmetries_and_invariance(soups_folder, images):
     want = []
     for i in range(LAYERS):
         name = f"visual.transformer.resblocks.{i}.attn"
-        # G = [W; b]ᵀ rows per head (d + 1); H_VO = W_o[:, r_i] has no bias row
-        want += [(f"{name}[QK]", "QK", 1, 64, WIDTH + 1, WIDTH + 1)]
+        # G = [W; b]ᵀ rows per head (d + 1); H_QK = W_kᵀ (b_k is a translation block);
+        # H_VO = W_o[:, r_i] has no bias row
+        want += [(f"{name}[QK]", "QK", 1, 64, WIDTH + 1, WIDTH)]
         want += [(f"{name}[VO]", "VO", 1, 64, WIDTH + 1, WIDTH)]
     assert got == want
     report = gs.check_invariance(model, images, space=space)

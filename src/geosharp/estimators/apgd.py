@@ -81,7 +81,7 @@ def autopgd(
     steps: int,
     xi0: Xi,
     norm: str = "l2",
-    start: tuple[float, Xi | None] | None = None,
+    start: tuple[float, Xi | None] | list | None = None,
 ) -> AscentResult:
     """Maximize ``loss(ξ)`` over the ball ``‖ξ‖ ≤ ρ`` (or the ℓ∞ box) with Auto-PGD.
 
@@ -94,7 +94,8 @@ def autopgd(
         xi0: Starting point (inside the ball).
         norm: ``"l2"`` (metric ball, normalized Riemannian-gradient steps) or ``"linf"`` (box,
             sign steps).
-        start: ``(loss, gradient)`` at ``xi0`` if already computed.
+        start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
+            the caller holds no reference to the gradient, which becomes the first direction.
 
     Returns:
         An :class:`AscentResult`.
@@ -102,6 +103,8 @@ def autopgd(
     eta = 2.0 * rho
     xi, xi_prev = xi0, xi0
     value, egrad = start if start is not None else loss(xi, True)
+    if isinstance(start, list):
+        start.clear()  # the caller's gradient lives on only as `direction` (computed in place)
     # The ascent direction at the current iterate: the Riemannian gradient (ℓ2) or the Euclidean
     # gradient whose signs are taken (ℓ∞). Stored with the best iterate for restarts.
     direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
@@ -137,6 +140,9 @@ def autopgd(
         new = pert.ball(z, rho, inplace=True, project=False) if norm == "l2" else pert.box(z, rho)
         res.step_sizes.append(eta)
         xi_prev, xi = xi, new
+        # the old direction is not needed any more (unless it is the best iterate's): drop it
+        # before the forward and backward, which then reuse its memory
+        direction = z = new = egrad = None
         value, egrad = loss(xi, i < steps - 1)
         if egrad is not None:
             direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad

@@ -142,25 +142,27 @@ class Perturbation:
         if measure == "geodesic" and metric not in BLOCK_METRICS:
             raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
         self.space = space
-        self.theta0 = theta0.detach()
+        # θ₀ itself is not kept: every piece holds its own part of it (one copy of the weights
+        # in all, and none for measure="adaptive", whose piece is θ₀).
+        theta0 = theta0.detach()
         self.measure = measure
         self.metric = metric
         self.order = order
         self.exact_steps = exact_steps
-        device = self.theta0.device
+        device = theta0.device
         self.pieces: list[Piece] = []
         if measure == "adaptive":
-            g = ElementwiseGeometry(self.theta0, name="all parameters")
+            g = ElementwiseGeometry(theta0, name="all parameters")
             self.pieces.append(Piece("all parameters (adaptive)", None, g, g, 1))
             return
         if measure == "euclidean":
-            g = EuclideanGeometry(self.theta0, name="all parameters")
+            g = EuclideanGeometry(theta0, name="all parameters")
             self.pieces.append(Piece("all parameters (euclidean)", None, g, g, 1))
             return
         for blocks in _group_blocks(space):
             cls = type(blocks[0])
             index = tuple(i.to(device) for i in cls.batch(blocks))
-            point = tuple(self.theta0[i] for i in index)
+            point = tuple(theta0[i] for i in index)
             if metric == "adaptive":
                 geom: Geometry = _ProductElementwise(point)
                 piece_order: int | str = 1
@@ -178,20 +180,20 @@ class Perturbation:
         self._rest_piece: int | None = None
         if rest.numel():
             if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
-                g = FixedGeometry((self.theta0[rest],), name="other parameters (held fixed)")
+                g = FixedGeometry((theta0[rest],), name="other parameters (held fixed)")
                 label = "other parameters (held fixed)"
             else:
-                g = ElementwiseGeometry(self.theta0[rest], name="other parameters")
+                g = ElementwiseGeometry(theta0[rest], name="other parameters")
                 label = "other parameters (adaptive)"
             self._rest_piece = len(self.pieces)
             self.pieces.append(Piece(label, (rest,), g, g, 1))
         # θ′ is assembled by one gather: the pieces' values, concatenated, put back in θ order.
         # (Pieces cover every coordinate exactly once; the symmetry finder guarantees it.)
         covered = sum(i.numel() for p in self.pieces for i in p.index)
-        if covered != self.theta0.numel():
+        if covered != theta0.numel():
             raise ValueError(
                 f"the symmetry blocks and the rest cover {covered} coordinates of "
-                f"{self.theta0.numel()}: the ParameterSpace is inconsistent"
+                f"{theta0.numel()}: the ParameterSpace is inconsistent"
             )
         self._inverse: Tensor | None = None  # of endpoint(), built on first use
         self._assembly = _Assembly(space, self.pieces, self._rest_piece, device)
@@ -231,7 +233,7 @@ class Perturbation:
         for p, e in zip(self.pieces, egrad, strict=True):
             g = p.norm_geometry
             if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
-                out.append((e[0].mul_(g.w2),))
+                out.append((g.riemannian_grad_(e[0]),))
             elif isinstance(g, EuclideanGeometry):
                 out.append(tuple(e))
             else:

@@ -333,6 +333,8 @@ def sharpness(
     from geosharp.estimators.distributed import BatchSplit, batch_seed
 
     split = BatchSplit(batches, distributed, t0=t0, theta=theta0)
+    dtype = theta0.dtype
+    del theta0  # the pieces of `pert` hold the base point; no second copy of the weights
     with eval_mode(model), split:
         for b, batch in _progress(split.local(), progress, name):
             gen = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
@@ -340,9 +342,8 @@ def sharpness(
                 raise TypeError(f"batch {b} must be a pair (inputs, targets)")
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
             f = _Objective(model, loss_fn, space, pert, inputs, targets, counter)
-            zero = pert.zeros()
             need_grad = kind == "worst" and not random_init
-            clean_loss, clean_grad = f(zero, True, False) if need_grad else _clean(f, theta0)
+            clean_loss, clean_grad = f(pert.zeros(), True, False) if need_grad else _clean(f)
             if not math.isfinite(clean_loss):
                 raise ValueError(
                     f"the clean loss of batch {b} is {clean_loss}: sharpness is undefined; "
@@ -358,7 +359,10 @@ def sharpness(
                 best, trace = -math.inf, []
                 for r in range(restarts):
                     if r == 0 and not random_init:
-                        res = autopgd(pert, f, rho, steps, zero, norm, (clean_loss, clean_grad))
+                        # a list, which autopgd empties: no reference to the clean gradient
+                        # is held here while it is overwritten by the ascent direction
+                        start, clean_grad = [clean_loss, clean_grad], None
+                        res = autopgd(pert, f, rho, steps, pert.zeros(), norm, start)
                     else:
                         res = autopgd(
                             pert, f, rho, steps, _random_start(pert, gen, rho, norm), norm
@@ -396,7 +400,7 @@ def sharpness(
         "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
         if measure == "geodesic" and metric != "adaptive"
         else 0,
-        "dtype": str(theta0.dtype),
+        "dtype": str(dtype),
         "device": str(device),
     }
     return SharpnessResult(
@@ -414,9 +418,9 @@ def sharpness(
     )
 
 
-def _clean(f: _Objective, theta0: Tensor) -> tuple[float, None]:
+def _clean(f: _Objective) -> tuple[float, None]:
     with torch.no_grad():
-        return float(f.evaluate(f.space.unflatten(theta0))), None
+        return float(f.evaluate(dict(f.model.named_parameters()))), None
 
 
 def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:

@@ -57,13 +57,35 @@ class ElementwiseGeometry(Geometry):
         self.point: Point = (w,)
         # Frozen: exact zeros, and weights so small that 1/w² overflows the dtype (a ball of
         # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM).
-        self.mask = (w != 0) & torch.isfinite(w.reciprocal().square())
-        w_safe = torch.where(self.mask, w, torch.ones_like(w))
+        # Only 1/w² is stored (one parameter-sized buffer beside w): w², |w| and the mask are
+        # recomputed where they are needed, in temporaries that live for one operation.
+        inv_w2 = w.reciprocal().square_()
+        mask = (w != 0) & torch.isfinite(inv_w2)
         # 1/w² on moving coordinates, 0 on frozen ones: the metric restricted to what can move.
-        self.inv_w2 = torch.where(self.mask, w_safe.reciprocal().square(), torch.zeros_like(w))
-        self.w2 = torch.where(self.mask, w.square(), torch.zeros_like(w))
-        self.abs_w = torch.where(self.mask, w.abs(), torch.zeros_like(w))
-        self.has_frozen = not bool(self.mask.all())
+        self.inv_w2 = inv_w2.masked_fill_(~mask, 0.0)
+        self.has_frozen = not bool(mask.all())
+        del mask
+
+    @property
+    def mask(self) -> Tensor:
+        """``True`` on the coordinates that can move (a temporary)."""
+        return self.inv_w2 != 0
+
+    @property
+    def w2(self) -> Tensor:
+        """``w²`` on moving coordinates, 0 on frozen ones (a temporary)."""
+        w2 = self.w.square()
+        return w2.masked_fill_(~self.mask, 0.0) if self.has_frozen else w2
+
+    @property
+    def abs_w(self) -> Tensor:
+        """``|w|`` on moving coordinates, 0 on frozen ones (a temporary)."""
+        a = self.w.abs()
+        return a.masked_fill_(~self.mask, 0.0) if self.has_frozen else a
+
+    def riemannian_grad_(self, egrad: Tensor) -> Tensor:
+        """``e ⊙ w²`` written into ``egrad`` (zero on frozen coordinates)."""
+        return egrad.mul_(self.w2)
 
     def _check(self, xi: Tangent, name: str = "xi") -> Tensor:
         if not isinstance(xi, (tuple, list)) or len(xi) != 1:
