@@ -269,3 +269,29 @@ def test_singular_block_error_names_the_head():
         gs.sharpness(model, nn.functional.cross_entropy, [(x, y)])
     res = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], eps=1e-6, steps=2)
     assert math.isfinite(res.value)
+
+
+def test_base_point_work_is_cached_across_calls_and_never_stale():
+    from geosharp.estimators.cache import CACHE, clear_cache
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    batches = [(x, x)]
+    clear_cache()
+    a = gs.sharpness(layer, nn.functional.mse_loss, batches, rho=0.05, steps=3)
+    b = gs.sharpness(layer, nn.functional.mse_loss, batches, rho=0.05, steps=3)
+    assert not a.settings["cached_base_point"] and b.settings["cached_base_point"]
+    assert a.value == b.value  # the cache changes no number
+    fresh = gs.sharpness(layer, nn.functional.mse_loss, batches, rho=0.05, steps=3, cache=False)
+    assert fresh.value == a.value and not fresh.settings["cached_base_point"]
+    # an in-place weight update (an optimizer step) invalidates the entry
+    with torch.no_grad():
+        layer.linear1.weight.mul_(1.5)
+    c = gs.sharpness(layer, nn.functional.mse_loss, batches, rho=0.05, steps=3)
+    assert not c.settings["cached_base_point"] and c.value != a.value
+    # another measure setting is another entry
+    d = gs.sharpness(layer, nn.functional.mse_loss, batches, rho=0.05, steps=3, metric="mix")
+    assert not d.settings["cached_base_point"]
+    assert CACHE.hits >= 1
+    clear_cache()

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import autopgd
+from geosharp.estimators.cache import CACHE
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, eval_mode
@@ -207,6 +208,7 @@ def sharpness(
     space: ParameterSpace | None = None,
     key_bias: str = "quotient",
     perturb: str = "all",
+    cache: bool = True,
     progress: bool | None = None,
     distributed: bool | None = None,
 ) -> SharpnessResult:
@@ -252,6 +254,9 @@ def sharpness(
             symmetry blocks move, everything else is held fixed. With ``measure="adaptive"``
             the blocks' coordinates get the element-wise ball (adaptive sharpness of the
             blocks); with ``"geodesic"`` their quotient geometry.
+        cache: Reuse the symmetry search and the factorized geometry of the previous call on
+            the same model with unchanged weights (:mod:`geosharp.estimators.cache`): several
+            radii or measures of one model pay the set-up once. ``False``: build afresh.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -298,7 +303,17 @@ def sharpness(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 
-    space = space if space is not None else find_symmetries(model, key_bias=key_bias)
+    hit_pert = False
+    if space is None:
+        if cache:
+            space, _ = CACHE.get(
+                "space",
+                model,
+                ("find", key_bias),
+                lambda: find_symmetries(model, key_bias=key_bias),
+            )
+        else:
+            space = find_symmetries(model, key_bias=key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     params = dict(model.named_parameters())
@@ -317,15 +332,23 @@ def sharpness(
         )
     else:
         pert_kw = {"measure": measure, "metric": metric, "order": order}
-    pert = Perturbation(
-        space,
-        theta0,
-        eps=eps,
-        corrected_norm=corrected_norm,
-        exact_steps=exact_steps,
-        perturb=perturb,
-        **pert_kw,
-    )
+
+    def build(theta0: Tensor = theta0) -> Perturbation:
+        return Perturbation(
+            space,
+            theta0,
+            eps=eps,
+            corrected_norm=corrected_norm,
+            exact_steps=exact_steps,
+            perturb=perturb,
+            **pert_kw,
+        )
+
+    if cache:
+        settings_key = (id(space), eps, corrected_norm, exact_steps, perturb, *pert_kw.items())
+        pert, hit_pert = CACHE.get("perturbation", model, settings_key, build)
+    else:
+        pert = build()
     counter = {"forward": 0, "backward": 0}
     per_batch, clean, perturbed, traces = [], [], [], []
     name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
@@ -394,6 +417,7 @@ def sharpness(
         "random_init": random_init,
         "corrected_norm": corrected_norm,
         "perturb": perturb,
+        "cached_base_point": hit_pert,
         "exact_steps": exact_steps if order == "exact" else None,
         "n_params": space.numel(),
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
