@@ -16,6 +16,11 @@ module only says what is its own (data, model, batches, learning-rate schedule):
   :func:`calibrate_rhos`: three ρ per radius family, ``{ρ₀/√10, ρ₀, √10·ρ₀}``, the centre
   ``ρ₀ = 10^{k/2}`` being where one pilot model's rise is closest (log scale) to 0.1 (worst
   case) or 0.01 (average case). Only the pilot's sharpness is looked at: no gap, no τ.
+* **Curvature, opt-in** — :class:`CurvaturePlan` and :func:`curvature_specs`: the largest
+  eigenvalue and the trace of the Hessian on the quotient (:func:`geosharp.curvature`,
+  SPEC §9) for geodesic inv and mix, adaptive and Euclidean curvature, no ρ.
+  ``study.with_curvature()`` adds them to the plan and records the :class:`CurvaturePlan` in
+  the study's config; without it the plan and the config are those of the committed results.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import time
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +44,12 @@ from geosharp.studies.store import Store
 
 __all__ = [
     "CALIBRATION_TARGET",
+    "CLASSIFIER_CURVATURE",
     "RADIUS_FAMILIES",
     "ClassifierStudy",
+    "CurvaturePlan",
     "calibrate_rhos",
+    "curvature_specs",
     "grids_text",
     "half_decade_grid",
     "save_atomically",
@@ -66,6 +74,100 @@ def half_decade_grid(centre: float) -> tuple[float, ...]:
 def save_atomically(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
     torch_save_atomically(obj, path)
+
+
+@dataclass(frozen=True)
+class CurvaturePlan:
+    """The opt-in curvature part of a study's plan: :func:`geosharp.curvature` per model.
+
+    Every (measure, quantity) pair is one row of the study (no ρ), named as
+    :func:`geosharp.measure.core.curvature_name` spells it, e.g.
+    ``"geodesic-inv curvature lambda_max"``. Lanczos starts and trace probes use ``seed``
+    (batch ``b``: ``batch_seed(seed, b)``), so the rows do not depend on which others are
+    measured.
+
+    Attributes:
+        measures: ``(measure, metric)`` pairs: geodesic inv and mix, adaptive and Euclidean
+            (the metric is ignored but by geodesic curvature).
+        quantities: Any of ``"lambda_max"``, ``"lambda_min"``, ``"trace"``.
+        iters: Most Lanczos iterations per batch (λ).
+        tol: Lanczos tolerance on the residual of the wanted Ritz pair, relative to it.
+        probes: Hutchinson probes per batch (trace; unused by ``trace_method="exact"``).
+        trace_method: ``"hutchinson"``, ``"hutch++"`` or ``"exact"``.
+        seed: Seed of the Lanczos starts and the probes.
+    """
+
+    measures: tuple[tuple[str, str], ...] = (
+        ("geodesic", "inv"),
+        ("geodesic", "mix"),
+        ("adaptive", ""),
+        ("euclidean", ""),
+    )
+    quantities: tuple[str, ...] = ("lambda_max", "trace")
+    iters: int = 50
+    tol: float = 1e-5
+    probes: int = 100
+    trace_method: str = "hutchinson"
+    seed: int = 0
+
+    def text(self) -> str:
+        """One line for a report's settings."""
+        which = ", ".join(f"geodesic {m}" if k == "geodesic" else k for k, m in self.measures)
+        parts = []
+        if any(q.startswith("lambda") for q in self.quantities):
+            parts.append(
+                f"λ by Lanczos in the metric (≤ {self.iters} iterations, tol {self.tol:g})"
+            )
+        if "trace" in self.quantities:
+            parts.append(
+                "exact trace (one product per coordinate)"
+                if self.trace_method == "exact"
+                else f"trace by {self.trace_method} ({self.probes} probes)"
+            )
+        return (
+            f"{', '.join(self.quantities)} of the Hessian on the quotient (SPEC §9, gs.curvature) "
+            f"for {which}, per batch and averaged over the batches; "
+            + "; ".join(parts)
+            + f"; seed {self.seed}"
+        )
+
+
+#: The curvature part of Studies 2 and 3 (``with_curvature()``), fixed from the cost on the
+#: pilot ``vit-000`` before any curvature τ was computed: on one core a product costs 0.1–0.2 s
+#: per batch of 128 and Lanczos meets ``tol = 1e-5`` in 10–12 iterations, so λ_max of the four
+#: measures costs ≈ 25 s per model; 20 Hutchinson probes per batch (≈ 32 s per model) give the
+#: pilot's trace a standard error of ≈ 2 % (5.7 % per batch with 10 probes), 100 would cost
+#: 160 s per model.
+CLASSIFIER_CURVATURE = CurvaturePlan(probes=20)
+
+
+def curvature_specs(plan: CurvaturePlan) -> list[MeasureSpec]:
+    """The :class:`MeasureSpec` of every (measure, quantity) of ``plan`` (``rhos = (None,)``).
+
+    Raises:
+        ValueError: On an unknown measure or quantity.
+    """
+    specs = []
+    for measure, metric in plan.measures:
+        if measure not in ("geodesic", "adaptive", "euclidean"):
+            raise ValueError(
+                f"curvature measure must be geodesic, adaptive or euclidean: {measure}"
+            )
+        for q in plan.quantities:
+            if q not in ("lambda_max", "lambda_min", "trace"):
+                raise ValueError(f"curvature quantity must be lambda_max/lambda_min/trace: {q}")
+            kw: dict[str, Any] = {"measure": "curvature", "of": measure, "quantity": q}
+            if measure == "geodesic":
+                kw["metric"] = metric
+            if q == "trace":
+                kw["trace_method"] = plan.trace_method
+                if plan.trace_method != "exact":
+                    kw["probes"] = plan.probes
+            else:
+                kw.update(iters=plan.iters, tol=plan.tol)
+            kw["seed"] = plan.seed
+            specs.append(MeasureSpec(kw, (None,)))
+    return specs
 
 
 def _interval(r: tuple[float, float]) -> str:
@@ -100,6 +202,8 @@ class ClassifierStudy(Study):
     head: str = "head"
     #: Hyperparameters drawn uniformly from the config range of the same name, after dropout.
     extra_uniform: tuple[str, ...] = ()
+    #: The opt-in curvature part of the plan (:meth:`with_curvature`); ``None``: none.
+    curvature: CurvaturePlan | None = None
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -165,10 +269,32 @@ class ClassifierStudy(Study):
             + extra
         )
 
+    def with_curvature(self, plan: CurvaturePlan | None = None) -> ClassifierStudy:
+        """Add the curvature rows to the plan (default :data:`CLASSIFIER_CURVATURE`).
+
+        The plan is recorded in :meth:`config` under ``"curvature"``, so a folder measured
+        without curvature is refused unless reused with ``force`` (its rows are kept, and
+        only the curvature rows are measured).
+
+        Returns:
+            The study itself.
+        """
+        self.curvature = plan or CLASSIFIER_CURVATURE
+        return self
+
     # -- Study interface -----------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
-        """The config dataclass as a dict."""
-        return asdict(self.cfg)
+        """The config dataclass as a dict (with ``"curvature"`` only when it is measured)."""
+        out = asdict(self.cfg)
+        if self.curvature is not None:
+            out["curvature"] = asdict(self.curvature)
+        return out
+
+    def notes(self) -> list[str]:
+        """The curvature settings, when curvature is measured."""
+        if self.curvature is None:
+            return []
+        return [f"Curvature (no ρ): {self.curvature.text()}."]
 
     def population(self) -> list[tuple[str, dict[str, Any]]]:
         """``{prefix}-000 …`` with hyperparameters drawn from ``default_rng(seed + 1)``."""
@@ -294,8 +420,11 @@ class ClassifierStudy(Study):
         return F.cross_entropy(logits, targets)
 
     def plan(self) -> list[MeasureSpec]:
-        """Every measure of the study at its three ρ (:func:`standard_plan`)."""
-        return standard_plan(self.cfg, head=self.head)
+        """Every measure of the study at its three ρ (:func:`standard_plan`), then curvature."""
+        specs = standard_plan(self.cfg, head=self.head)
+        if self.curvature is not None:
+            specs += curvature_specs(self.curvature)
+        return specs
 
 
 #: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates

@@ -13,6 +13,11 @@ Sharpness is measured on the full training set (one batch, m = n) with the mean 
 adaptive ℓ2 worst case, and geodesic worst case with the inv and mix metrics along exact
 (closed-form) geodesics and at order 2, each at ρ ∈ {1e-3, 1e-2, 1e-1} — a decade grid fixed
 before any τ was seen.
+
+Curvature is opt-in (``DiagonalStudy(cfg).with_curvature()``, :data:`DIAGONAL_CURVATURE`):
+λ_max and the trace of the Hessian on the quotient (SPEC §9) for geodesic inv and mix, adaptive
+and Euclidean curvature, on the same batch; the trace exactly (2d products: the nets are tiny).
+Without it the plan and the config are those of the committed results.
 """
 
 from __future__ import annotations
@@ -29,11 +34,16 @@ from torch import Tensor, nn
 
 from geosharp._io import torch_save_atomically
 from geosharp.models import DiagonalNet
+from geosharp.studies.classifier import CurvaturePlan, curvature_specs
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 
 #: Kendall τ reported by the paper for this population (SPEC §7).
 PAPER_TAU = {"adaptive": -0.68, "geodesic inv": -0.83, "geodesic mix": -0.86}
+
+#: The curvature part of Study 1 (``with_curvature()``), fixed before any curvature τ: the
+#: exact trace (2d = 400 products per model) and Lanczos to ``tol = 1e-5``.
+DIAGONAL_CURVATURE = CurvaturePlan(trace_method="exact")
 
 
 @dataclass(frozen=True)
@@ -100,9 +110,24 @@ class DiagonalStudy(Study):
             (torch.from_numpy(self.data["X"]), torch.from_numpy(self.data["y"])),
         ]
 
+    #: The opt-in curvature part of the plan (:meth:`with_curvature`); ``None``: none.
+    curvature: CurvaturePlan | None = None
+
+    def with_curvature(self, plan: CurvaturePlan | None = None) -> DiagonalStudy:
+        """Add the curvature rows to the plan (default :data:`DIAGONAL_CURVATURE`).
+
+        Returns:
+            The study itself; its :meth:`config` then records the plan under ``"curvature"``.
+        """
+        self.curvature = plan or DIAGONAL_CURVATURE
+        return self
+
     def config(self) -> dict[str, Any]:
-        """The :class:`DiagonalConfig` as a dict."""
-        return asdict(self.cfg)
+        """The :class:`DiagonalConfig` as a dict (with ``"curvature"`` only when measured)."""
+        out = asdict(self.cfg)
+        if self.curvature is not None:
+            out["curvature"] = asdict(self.curvature)
+        return out
 
     def settings(self) -> dict[str, Any]:
         """Settings shown in the report."""
@@ -118,6 +143,7 @@ class DiagonalStudy(Study):
             "Auto-PGD": f"{c.steps} steps, start at 0, no restarts",
             "ρ rule": "decade grid fixed before looking at τ: "
             + ", ".join(f"{r:g}" for r in c.rhos),
+            **({"curvature": self.curvature.text()} if self.curvature is not None else {}),
             "seed": c.seed,
         }
 
@@ -234,7 +260,7 @@ class DiagonalStudy(Study):
         return _mse(outputs, targets)
 
     def plan(self) -> list[MeasureSpec]:
-        """Adaptive ℓ2, geodesic inv/mix with exact and order-2 geodesics, at every ρ."""
+        """Adaptive ℓ2, geodesic inv/mix (exact and order-2 geodesics) at every ρ; curvature."""
         rhos = tuple(self.cfg.rhos)
         steps = self.cfg.steps
         specs = [MeasureSpec({"measure": "adaptive", "steps": steps}, rhos)]
@@ -242,4 +268,6 @@ class DiagonalStudy(Study):
             for metric in ("inv", "mix"):
                 kw = {"measure": "geodesic", "metric": metric, "order": order, "steps": steps}
                 specs.append(MeasureSpec(kw, rhos))
+        if self.curvature is not None:
+            specs += curvature_specs(self.curvature)
         return specs

@@ -60,7 +60,7 @@ from geosharp._html import page_end, page_start
 from geosharp._io import atomic_write_bytes, atomic_write_text
 from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 
-__all__ = ["ReportPaths", "default_paper_match", "write_report"]
+__all__ = ["ReportPaths", "default_paper_match", "measure_family", "write_report"]
 
 #: A (measure, ρ) cell needs at least this many models with finite values for τ.
 MIN_MODELS = 3
@@ -87,6 +87,28 @@ class ReportPaths:
     plots: dict[str, Path] = field(default_factory=dict)
 
 
+#: The kinds of rows of a τ table, in the order they are listed (a stable sort by kind).
+FAMILY_ORDER = ("sharpness", "relative flatness", "curvature")
+
+
+def measure_family(measure: str) -> str:
+    """The kind of a measure: ``"curvature"``, ``"relative flatness"`` or ``"sharpness"``.
+
+    Curvature rows (:func:`geosharp.curvature`, named like ``"geodesic-inv curvature
+    lambda_max"``) are their own family: no paper τ, listed after the sharpness measures.
+
+    Example:
+        >>> measure_family("adaptive curvature trace"), measure_family("adaptive worst l2")
+        ('curvature', 'sharpness')
+    """
+    name = re.sub(r"[\s_]+", "-", measure.strip().lower())
+    if re.search(r"(^|-)curvature(-|$)", name):
+        return "curvature"
+    if name == "relative-flatness":
+        return "relative flatness"
+    return "sharpness"
+
+
 def default_paper_match(measure: str) -> str | None:
     """Map a measure name to the family label the paper reports it under (SPEC §7).
 
@@ -97,16 +119,18 @@ def default_paper_match(measure: str) -> str | None:
 
     Returns:
         ``None`` for the "no corrected norm" ablation (``…-adaptivenorm``, not a paper
-        family), ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it
-        starts with "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else
-        ``None``.
+        family) and for curvature (:func:`measure_family`; the paper reports sharpness only),
+        ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it starts with
+        "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
 
     Example:
         >>> default_paper_match("geodesic-inv-o2 worst l2"), default_paper_match("euclidean")
         ('geodesic inv', None)
+        >>> default_paper_match("geodesic-inv curvature lambda_max") is None
+        True
     """
     name = re.sub(r"[\s_]+", "-", measure.strip().lower())
-    if "adaptivenorm" in name:
+    if "adaptivenorm" in name or measure_family(measure) == "curvature":
         return None
     if "adaptive" in name:
         return "adaptive"
@@ -922,6 +946,8 @@ def write_report(
     rows = _check_models(models)
     gaps = {str(m["model_id"]): float(m["gap"]) for m in rows}
     cells = _collect(measurements, set(gaps))
+    # sharpness, then relative flatness, then curvature (each kind in the order given)
+    cells = dict(sorted(cells.items(), key=lambda kv: FAMILY_ORDER.index(measure_family(kv[0]))))
     n_total = len(rows)
     for by_rho in cells.values():
         for cell in by_rho.values():

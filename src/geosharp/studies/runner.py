@@ -28,7 +28,9 @@ from torch import Tensor, nn
 import geosharp
 from geosharp._io import atomic_write_bytes
 from geosharp.estimators import relative_flatness, sharpness
+from geosharp.estimators.curvature import curvature
 from geosharp.estimators.sharpness import measure_name
+from geosharp.measure.core import curvature_name
 from geosharp.studies.report import ReportPaths, write_report
 from geosharp.studies.store import Store
 
@@ -39,9 +41,12 @@ class MeasureSpec:
 
     Attributes:
         kwargs: Keyword arguments of :func:`geosharp.sharpness` (without ``rho``), or
-            ``{"measure": "relative_flatness", "layer": ...}``.
+            ``{"measure": "relative_flatness", "layer": ...}``, or ``{"measure": "curvature",
+            "of": "geodesic"|"adaptive"|"euclidean", "quantity": "lambda_max"|"lambda_min"|
+            "trace", ...}`` with the other keyword arguments of :func:`geosharp.curvature`
+            (one quantity per spec; ``of`` is its ``measure``).
         rhos: Radii (worst case) or standard deviations (average case); ``(None,)`` for
-            relative flatness.
+            relative flatness and curvature.
     """
 
     kwargs: dict[str, Any]
@@ -53,6 +58,8 @@ class MeasureSpec:
         kw = self.kwargs
         if kw.get("measure") == "relative_flatness":
             return "relative_flatness"
+        if kw.get("measure") == "curvature":
+            return curvature_name(kw.get("of", "geodesic"), kw.get("metric", "inv"), kw["quantity"])
         return measure_name(
             kw.get("measure", "geodesic"),
             kw.get("metric", "inv"),
@@ -245,6 +252,9 @@ def run_study(
                 if kw.get("measure") == "relative_flatness":
                     kw.pop("measure")
                     res = relative_flatness(model, study.loss_fn, batches, **kw)
+                elif kw.get("measure") == "curvature":
+                    kw.pop("measure")
+                    res = _curvature_row(model, study, batches, **kw)
                 else:
                     res = sharpness(
                         model,
@@ -288,6 +298,41 @@ def run_study(
             summary.report = make_report(out, store)
     summary.time_s = time.perf_counter() - t0
     return summary
+
+
+@dataclass
+class _CurvatureRow:
+    """One quantity of a :class:`geosharp.CurvatureResult`, shaped as the store records it."""
+
+    value: float
+    per_batch: list[float]
+    clean_losses: list[float]
+    time_s: float
+
+
+def _curvature_row(
+    model: nn.Module,
+    study: Study,
+    batches: list[tuple[Any, Any]],
+    *,
+    quantity: str,
+    of: str = "geodesic",
+    **kwargs: Any,
+) -> _CurvatureRow:
+    """:func:`geosharp.curvature` of one quantity, with the study's loss and key-bias setting."""
+    res = curvature(
+        model,
+        study.loss_fn,
+        batches,
+        measure=of,
+        quantities=(quantity,),
+        progress=False,
+        key_bias=study.key_bias,
+        **kwargs,
+    )
+    return _CurvatureRow(
+        res.values[quantity], list(res.per_batch[quantity]), list(res.clean_losses), res.time_s
+    )
 
 
 def environment() -> dict[str, Any]:
