@@ -270,7 +270,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Python packages a study needs beyond the core install, and the extra that brings them.
+STUDY_REQUIRES: dict[str, tuple[tuple[str, ...], str]] = {
+    "minilm-text": (("transformers", "safetensors"), "hf"),
+}
+
+
+def _check_requirements(name: str) -> None:
+    """Fail before any work when a study's packages are missing, naming what to install."""
+    import importlib.util
+
+    modules, extra = STUDY_REQUIRES.get(name, ((), ""))
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"study {name} needs {', '.join(missing)} (the [{extra}] extra): "
+            f"pip install 'geosharp[{extra}]' (in this repository: make install)"
+        )
+
+
 def _make_study(args: argparse.Namespace):
+    _check_requirements(args.name)
     return STUDIES[args.name][1](args)
 
 
@@ -343,7 +363,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StudyMismatchError, ValueError, FileNotFoundError) as err:
         print(f"geosharp: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(_interrupted(args), file=sys.stderr)
+        return 130
     return 0
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupted command kept, and how to go on."""
+    again = "geosharp " + " ".join(sys.argv[1:]) if sys.argv[1:] else "the same command"
+    if args.command in ("study", "symmetry-test"):
+        out = args.out or Path("runs") / args.name
+        kept = (
+            f"every finished row is saved in {out / 'study.sqlite'}"
+            if args.command == "study"
+            else f"every finished row is saved in {out / 'symmetry_test.csv'}"
+        )
+        return f"geosharp: interrupted; {kept}. Resume with: {again}"
+    return f"geosharp: interrupted; nothing half-written was kept. Run again with: {again}"
 
 
 if __name__ == "__main__":
