@@ -295,3 +295,13 @@ def test_base_point_work_is_cached_across_calls_and_never_stale():
     assert not d.settings["cached_base_point"]
     assert CACHE.hits >= 1
     clear_cache()
+
+
+def test_geodesic_without_blocks_warns_and_progress_has_a_total(capsys):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    batches = [(torch.randn(3, 4), torch.randn(3, 2)) for _ in range(2)]
+    with pytest.warns(UserWarning, match="no symmetry blocks, so geodesic sharpness is adaptive"):
+        gs.sharpness(mlp, nn.functional.mse_loss, batches, rho=0.1, steps=3, progress=True)
+    err = capsys.readouterr().err
+    assert "/8" in err  # 2 batches × (1 clean + 3 steps) forward passes, with a total and ETA

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -139,12 +140,36 @@ def _progress(iterable: Iterable, enabled: bool | None, desc: str) -> Iterable:
     return tqdm(iterable, desc=desc, leave=False)
 
 
+class _PassBar:
+    """A progress bar over the model's forward passes, with their total and an ETA."""
+
+    def __init__(self, enabled: bool | None, desc: str, total: int) -> None:
+        self.bar = None
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # pragma: no cover
+                return
+            self.bar = tqdm(total=total, desc=desc, unit="pass", leave=False)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class _Objective:
     """``ξ ↦ L_S(θ′(ξ))`` on one batch, counting forward and backward passes."""
 
-    def __init__(self, model, loss_fn, space, pert, inputs, targets, counter):
+    def __init__(self, model, loss_fn, space, pert, inputs, targets, counter, bar=None):
         self.model, self.loss_fn, self.space, self.pert = model, loss_fn, space, pert
         self.inputs, self.targets, self.counter = inputs, targets, counter
+        self.bar = bar
 
     def evaluate(self, params: Mapping[str, Tensor]) -> Tensor:
         out = call_model(self.model, params, self.inputs)
@@ -155,6 +180,8 @@ class _Objective:
                 f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
             )
         self.counter["forward"] += 1
+        if self.bar is not None:
+            self.bar.update()
         return loss.reshape(())
 
     def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
@@ -358,13 +385,22 @@ def sharpness(
     split = BatchSplit(batches, distributed, t0=t0, theta=theta0)
     dtype = theta0.dtype
     del theta0  # the pieces of `pert` hold the base point; no second copy of the weights
+    local = list(split.local())
+    per_batch_passes = (1 + samples) if kind == "average" else (1 + steps * restarts)
+    bar = _PassBar(progress, name, len(local) * per_batch_passes)
+    if measure == "geodesic" and not space.blocks:
+        warnings.warn(
+            "the model has no symmetry blocks, so geodesic sharpness is adaptive sharpness "
+            "here (every coordinate uses the adaptive geometry); see space.summary()",
+            stacklevel=2,
+        )
     with eval_mode(model), split:
-        for b, batch in _progress(split.local(), progress, name):
+        for b, batch in local:
             gen = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise TypeError(f"batch {b} must be a pair (inputs, targets)")
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
-            f = _Objective(model, loss_fn, space, pert, inputs, targets, counter)
+            f = _Objective(model, loss_fn, space, pert, inputs, targets, counter, bar)
             need_grad = kind == "worst" and not random_init
             clean_loss, clean_grad = f(pert.zeros(), True, False) if need_grad else _clean(f)
             if not math.isfinite(clean_loss):
@@ -400,6 +436,7 @@ def sharpness(
         per_batch, clean, perturbed, traces = split.gather(
             per_batch, clean, perturbed, traces, counter
         )
+    bar.close()
     if not per_batch:
         raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
     settings = {
