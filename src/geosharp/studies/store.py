@@ -127,10 +127,11 @@ class Store:
                     f"{study!r}; choose another --out folder or pass --force to reuse it"
                 )
             if meta.get("config") != config_json:
+                diff = _config_diff(json.loads(meta.get("config") or "{}"), json.loads(config_json))
                 raise StudyMismatchError(
                     f"{self.path.parent} holds study {study!r} with a different configuration "
-                    f"({meta.get('config')} vs {config_json}); choose another --out folder or "
-                    "pass --force to reuse it (finished rows are kept)"
+                    f"({diff}); choose another --out folder or pass --force to reuse it "
+                    "(finished rows are kept)"
                 )
         with self.conn:
             self.conn.executemany(
@@ -341,3 +342,19 @@ class Store:
             )
         atomic_write_text(path, fh.getvalue())
         return path
+
+
+def _config_diff(stored: dict[str, Any], new: dict[str, Any], shown: int = 5) -> str:
+    """The keys on which two configurations differ, with both values, e.g. ``seed: 0 → 1``."""
+    parts = []
+    for key in sorted(set(stored) | set(new)):
+        a, b = stored.get(key, "<absent>"), new.get(key, "<absent>")
+        if a != b:
+            parts.append(f"{key}: stored {_short(a)}, now {_short(b)}")
+    more = f"; and {len(parts) - shown} more" if len(parts) > shown else ""
+    return "; ".join(parts[:shown]) + more
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
