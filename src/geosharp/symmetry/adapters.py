@@ -302,9 +302,10 @@ def rotary_spec(m: nn.Module, head_dim: int, layout: str | None = None) -> Rotar
 
 #: Note for attention with a normalization of q and k (QK-norm).
 QK_NORM_NOTE = (
-    "QK-norm (a learned normalization of q and k): Q/K has no continuous symmetry left (a "
-    "rescaling is undone by the norm, a rotation does not commute with its learned gains), "
-    "so Q/K is treated adaptively; V/O keeps GL(h)"
+    "QK-norm (a learned normalization of q and k): of the Q/K symmetry only a rescaling of q "
+    "against k survives, and only up to the norm's ε (the adaptive metric is invariant under "
+    "it); a rotation does not commute with the learned gains (SPEC §8.3). So Q/K is treated "
+    "adaptively; V/O keeps GL(h)"
 )
 
 _QK_NORM_ATTRS = (
