@@ -110,3 +110,13 @@ def test_internal_cross_references_of_math_md_resolve():
                 line = text.count("\n", 0, m.start()) + 1
                 bad.append(f"docs/math.md:{line}: §{sec}" + (f".{sub}" if sub else ""))
     assert not bad, "\n".join(bad)
+
+
+def test_the_math_reference_ships_with_the_package():
+    """Reports and CLI output cite it: it is package data, readable where geosharp is installed."""
+    from importlib.resources import files
+
+    text = (files("geosharp") / "math.md").read_text(encoding="utf-8")
+    assert "## 8." in text and "## 9." in text
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'geosharp = ["math.md"]' in pyproject
