@@ -118,5 +118,5 @@ def test_the_math_reference_ships_with_the_package():
 
     text = (files("geosharp") / "math.md").read_text(encoding="utf-8")
     assert "## 8." in text and "## 9." in text
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'geosharp = ["math.md"]' in pyproject
