@@ -38,62 +38,34 @@ def _perturbed(model: nn.Module) -> nn.Module:
     return model
 
 
+#: The tiny decoder every config below starts from (float64 after _perturbed).
+DECODER = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    intermediate_size=48,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+)
+
+
 def llama(**kw):
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        **kw,
-    )
+    cfg = transformers.LlamaConfig(**DECODER, num_key_value_heads=2, **kw)
     return transformers.LlamaForCausalLM(cfg)
 
 
-def qwen2():
-    cfg = transformers.Qwen2Config(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return transformers.Qwen2ForCausalLM(cfg)
+def qwen2():  # q/k/v biases
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER, num_key_value_heads=2))
 
 
-def mistral():
-    cfg = transformers.MistralConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        sliding_window=4,
-        attn_implementation="sdpa",
-    )
+def mistral():  # one K/V head for four query heads, a sliding window
+    cfg = transformers.MistralConfig(**DECODER, num_key_value_heads=1, sliding_window=4)
     return transformers.MistralForCausalLM(cfg)
 
 
-def neox():
-    cfg = transformers.GPTNeoXConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        rotary_pct=0.5,
-        attn_implementation="sdpa",
-    )
-    return transformers.GPTNeoXForCausalLM(cfg)
+def neox():  # fused head-interleaved QKV, half the head dims rotated
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**DECODER, rotary_pct=0.5))
 
 
 def lora_llama():
