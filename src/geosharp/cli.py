@@ -145,11 +145,25 @@ def _minilm_text_study(args: argparse.Namespace):
     return MiniLMTextStudy(cfg)
 
 
+def _vit_orbit_study(args: argparse.Namespace):
+    from geosharp.data import MNIST_FILE
+    from geosharp.studies.vit_orbit import VitOrbitConfig, VitOrbitStudy
+
+    overrides = _threads_and_overrides(args, "vit-orbit")
+    MNIST_FILE.locate()
+    cfg = VitOrbitConfig.quick(**overrides) if args.quick else VitOrbitConfig(**overrides)
+    return VitOrbitStudy(cfg)
+
+
 #: ``geosharp study NAME``: name → (help text, factory building the Study from the arguments).
 STUDIES = {
     "diagonal": ("paper's Study 1: diagonal linear networks", _diagonal_study),
     "vit-mnist": ("Study 2: small ViTs trained on MNIST", _vit_mnist_study),
     "minilm-text": ("Study 3: MiniLM-L6 fine-tuned on review sentiment", _minilm_text_study),
+    "vit-orbit": (
+        "Study 4: Study 2's ViTs with drawn init scales and weight decay",
+        _vit_orbit_study,
+    ),
 }
 
 

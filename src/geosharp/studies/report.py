@@ -769,6 +769,109 @@ def _paired_section(paired: Sequence[Mapping[str, object]], level: float) -> lis
     return [Section(title, list(_PAIRED_HEAD), _paired_rows(paired), method)]
 
 
+#: Files of a study folder that :func:`write_report` turns into sections when present.
+DIAGNOSTICS_FILE = "diagnostics.csv"
+SECTIONS_FILE = "sections.json"
+
+
+def diagnostics_section(
+    path: str | Path, gaps: Mapping[str, float], level: float = 0.95, seed: int = 0
+) -> Section | None:
+    """The per-model diagnostics of a study folder (``diagnostics.csv``) as a report section.
+
+    The file has one row per model (``model_id`` and numeric columns, written by a study:
+    :mod:`geosharp.estimators.diagnostics`, e.g. Study 4's orbit position and ascent optima).
+    Each column becomes a row: median [min, max] over the analysed models and its Kendall τ-a
+    with the gap [bootstrap CI]. Models not in ``gaps`` (excluded) are left out.
+
+    Returns:
+        The section, or ``None`` when the file is missing or has no analysed model.
+    """
+    import csv
+
+    p = Path(path)
+    if not p.is_file():
+        return None
+    data: dict[str, dict[str, float]] = {}
+    with p.open(newline="", encoding="utf-8") as fh:
+        for row in csv.DictReader(fh):
+            if None in row or row.get("model_id") not in gaps:
+                continue
+            try:
+                data[row["model_id"]] = {
+                    k: float(v) for k, v in row.items() if k != "model_id" and v not in ("", None)
+                }
+            except ValueError:
+                continue
+    if not data:
+        return None
+    columns = list(dict.fromkeys(k for d in data.values() for k in d))
+    rows = []
+    for col in columns:
+        ids = [m for m, d in data.items() if col in d and math.isfinite(d[col])]
+        vals = np.array([data[m][col] for m in ids])
+        if not vals.size:
+            continue
+        s = correlation_summary(
+            [gaps[m] for m in ids],
+            vals,
+            n_boot=2000,
+            n_perm=200,
+            level=level,
+            seed=seed,
+            min_models=MIN_MODELS,
+        )
+        tau = f"{_f(s.tau_a)} [{_f(s.ci_low)}, {_f(s.ci_high)}]" if s.defined else "undefined"
+        rows.append(
+            [
+                col,
+                f"{np.median(vals):.4g}",
+                f"{vals.min():.4g}",
+                f"{vals.max():.4g}",
+                tau,
+                str(len(ids)),
+            ]
+        )
+    caption = (
+        f"One row per column of {p.name} (one line per model): median, min and max over the "
+        f"analysed models, and Kendall τ-a with the gap [{100 * level:g} % percentile bootstrap "
+        "CI]. imbalance = √Σ‖GᵀG−HᵀH‖²/√Σ‖GᵀG+HᵀH‖² over the heads of a block kind; excess = "
+        "Σ(‖G‖²+‖H‖²)/Σ min − 1, min = 2Σ√λ((GᵀG)(HᵀH)) the orbit's minimum norm; log_ratio = "
+        "mean ½log(‖G‖/‖H‖); <measure>_share_<kind> = share of ‖ξ*‖² at the Auto-PGD optimum; "
+        "<measure>_order2 = ‖½Γ(ξ*,ξ*)‖/‖ξ*‖ (_blocks: relative to the block part of ξ*) "
+        "(geosharp.estimators.diagnostics)."
+    )
+    header = ["diagnostic", "median", "min", "max", "τ-a with the gap [CI]", "models"]
+    return Section(
+        "Diagnostics: orbit position and where the ascent spends its budget", header, rows, caption
+    )
+
+
+def folder_sections(out_dir: str | Path, gaps: Mapping[str, float]) -> list[Section]:
+    """Sections stored in a study folder: ``diagnostics.csv``, then ``sections.json``.
+
+    ``sections.json`` is a list of ``{"title", "header", "rows", "caption"}`` written by a
+    study's own analysis (e.g. ``python -m geosharp.studies.vit_orbit analyse DIR``).
+    """
+    out = Path(out_dir)
+    found: list[Section] = []
+    diag = diagnostics_section(out / DIAGNOSTICS_FILE, gaps)
+    if diag is not None:
+        found.append(diag)
+    path = out / SECTIONS_FILE
+    if path.is_file():
+        for item in json.loads(path.read_text(encoding="utf-8")):
+            found.append(
+                Section(
+                    str(item["title"]),
+                    [str(h) for h in item["header"]],
+                    [[str(c) for c in r] for r in item["rows"]],
+                    str(item.get("caption", "")),
+                )
+            )
+    return found
+
+
 _CSS = """
 td.undef { color: #8a8a8a; font-style: italic; }
 .ci { color: #555; font-size: .9em; }
@@ -974,7 +1077,8 @@ def write_report(
 
     paired = _geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed)
     extra_sections = list(sections)  # as given, for summary.json
-    sections = [*_paired_section(paired, level), *sections]
+    extra_sections += folder_sections(out, gaps)  # diagnostics.csv, sections.json, if present
+    sections = [*_paired_section(paired, level), *extra_sections]
 
     method = (
         f"M = {n_total} models. Each cell: Kendall τ-a between sharpness and {gap_label} over "
