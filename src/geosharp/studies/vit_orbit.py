@@ -128,14 +128,15 @@ class VitOrbitConfig:
     steps: int = 20
     samples: int = 10
     key_bias: str = "quotient"
-    # ρ grids (the ρ rule): set by calibrate_orbit_rhos on the pilot orbit-000.
-    rhos_adaptive_l2: tuple[float, ...] = half_decade_grid(0.316)
-    rhos_inv: tuple[float, ...] = half_decade_grid(0.1)
-    rhos_mix: tuple[float, ...] = half_decade_grid(0.0316)
-    rhos_adaptive_blocks: tuple[float, ...] = half_decade_grid(0.316)
-    rhos_inv_blocks: tuple[float, ...] = half_decade_grid(0.1)
-    rhos_average_adaptive: tuple[float, ...] = half_decade_grid(0.0316)
-    rhos_average_inv: tuple[float, ...] = half_decade_grid(0.01)
+    # ρ grids (the ρ rule): set by calibrate_orbit_rhos on the pilot orbit-000
+    # (`python -m geosharp.studies.vit_orbit calibrate`), pilot rise at ρ₀ in the comment.
+    rhos_adaptive_l2: tuple[float, ...] = half_decade_grid(0.316)  # 0.042
+    rhos_inv: tuple[float, ...] = half_decade_grid(0.1)  # 0.064
+    rhos_mix: tuple[float, ...] = half_decade_grid(0.1)  # 0.070
+    rhos_adaptive_blocks: tuple[float, ...] = half_decade_grid(1.0)  # 0.079
+    rhos_inv_blocks: tuple[float, ...] = half_decade_grid(0.1)  # 0.062
+    rhos_average_adaptive: tuple[float, ...] = half_decade_grid(0.1)  # 0.013
+    rhos_average_inv: tuple[float, ...] = half_decade_grid(0.01)  # 0.0042
 
     @classmethod
     def quick(cls, **overrides: Any) -> VitOrbitConfig:
