@@ -102,6 +102,8 @@ def _diagonal_study(args: argparse.Namespace):
         overrides["n_models"] = args.models
     if args.rho is not None:
         overrides["rhos"] = tuple(args.rho)
+    if getattr(args, "population", None) is not None:
+        overrides["population"] = args.population
     cfg = DiagonalConfig.quick(**overrides) if args.quick else DiagonalConfig(**overrides)
     return DiagonalStudy(cfg)
 
@@ -114,6 +116,8 @@ def _threads_and_overrides(args: argparse.Namespace, name: str) -> dict:
             "the report's settings); --rho is not supported"
         )
     set_threads(args.threads)
+    if getattr(args, "population", None) is not None:
+        raise ValueError(f"--population is an option of the diagonal study, not of {name}")
     overrides = {"seed": args.seed}
     if args.models is not None:
         overrides["n_models"] = args.models
@@ -204,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
         "--rho", type=float, nargs="+", default=None, help="radii (default: 0.001 0.01 0.1)"
     )
     s.add_argument("--seed", type=int, default=0, help="seed of data and population")
+    s.add_argument(
+        "--population",
+        choices=("alpha", "sgd-batch"),
+        default=None,
+        help="diagonal only: alpha (Study 1, the default) or sgd-batch (the second population)",
+    )
     s.add_argument("--quick", action="store_true", help="a tiny configuration (seconds)")
     s.add_argument(
         "--force",

@@ -14,6 +14,17 @@ adaptive ℓ2 worst case, and geodesic worst case with the inv and mix metrics a
 (closed-form) geodesics and at order 2, each at ρ ∈ {1e-3, 1e-2, 1e-1} — a decade grid fixed
 before any τ was seen.
 
+**Second population** (``DiagonalConfig(population="sgd-batch")``, ``geosharp study diagonal
+--population sgd-batch``; preregistered in ``results/diagonal-2/PREREGISTRATION.md``): the
+implicit bias varies along the stochasticity of the optimizer instead of the init scale. Every
+net starts at the same ``u₀ = α·1``, ``v₀ = 0`` (``α = sgd_alpha``) and is trained by mini-batch
+SGD (batches drawn without replacement, a fresh permutation every epoch, per-model seed) with
+the batch size drawn from ``sgd_batch_sizes`` (``n`` = full-batch GD) and the step size
+log-uniformly from ``sgd_lr``, to the same training loss ≤ 1e-5. Smaller batches and larger
+steps shrink SGD's effective initialization (Pesme et al. 2021), so sparsity and test loss vary
+at a fixed α. The default population (``"alpha"``) is Study 1's, and its recorded config is
+unchanged (the new fields are left out of it), so ``make demo`` reproduces ``results/diagonal``.
+
 Curvature is opt-in (``DiagonalStudy(cfg).with_curvature()``, :data:`DIAGONAL_CURVATURE`):
 λ_max and the trace of the Hessian on the quotient (SPEC §9) for geodesic inv and mix, adaptive
 and Euclidean curvature, on the same batch; the trace exactly (2d products: the nets are tiny).
@@ -65,13 +76,28 @@ class DiagonalConfig:
     max_steps: int = 300_000
     rhos: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
     steps: int = 20
+    #: ``"alpha"`` (Study 1: α and the GD step size drawn) or ``"sgd-batch"`` (fixed α, SGD
+    #: batch size and step size drawn); the fields below are used by ``"sgd-batch"`` only.
+    population: str = "alpha"
+    sgd_alpha: float = 0.1
+    sgd_batch_sizes: tuple[int, ...] = (1, 2, 5, 10, 20, 50, 100)
+    sgd_lr: tuple[float, float] = (0.005, 0.04)
+    sgd_max_steps: int = 600_000
 
     @classmethod
     def quick(cls, **overrides: Any) -> DiagonalConfig:
         """A small configuration that runs in seconds (tests, ``--quick``)."""
         base = dict(n_models=8, d=40, n_train=20, n_test=200, max_steps=60_000, rhos=(1e-2,))
+        if overrides.get("population", "alpha") != "alpha":
+            base.update(sgd_batch_sizes=(1, 5, 20), sgd_max_steps=200_000)
         base.update(overrides)
         return cls(**base)
+
+
+#: The populations of :class:`DiagonalStudy` (``geosharp study diagonal --population NAME``).
+POPULATIONS = ("alpha", "sgd-batch")
+#: Config fields of the second population, left out of Study 1's recorded config.
+_SGD_FIELDS = ("population", "sgd_alpha", "sgd_batch_sizes", "sgd_lr", "sgd_max_steps")
 
 
 def make_data(cfg: DiagonalConfig) -> dict[str, np.ndarray]:
@@ -105,6 +131,18 @@ class DiagonalStudy(Study):
 
     def __init__(self, cfg: DiagonalConfig | None = None) -> None:
         self.cfg = cfg or DiagonalConfig()
+        if self.cfg.population not in POPULATIONS:
+            raise ValueError(
+                f"population must be one of {POPULATIONS}, got {self.cfg.population!r}"
+            )
+        if self.cfg.population == "sgd-batch":
+            if any(not 1 <= b <= self.cfg.n_train for b in self.cfg.sgd_batch_sizes):
+                raise ValueError(f"sgd_batch_sizes must lie in [1, n_train={self.cfg.n_train}]")
+            self.title = (
+                "Study 1, second population — diagonal nets trained by SGD with drawn batch "
+                "size and step size at a fixed α"
+            )
+            self.paper = None
         self.data = make_data(self.cfg)
         self._batches = [
             (torch.from_numpy(self.data["X"]), torch.from_numpy(self.data["y"])),
@@ -125,6 +163,9 @@ class DiagonalStudy(Study):
     def config(self) -> dict[str, Any]:
         """The :class:`DiagonalConfig` as a dict (with ``"curvature"`` only when measured)."""
         out = asdict(self.cfg)
+        if self.cfg.population == "alpha":  # Study 1's recorded config, as committed
+            for key in _SGD_FIELDS:
+                out.pop(key)
         if self.curvature is not None:
             out["curvature"] = asdict(self.curvature)
         return out
@@ -136,9 +177,18 @@ class DiagonalStudy(Study):
             "models": c.n_models,
             "data": f"d={c.d}, n_train={c.n_train}, n_test={c.n_test}, "
             f"{round(100 * c.sparsity)} % sparse β*, noise {c.noise}",
-            "training": f"full-batch GD on MSE from u=α·1, v=0 to loss ≤ {c.target_loss:g} "
-            f"(≤ {c.max_steps} steps); α ~ logU[{c.alpha_min:g}, {c.alpha_max:g}], "
-            f"lr ~ logU[{c.lr_min:g}, {c.lr_max:g}]",
+            "training": (
+                f"full-batch GD on MSE from u=α·1, v=0 to loss ≤ {c.target_loss:g} "
+                f"(≤ {c.max_steps} steps); α ~ logU[{c.alpha_min:g}, {c.alpha_max:g}], "
+                f"lr ~ logU[{c.lr_min:g}, {c.lr_max:g}]"
+                if c.population == "alpha"
+                else f"mini-batch SGD on MSE (batches without replacement, a new permutation "
+                f"per epoch, per-model seed) from u=α·1, v=0 with α = {c.sgd_alpha:g} for every "
+                f"model, to loss ≤ {c.target_loss:g} (≤ {c.sgd_max_steps} steps); batch size ∈ "
+                f"{list(c.sgd_batch_sizes)} (uniform), lr ~ logU[{c.sgd_lr[0]:g}, "
+                f"{c.sgd_lr[1]:g}]"
+            ),
+            "population": c.population,
             "sharpness data": f"the full training set, one batch of {c.n_train}, MSE",
             "Auto-PGD": f"{c.steps} steps, start at 0, no restarts",
             "ρ rule": "decade grid fixed before looking at τ: "
@@ -152,6 +202,14 @@ class DiagonalStudy(Study):
         rng = np.random.default_rng(self.cfg.seed + 1)
         c = self.cfg
         out = []
+        if c.population == "sgd-batch":
+            for i in range(c.n_models):
+                batch = int(rng.choice(c.sgd_batch_sizes))
+                lr = math.exp(rng.uniform(math.log(c.sgd_lr[0]), math.log(c.sgd_lr[1])))
+                seed = int(rng.integers(2**31 - 1))
+                hp = {"alpha": c.sgd_alpha, "lr": lr, "batch_size": batch, "seed": seed}
+                out.append((f"diag-{i:03d}", hp))
+            return out
         for i in range(c.n_models):
             alpha = math.exp(rng.uniform(math.log(c.alpha_min), math.log(c.alpha_max)))
             lr = math.exp(rng.uniform(math.log(c.lr_min), math.log(c.lr_max)))
@@ -163,6 +221,8 @@ class DiagonalStudy(Study):
     ) -> None:
         """Full-batch GD of all models at once; each is stored as soon as it converges."""
         c = self.cfg
+        if c.population == "sgd-batch":
+            return self._train_sgd(todo, out_dir, store, progress)
         X, y = self.data["X"], self.data["y"]
         ckpt_dir = out_dir / "checkpoints"
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +249,67 @@ class DiagonalStudy(Study):
             if not active.any():
                 break
             G = (2.0 / c.n_train) * (R @ X)
+            gu, gv = G * V, G * U
+            U[active] -= (lrs * gu)[active]
+            V[active] -= (lrs * gv)[active]
+        if bar is not None:
+            bar.close()
+
+    def _train_sgd(
+        self, todo: list[tuple[str, dict[str, Any]]], out_dir: Path, store: Store, progress: bool
+    ) -> None:
+        """Mini-batch SGD of all models at once (second population); vectorized over models.
+
+        Model i draws its batches from its own generator (``hp["seed"]``): a permutation of the
+        training set per epoch, cut into ``n // B`` batches of ``B`` (the remainder dropped), so
+        its trajectory does not depend on which other models are trained with it. The batch
+        masks are built for chunks of steps; the gradient of model i at step t is
+        ``(2/B) Σ_{j ∈ S_t} r_j x_j`` and its loss is checked on the full training set.
+        """
+        c = self.cfg
+        X, y = self.data["X"], self.data["y"]
+        n = c.n_train
+        ckpt_dir = out_dir / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        m = len(todo)
+        B = np.array([hp["batch_size"] for _, hp in todo])
+        lrs = np.array([hp["lr"] for _, hp in todo])[:, None]
+        gens = [np.random.default_rng(hp["seed"]) for _, hp in todo]
+        U = np.tile(np.array([hp["alpha"] for _, hp in todo])[:, None], (1, c.d))
+        V = np.zeros_like(U)
+        active = np.ones(m, dtype=bool)
+        chunk = 1000
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=m, desc="training diagonal nets (SGD)")
+        masks = np.zeros((chunk, m, n), dtype=bool)
+        for step in range(c.sgd_max_steps + 1):
+            k = step % chunk
+            if k == 0:  # the batches of the next `chunk` steps of every model
+                masks[:] = False
+                rows = np.arange(chunk)
+                for i, (g, b) in enumerate(zip(gens, B, strict=True)):
+                    per_epoch = n // b
+                    epochs = -(-chunk // per_epoch)
+                    idx = np.concatenate([g.permutation(n)[: per_epoch * b] for _ in range(epochs)])
+                    idx = idx[: chunk * b].reshape(chunk, b)
+                    masks[rows[:, None], i, idx] = True
+            R = (U * V) @ X.T - y
+            loss = (R**2).mean(axis=1)
+            done = active & (
+                (loss <= c.target_loss) | ~np.isfinite(loss) | (step == c.sgd_max_steps)
+            )
+            for i in np.flatnonzero(done):
+                self._record(todo[i], U[i], V[i], float(loss[i]), step, ckpt_dir, store, t0)
+                if bar is not None:
+                    bar.update(1)
+            active &= ~done
+            if not active.any():
+                break
+            G = ((2.0 / B)[:, None] * np.where(masks[k], R, 0.0)) @ X
             gu, gv = G * V, G * U
             U[active] -= (lrs * gu)[active]
             V[active] -= (lrs * gv)[active]
