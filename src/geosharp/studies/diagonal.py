@@ -188,7 +188,7 @@ class DiagonalStudy(Study):
                 f"{list(c.sgd_batch_sizes)} (uniform), lr ~ logU[{c.sgd_lr[0]:g}, "
                 f"{c.sgd_lr[1]:g}]"
             ),
-            "population name": c.population,
+            **({"population name": c.population} if c.population != "alpha" else {}),
             "sharpness data": f"the full training set, one batch of {c.n_train}, MSE",
             "Auto-PGD": f"{c.steps} steps, start at 0, no restarts",
             "ρ rule": "decade grid fixed before looking at τ: "
