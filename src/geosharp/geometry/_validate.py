@@ -31,8 +31,10 @@ def check_tensor(name: str, t: Any) -> Tensor:
     return t
 
 
-def check_like(name: str, t: Any, ref_name: str, ref: Tensor) -> Tensor:
+def check_like(name: str, t: Any, ref_name: str, ref: Tensor, dtype: bool = True) -> Tensor:
     """Require a floating tensor with the same shape, dtype and device as ``ref``.
+
+    With ``dtype=False`` the dtype is not compared (the caller checks it).
 
     Raises:
         TypeError: If ``t`` is not a floating tensor or its dtype differs from ``ref``'s.
@@ -43,7 +45,7 @@ def check_like(name: str, t: Any, ref_name: str, ref: Tensor) -> Tensor:
         raise ValueError(
             f"{name} must have the shape of {ref_name}, {tuple(ref.shape)}, got {tuple(t.shape)}"
         )
-    if t.dtype != ref.dtype:
+    if dtype and t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")

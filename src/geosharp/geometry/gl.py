@@ -252,7 +252,8 @@ class GLGeometry(Geometry):
             check_tensor(part, t)
             if t.dtype not in (self.dtype, self.compute_dtype):
                 raise TypeError(f"{part} has dtype {t.dtype} but {ref_name} has {self.dtype}")
-            check_like(part, t.to(self.dtype), ref_name, ref)
+            # shape and device only (no cast: tangents kept in float64 are checked as they are)
+            check_like(part, t, ref_name, ref, dtype=False)
         return xi[0].to(self.compute_dtype), xi[1].to(self.compute_dtype)
 
     def _down(self, *ts: Tensor, like: Tensor | None = None) -> tuple[Tensor, ...]:
