@@ -11,7 +11,9 @@ of ``(inputs, targets)`` batches it
    (:func:`geosharp.check_invariance`: a wrong adapter is caught instead of being silently
    measured);
 3. measures every requested measure at every ρ with :func:`geosharp.sharpness` (Auto-PGD for
-   the worst case, SPEC §6) or :func:`geosharp.relative_flatness`;
+   the worst case, SPEC §6), or once with :func:`geosharp.relative_flatness` or
+   :func:`geosharp.curvature` (``curvature-inv-lmax``, ``curvature-euclidean-trace``, …: the
+   Hessian on the quotient, SPEC §9, no ρ);
 
 and returns a :class:`MeasureReport` that prints as a table and writes JSON, CSV and HTML.
 
