@@ -219,7 +219,9 @@ def test_ascent_reproduces_sharpness_and_splits_the_whole_budget(kw):
         assert diag.budget["b_k"] == 0.0  # held fixed: spends nothing
         assert diag.budget["rest"] > 0
     if kw["measure"] == "adaptive" and kw.get("perturb", "all") == "all":
-        assert diag.budget["b_k"] > 0  # adaptive sharpness perturbs the key bias
+        # adaptive sharpness could move the key bias, but the ascent from 0 follows the
+        # gradient, which vanishes there (the softmax ignores b_k): nothing but rounding
+        assert diag.budget["b_k"] < 1e-10
 
 
 def _space_theta(model):
