@@ -205,7 +205,12 @@ def _parser() -> argparse.ArgumentParser:
         "--models", type=int, default=None, help="population size (default: the study's own)"
     )
     s.add_argument(
-        "--rho", type=float, nargs="+", default=None, help="radii (default: 0.001 0.01 0.1)"
+        "--rho",
+        type=float,
+        nargs="+",
+        default=None,
+        help="radii of the diagonal study (default: 0.001 0.01 0.1); the transformer studies fix "
+        "one ρ grid per measure by their ρ rule and do not take --rho",
     )
     s.add_argument("--seed", type=int, default=0, help="seed of data and population")
     s.add_argument(

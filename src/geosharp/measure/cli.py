@@ -128,7 +128,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"
     )
-    m.add_argument("--eps", type=float, default=0.0, help="Gram damping of GL(h) blocks (0)")
+    m.add_argument(
+        "--eps",
+        type=float,
+        default=0.0,
+        help="damping ε of the Gram matrices GᵀG + εI of the symmetry blocks (default 0: the "
+        "measure is exactly invariant; if a block is reported singular, try about 1e-6 times "
+        "its typical squared weight)",
+    )
     m.add_argument(
         "--iters",
         type=int,
