@@ -375,9 +375,7 @@ def _unknown_attention_notes(
         outer = any(m.startswith(path + ".") or m == path for m in covered if path)
         if inside or outer:
             continue
-        if any(p.requires_grad for p in module.parameters(recurse=False)) or any(
-            p.requires_grad for _, p in module.named_parameters()
-        ):
+        if any(p.requires_grad for p in module.parameters()):
             unknown.setdefault(name, path)
     return [
         f"attention module {cls} (e.g. {path!r}) is not understood by any adapter: its "
