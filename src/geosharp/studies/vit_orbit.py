@@ -394,7 +394,9 @@ class VitOrbitStudy(ViTMNISTStudy):
             "Auto-PGD": f"{c.steps} steps from ξ = 0, one run; average case {c.samples} "
             "samples per batch",
             "relative flatness": "Petzka et al. 2021, classification head (`head`)",
-            "paper": "none (a population built to move the orbit position)",
+            "paper": "the paper τ column repeats Study 2's reference (CLIP ViT-B/32 fine-tuned on "
+            "ImageNet, 72 models); this population is not the paper's, the column only fixes the "
+            "expected sign (τ < 0) of the paired comparison",
             "seed": c.seed,
         }
 
