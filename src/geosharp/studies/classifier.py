@@ -550,39 +550,70 @@ def calibrate_rhos(
     Returns:
         ``{"rhos_<key>": grid}`` for every family of the plan; pass it to the config.
     """
+    cfg = study.cfg  # type: ignore[attr-defined]
+    return {
+        f"rhos_{key}": rho_rule_grid(
+            study, model, _with_budget(cfg, RADIUS_FAMILIES[key]), key, start, max_evals, log
+        )
+        for key in _families(cfg)
+    }
+
+
+def rho_rule_grid(
+    study: Study,
+    model: nn.Module,
+    kwargs: dict[str, Any],
+    key: str,
+    start: float = 0.01,
+    max_evals: int = 12,
+    log: Callable[[str], None] | None = None,
+) -> tuple[float, ...]:
+    """The ρ rule for one measure family: its half-decade grid on the pilot ``model``.
+
+    The pilot's sharpness (``gs.sharpness(**kwargs)``, budget included) is evaluated on the
+    ladder ``ρ = 10^{k/2}`` walking from ``start`` towards :data:`CALIBRATION_TARGET` until it
+    is bracketed; the grid is :func:`half_decade_grid` of the ladder point closest to the target
+    in log scale.
+
+    Args:
+        study: The study (loss, batches, ``key_bias``).
+        model: The pilot model.
+        kwargs: Settings of the measure, e.g. ``{"measure": "adaptive", "steps": 20}``.
+        key: Name of the family, for the log.
+        start: First radius of the ladder.
+        max_evals: Most sharpness evaluations.
+        log: Where each evaluation is reported, or ``None``.
+
+    Returns:
+        The three radii.
+    """
     from geosharp.estimators import sharpness
 
-    cfg = study.cfg  # type: ignore[attr-defined]
     batches = study.batches()
-    out = {}
-    for key in _families(cfg):
-        kw = _with_budget(cfg, RADIUS_FAMILIES[key])
-        target = CALIBRATION_TARGET[kw.get("kind", "worst")]
-        k = round(2 * math.log10(start))
-        seen: dict[int, float] = {}
-        direction = 0
-        for _ in range(max_evals):
-            try:
-                value = sharpness(
-                    model,
-                    study.loss_fn,
-                    batches,
-                    rho=10 ** (k / 2),
-                    progress=False,
-                    key_bias=study.key_bias,
-                    **kw,
-                ).value
-            except (FloatingPointError, ValueError):
-                value = math.inf
-            seen[k] = value
-            if log is not None:
-                log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
-            step = 1 if value < target else -1
-            if direction and step != direction:
-                break
-            direction = step
-            k += step
-
-        best = min(seen, key=lambda j, s=seen, t=target: _log_distance(s[j], t))
-        out[f"rhos_{key}"] = half_decade_grid(10 ** (best / 2))
-    return out
+    target = CALIBRATION_TARGET[kwargs.get("kind", "worst")]
+    k = round(2 * math.log10(start))
+    seen: dict[int, float] = {}
+    direction = 0
+    for _ in range(max_evals):
+        try:
+            value = sharpness(
+                model,
+                study.loss_fn,
+                batches,
+                rho=10 ** (k / 2),
+                progress=False,
+                key_bias=study.key_bias,
+                **kwargs,
+            ).value
+        except (FloatingPointError, ValueError):
+            value = math.inf
+        seen[k] = value
+        if log is not None:
+            log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
+        step = 1 if value < target else -1
+        if direction and step != direction:
+            break
+        direction = step
+        k += step
+    best = min(seen, key=lambda j: _log_distance(seen[j], target))
+    return half_decade_grid(10 ** (best / 2))

@@ -60,7 +60,7 @@ from torch.nn import functional as F
 
 from geosharp._io import atomic_write_text
 from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
-from geosharp.studies.classifier import CALIBRATION_TARGET, half_decade_grid
+from geosharp.studies.classifier import half_decade_grid, rho_rule_grid
 from geosharp.studies.runner import MeasureSpec
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import ViTMNISTStudy
@@ -466,47 +466,15 @@ def calibrate_orbit_rhos(
     Returns:
         ``{"rhos_<key>": grid}``.
     """
-    from geosharp.estimators import sharpness
-
     c = study.cfg
-    batches = study.batches()
     out = {}
     for key, kw in FAMILIES.items():
-        kind = kw.get("kind", "worst")
-        budget = {"samples": c.samples} if kind == "average" else {"steps": c.steps}
-        target = CALIBRATION_TARGET[kind]
-        k = round(2 * math.log10(start))
-        seen: dict[int, float] = {}
-        direction = 0
-        for _ in range(max_evals):
-            try:
-                value = sharpness(
-                    model,
-                    study.loss_fn,
-                    batches,
-                    rho=10 ** (k / 2),
-                    progress=False,
-                    key_bias=study.key_bias,
-                    **kw,
-                    **budget,
-                ).value
-            except (FloatingPointError, ValueError):
-                value = math.inf
-            seen[k] = value
-            if log is not None:
-                log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
-            step = 1 if value < target else -1
-            if direction and step != direction:
-                break
-            direction = step
-            k += step
-
-        def dist(j: int, s: dict[int, float] = seen, t: float = target) -> float:
-            v = s[j]
-            return abs(math.log(v / t)) if 0 < v < math.inf else math.inf
-
-        best = min(seen, key=dist)
-        out[f"rhos_{key}"] = half_decade_grid(10 ** (best / 2))
+        budget = (
+            {"samples": c.samples} if kw.get("kind", "worst") == "average" else {"steps": c.steps}
+        )
+        out[f"rhos_{key}"] = rho_rule_grid(
+            study, model, {**kw, **budget}, key, start, max_evals, log
+        )
     return out
 
 
