@@ -240,7 +240,10 @@ def run_study(
         loaded: dict[str, nn.Module] = {}
         for row, spec, rho in _progress(jobs, progress, "sharpness"):
             settings = {**spec.kwargs, "rho": rho}
-            if store.has_measurement(row["model_id"], spec.name, rho, settings):
+            if store.has_measurement(row["model_id"], spec.name, rho, settings) or (
+                spec.kwargs.get("measure") == "curvature"
+                and _has_curvature_row(store, row["model_id"], spec.name, settings)
+            ):
                 summary.reused += 1
                 continue
             if row["model_id"] not in loaded:
@@ -285,7 +288,7 @@ def run_study(
                 row["model_id"],
                 spec.name,
                 rho,
-                settings,
+                {**settings, **res.stats()} if isinstance(res, _CurvatureRow) else settings,
                 res.value,
                 res.per_batch,
                 res.clean_losses,
@@ -302,12 +305,56 @@ def run_study(
 
 @dataclass
 class _CurvatureRow:
-    """One quantity of a :class:`geosharp.CurvatureResult`, shaped as the store records it."""
+    """One quantity of a :class:`geosharp.CurvatureResult`, shaped as the store records it.
+
+    ``trace_stderr`` and ``per_batch_trace_stderr`` (the trace row only) are the Hutchinson /
+    Hutch++ standard errors of the value and of every batch; :meth:`stats` is what the row's
+    ``settings`` JSON records of them (results of the measurement, not part of its identity:
+    :data:`RESULT_STATS` names the keys that :func:`_settings_identity` leaves out).
+    """
 
     value: float
     per_batch: list[float]
     clean_losses: list[float]
     time_s: float
+    trace_stderr: float | None = None
+    per_batch_trace_stderr: list[float] = field(default_factory=list)
+
+    def stats(self) -> dict[str, Any]:
+        """``{"trace_stderr": …, "per_batch_trace_stderr": […]}`` for a trace row, else ``{}``."""
+        if self.trace_stderr is None:
+            return {}
+        return {
+            "trace_stderr": float(self.trace_stderr),
+            "per_batch_trace_stderr": [float(v) for v in self.per_batch_trace_stderr],
+        }
+
+
+#: Keys of a row's ``settings`` that are results of the measurement (the trace's standard
+#: error), not settings: a resumed study matches a finished row on the other keys.
+RESULT_STATS = ("trace_stderr", "per_batch_trace_stderr")
+
+
+def _settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in RESULT_STATS}
+
+
+def _has_curvature_row(store: Store, model_id: str, measure: str, settings: dict[str, Any]) -> bool:
+    """Whether a curvature row of these settings is stored (its stats keys aside)."""
+    if store.has_measurement(model_id, measure, None, settings):
+        return True
+    cur = store.conn.execute(
+        "SELECT settings FROM measurements WHERE model_id = ? AND measure = ? AND rho IS NULL",
+        (model_id, measure),
+    )
+    want = json.dumps(settings, sort_keys=True, default=str)
+    for (st,) in cur.fetchall():
+        stored = json.loads(st)
+        if "error" in stored:
+            stored.pop("error")
+        if json.dumps(_settings_identity(stored), sort_keys=True, default=str) == want:
+            return True
+    return False
 
 
 def _curvature_row(
@@ -319,7 +366,10 @@ def _curvature_row(
     of: str = "geodesic",
     **kwargs: Any,
 ) -> _CurvatureRow:
-    """:func:`geosharp.curvature` of one quantity, with the study's loss and key-bias setting."""
+    """:func:`geosharp.curvature` of one quantity, with the study's loss and key-bias setting.
+
+    The trace row carries the trace's standard error (overall and per batch).
+    """
     res = curvature(
         model,
         study.loss_fn,
@@ -330,8 +380,14 @@ def _curvature_row(
         key_bias=study.key_bias,
         **kwargs,
     )
+    is_trace = quantity == "trace"
     return _CurvatureRow(
-        res.values[quantity], list(res.per_batch[quantity]), list(res.clean_losses), res.time_s
+        res.values[quantity],
+        list(res.per_batch[quantity]),
+        list(res.clean_losses),
+        res.time_s,
+        trace_stderr=res.trace_stderr if is_trace else None,
+        per_batch_trace_stderr=list(res.per_batch_trace_stderr) if is_trace else [],
     )
 
 
