@@ -69,7 +69,9 @@ except ImportError as err:  # pragma: no cover - the [hf] extra brings transform
 
 from geosharp.estimators.cache import clear_cache
 from geosharp.estimators.sharpness import SharpnessResult, sharpness
-from geosharp.measure.core import MeasureError, MeasureSpec, default_loss
+from geosharp.measure.core import default_loss
+from geosharp.measure.errors import MeasureError
+from geosharp.measure.names import MeasureSpec, parse_measure
 
 __all__ = [
     "IGNORE_INDEX",
@@ -171,8 +173,14 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
 
 
 def _parse_measure(text: Any) -> MeasureSpec:
+    """The measure as ``geosharp measure`` reads it (:func:`geosharp.measure.names.parse_measure`).
+
+    Raises ``ValueError`` for a text that is not a measure, and for the measures the callback
+    does not take: curvature, relative flatness, and the attention-only (``-blocks``) and
+    "no corrected norm" (``-adaptivenorm``) variants.
+    """
     try:
-        spec = MeasureSpec.parse(text)
+        spec = parse_measure(text)
     except MeasureError as err:
         raise ValueError(str(err)) from None
     if spec.measure not in ("geodesic", "adaptive", "euclidean"):
@@ -180,6 +188,12 @@ def _parse_measure(text: Any) -> MeasureSpec:
             f"measure {text!r}: the callback measures sharpness (geodesic, adaptive, euclidean); "
             "curvature and relative flatness are measured with gs.curvature and "
             "gs.relative_flatness"
+        )
+    if spec.perturb != "all" or not spec.corrected_norm:
+        raise ValueError(
+            f"measure {text!r}: the callback measures every parameter with the corrected norm; "
+            "the attention-only (-blocks) and no-corrected-norm (-adaptivenorm) variants are "
+            "measured with gs.sharpness(perturb=..., corrected_norm=...) or gs.measure"
         )
     return spec
 

@@ -54,9 +54,10 @@ from geosharp.estimators.sharpness import (
     _to_device,
     call_model,
     eval_mode,
-    measure_name,
     sharpness,
 )
+from geosharp.measure.errors import MeasureError, MeasureWarning
+from geosharp.measure.names import MeasureSpec, curvature_name
 from geosharp.symmetry import ParameterSpace, find_symmetries
 
 __all__ = [
@@ -89,227 +90,6 @@ DEFAULT_CURVATURE_PROBES = 100
 
 #: Cross-entropy ignores targets equal to this (PyTorch's and Hugging Face's convention).
 IGNORE_INDEX = -100
-
-
-class MeasureError(ValueError):
-    """Bad input to ``geosharp measure``: the message says what was wrong and what to do."""
-
-
-class MeasureWarning(UserWarning):
-    """Something a user should know about a measurement that did not stop it."""
-
-
-# --------------------------------------------------------------------------------------------
-# measures
-
-
-_FAMILIES = {
-    "geodesic": "geodesic",
-    "geo": "geodesic",
-    "adaptive": "adaptive",
-    "ada": "adaptive",
-    "euclidean": "euclidean",
-    "eucl": "euclidean",
-}
-_RELATIVE_FLATNESS = {"relative-flatness", "relative_flatness", "relflat", "rf"}
-_ORDERS = {"o1": 1, "1": 1, "o2": 2, "2": 2, "exact": "exact", "oexact": "exact"}
-_KINDS = {"worst": "worst", "average": "average", "avg": "average"}
-_QUANTITIES = {
-    "lmax": "lambda_max",
-    "lambda_max": "lambda_max",
-    "lambdamax": "lambda_max",
-    "λmax": "lambda_max",
-    "lmin": "lambda_min",
-    "lambda_min": "lambda_min",
-    "lambdamin": "lambda_min",
-    "λmin": "lambda_min",
-    "trace": "trace",
-    "tr": "trace",
-}
-_GRAMMAR = (
-    "a measure is FAMILY[-OPTION...] with FAMILY one of geodesic, adaptive, euclidean, "
-    "relative-flatness, curvature and options metric inv|mix (geodesic), order o1|o2|exact "
-    "(geodesic), norm l2|linf (adaptive, euclidean), kind worst|average; a curvature measure "
-    "is curvature[-geodesic|adaptive|euclidean][-inv|mix]-lmax|lmin|trace (no rho); e.g. "
-    "geodesic-inv-o2, geodesic-mix-exact, adaptive-linf, adaptive-l2-average, "
-    "curvature-inv-lmax, curvature-euclidean-trace, or a name as the table prints it "
-    "('geodesic-inv-o2 worst l2', 'geodesic-inv curvature lambda_max')"
-)
-
-
-def curvature_name(measure: str, metric: str, quantity: str) -> str:
-    """Canonical name of a curvature measure: :attr:`geosharp.CurvatureResult.measure` + quantity.
-
-    Args:
-        measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
-        metric: Block metric of the geodesic measure (ignored otherwise).
-        quantity: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
-
-    Example:
-        >>> curvature_name("geodesic", "mix", "trace")
-        'geodesic-mix curvature trace'
-        >>> curvature_name("euclidean", "", "lambda_max")
-        'euclidean curvature lambda_max'
-    """
-    base = f"geodesic-{metric or 'inv'}" if measure == "geodesic" else measure
-    return f"{base} curvature {quantity}"
-
-
-def _parse_curvature(text: str, tokens: list[str]) -> dict[str, Any]:
-    """The options of a curvature measure; ``tokens`` hold ``"curvature"`` once."""
-    opts: dict[str, Any] = {}
-    for tok in tokens:
-        if tok == "curvature":
-            continue
-        if tok in _FAMILIES:
-            key, value = "of", _FAMILIES[tok]
-        elif tok in ("inv", "mix"):
-            key, value = "metric", tok
-        elif tok in _QUANTITIES:
-            key, value = "quantity", _QUANTITIES[tok]
-        elif tok in _ORDERS or tok in _KINDS or tok in ("l2", "linf"):
-            raise MeasureError(
-                f"measure {text!r}: a curvature measure has no order, kind or norm (it is the "
-                "Hessian spectrum on the quotient, SPEC §9: second-order geodesics, no rho); "
-                f"{_GRAMMAR}"
-            )
-        else:
-            raise MeasureError(f"unknown option {tok!r} in measure {text!r}: {_GRAMMAR}")
-        if key in opts and opts[key] != value:
-            raise MeasureError(f"measure {text!r} gives the {key} twice: {_GRAMMAR}")
-        opts[key] = value
-    if "quantity" not in opts:
-        raise MeasureError(
-            f"measure {text!r}: say which curvature quantity, lmax (largest eigenvalue), lmin "
-            f"(smallest) or trace; {_GRAMMAR}"
-        )
-    of = opts.get("of", "geodesic")
-    if of != "geodesic" and "metric" in opts:
-        raise MeasureError(
-            f"measure {text!r}: the metric inv|mix belongs to geodesic curvature only; {of} "
-            "curvature has its own (element-wise) metric"
-        )
-    return {
-        "of": of,
-        "metric": opts.get("metric", "inv") if of == "geodesic" else "",
-        "quantity": opts["quantity"],
-    }
-
-
-@dataclass(frozen=True)
-class MeasureSpec:
-    """One sharpness measure, as :func:`geosharp.sharpness` takes it.
-
-    A curvature measure (:func:`geosharp.curvature`, SPEC §9) has ``measure="curvature"``, the
-    measure whose Hessian spectrum it is in :attr:`of`, the quantity in :attr:`quantity`, and
-    neither ρ, kind nor norm.
-
-    Attributes:
-        measure: ``"geodesic"``, ``"adaptive"``, ``"euclidean"``, ``"relative_flatness"`` or
-            ``"curvature"``.
-        metric: Block metric of geodesic sharpness or curvature (``"inv"`` or ``"mix"``).
-        order: Geodesic order (``1``, ``2`` or ``"exact"``; ``2`` for curvature).
-        kind: ``"worst"`` or ``"average"`` (``""`` for curvature).
-        norm: ``"l2"`` or ``"linf"`` (``""`` for curvature).
-        of: Curvature only: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
-        quantity: Curvature only: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
-
-    Example:
-        >>> MeasureSpec.parse("geodesic-mix-exact").name
-        'geodesic-mix-oexact worst l2'
-        >>> MeasureSpec.parse("adaptive-linf").name
-        'adaptive worst linf'
-        >>> MeasureSpec.parse("geodesic-mix-oexact worst l2") == MeasureSpec.parse("geo-mix-exact")
-        True
-        >>> MeasureSpec.parse("curvature-mix-trace").name
-        'geodesic-mix curvature trace'
-        >>> MeasureSpec.parse("curvature-euclidean-lmax").name
-        'euclidean curvature lambda_max'
-    """
-
-    measure: str
-    metric: str = "inv"
-    order: int | str = 2
-    kind: str = "worst"
-    norm: str = "l2"
-    of: str = ""
-    quantity: str = ""
-
-    @classmethod
-    def parse(cls, text: str | MeasureSpec) -> MeasureSpec:
-        """Parse ``"geodesic-inv-o2"``, ``"adaptive-linf"``, ``"curvature-inv-lmax"``, ....
-
-        Args:
-            text: The measure, or a :class:`MeasureSpec` (returned as is).
-
-        Returns:
-            The :class:`MeasureSpec`.
-
-        Raises:
-            MeasureError: If the text is not a measure (the message gives the grammar).
-        """
-        if isinstance(text, MeasureSpec):
-            return text
-        if not isinstance(text, str):
-            raise MeasureError(f"a measure must be a string, got {type(text).__name__}; {_GRAMMAR}")
-        raw = text.strip().lower()
-        if raw in _RELATIVE_FLATNESS:
-            return cls("relative_flatness", metric="", order=1, kind="", norm="")
-        tokens = [t for t in re.split(r"[\s\-]+", raw) if t]
-        if tokens.count("curvature") > 1:
-            raise MeasureError(f"measure {text!r} names curvature twice: {_GRAMMAR}")
-        if "curvature" in tokens:
-            c = _parse_curvature(text, tokens)
-            return cls("curvature", order=2, kind="", norm="", **c)
-        if not tokens or tokens[0] not in _FAMILIES:
-            raise MeasureError(f"unknown measure {text!r}: {_GRAMMAR}")
-        family = _FAMILIES[tokens[0]]
-        opts: dict[str, Any] = {}
-        for tok in tokens[1:]:
-            if tok in ("inv", "mix"):
-                key, value = "metric", tok
-            elif tok in _ORDERS:
-                key, value = "order", _ORDERS[tok]
-            elif tok in ("l2", "linf"):
-                key, value = "norm", tok
-            elif tok in _KINDS:
-                key, value = "kind", _KINDS[tok]
-            else:
-                raise MeasureError(f"unknown option {tok!r} in measure {text!r}: {_GRAMMAR}")
-            if key in opts and opts[key] != value:
-                raise MeasureError(f"measure {text!r} gives the {key} twice: {_GRAMMAR}")
-            opts[key] = value
-        if family != "geodesic" and ("metric" in opts or opts.get("order", 1) != 1):
-            raise MeasureError(
-                f"measure {text!r}: metric and order belong to geodesic sharpness only; "
-                f"{family} sharpness is measured along straight lines"
-            )
-        if family == "geodesic" and opts.get("norm") == "linf":
-            raise MeasureError(
-                f"measure {text!r}: the l-infinity box is defined for adaptive and euclidean "
-                "sharpness only (geodesic sharpness uses the metric's own l2 ball)"
-            )
-        if family != "geodesic":
-            opts.setdefault("order", 1)
-            opts["metric"] = ""
-        return cls(family, **opts)
-
-    @property
-    def name(self) -> str:
-        """Canonical name, as :attr:`geosharp.SharpnessResult.measure` spells it."""
-        if self.measure == "relative_flatness":
-            return "relative_flatness"
-        if self.measure == "curvature":
-            return curvature_name(self.of, self.metric, self.quantity)
-        return measure_name(self.measure, self.metric, self.order, self.kind, self.norm)
-
-    @property
-    def uses_rho(self) -> bool:
-        """Whether the measure has a radius (relative flatness and curvature have none)."""
-        return self.measure not in ("relative_flatness", "curvature")
-
-    def __str__(self) -> str:
-        return self.name
 
 
 # --------------------------------------------------------------------------------------------
@@ -1297,6 +1077,8 @@ def _measure_one(
                 rho=rho,
                 steps=steps,
                 norm=spec.norm,
+                corrected_norm=spec.corrected_norm,
+                perturb=spec.perturb,
                 eps=eps,
                 seed=seed,
                 space=space,
