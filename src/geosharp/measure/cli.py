@@ -326,7 +326,7 @@ def _label_map_line(label_map: dict[str, int]) -> str:
 def _execute(args: argparse.Namespace) -> int:
     import torch
 
-    from geosharp.measure.core import flush_unrepresentable, resolve_loss
+    from geosharp.measure.checks import flush_unrepresentable
     from geosharp.measure.lm import detect_task, load_lm_data, load_seq2seq_data
     from geosharp.measure.loading import (
         _columns,
@@ -340,6 +340,7 @@ def _execute(args: argparse.Namespace) -> int:
         resolve_device,
         resolve_dtype,
     )
+    from geosharp.measure.losses import resolve_loss
 
     _validate(args)
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring

@@ -22,7 +22,7 @@ from geosharp._html import page_end, page_start
 from geosharp._io import atomic_write_text
 
 if TYPE_CHECKING:
-    from geosharp.measure.core import MeasureReport, MeasureRow
+    from geosharp.measure.results import MeasureReport, MeasureRow
 
 __all__ = ["write_html"]
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.core import IGNORE_INDEX, MeasureError
+from geosharp.measure.errors import MeasureError
 from geosharp.measure.loading import (
     DataSet,
     LoadedModel,
@@ -50,6 +50,7 @@ from geosharp.measure.loading import (
     data_kind,
     read_table,
 )
+from geosharp.measure.losses import IGNORE_INDEX
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [

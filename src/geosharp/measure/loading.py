@@ -14,7 +14,7 @@ sequence-to-sequence tasks (a ``.txt`` corpus too) are read by :mod:`~geosharp.m
 
 Every problem a user can cause — a missing path, a checkpoint whose keys do not match, labels
 outside the model's classes, an empty data set, a device that is not there — raises
-:class:`~geosharp.measure.core.MeasureError` with a message that says what to do.
+:class:`~geosharp.measure.errors.MeasureError` with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.core import MeasureError
+from geosharp.measure.errors import MeasureError
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [

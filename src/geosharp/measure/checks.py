@@ -1,0 +1,337 @@
+"""What ``gs.measure`` checks before it measures, and in every result after.
+
+Before: weights whose ``1/w²`` overflows (:func:`unrepresentable_weights`; a copy with them set
+to 0 is measured), the clean loss of every batch (finite, and for cross-entropy every label
+one of the model's classes) and the invariance self-check (:func:`self_check`: a random
+re-parametrization of every symmetry block found must leave the outputs unchanged, or the
+blocks are wrong and geodesic sharpness would be too). After: :func:`row_warnings`, e.g. an
+Auto-PGD ascent still rising at its last step (:func:`still_rising`, beyond float rounding) or
+one that never raised the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.estimators.checks import InvarianceReport, check_invariance
+from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
+from geosharp.measure.errors import MeasureError
+from geosharp.measure.losses import IGNORE_INDEX, _logits, uses_cross_entropy
+from geosharp.measure.names import MeasureSpec
+from geosharp.measure.results import MeasureRow
+from geosharp.symmetry import ParameterSpace
+
+__all__ = [
+    "RISE_TOL_ULPS",
+    "RISE_WINDOW",
+    "clean_pass",
+    "flush_unrepresentable",
+    "invariance_tol",
+    "loss_eps",
+    "row_warnings",
+    "self_check",
+    "still_rising",
+    "unrepresentable_weights",
+    "without_unrepresentable",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# before measuring
+
+
+def unrepresentable_weights(model: nn.Module) -> dict[str, int]:
+    """Trainable weights ``w ≠ 0`` whose ``1/w²`` is not finite in the parameter's dtype.
+
+    The adaptive metric ``Σ ξ_i²/w_i²`` (SPEC §5) cannot be evaluated there (e.g.
+    ``|w| < 5e-20`` in float32): the ball's norm becomes NaN and the ascent cannot move.
+
+    Args:
+        model: The model.
+
+    Returns:
+        Parameter name → number of such weights (only parameters that have some).
+    """
+    found = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or not p.is_floating_point():
+            continue
+        w = p.detach()
+        # 1/w² is finite iff |w| ≥ max^(-1/2); test exactly only the few weights near that
+        near = w.abs() < 2.0 * torch.finfo(w.dtype).max ** -0.5
+        if not bool(near.any()):
+            continue
+        sub = w[near]
+        n = int(((sub != 0) & ~torch.isfinite(sub.reciprocal().square())).sum())
+        if n:
+            found[name] = n
+    return found
+
+
+@torch.no_grad()
+def flush_unrepresentable(model: nn.Module) -> dict[str, int]:
+    """Set the weights of :func:`unrepresentable_weights` to exactly 0, in place.
+
+    Zero weights are frozen coordinates of the adaptive ball (their radius ``ρ|w_i|`` is 0), and
+    a weight of ``|w| < 1e-19`` already has a ball of that size, so measuring is unchanged while
+    the metric becomes finite. The model's function changes by less than the weights' size.
+
+    Args:
+        model: The model (modified in place).
+
+    Returns:
+        Parameter name → number of weights set to 0.
+    """
+    found = unrepresentable_weights(model)
+    params = dict(model.named_parameters())
+    for name in found:
+        w = params[name]
+        bad = (w != 0) & ~torch.isfinite(w.reciprocal().square())
+        w.masked_fill_(bad, 0.0)
+    return found
+
+
+def without_unrepresentable(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """``model``, or a copy with its :func:`unrepresentable_weights` set to 0 and why.
+
+    Returns:
+        ``(model, None)`` if every weight is representable, else ``(copy, warning)``.
+    """
+    tiny = unrepresentable_weights(model)
+    if not tiny:
+        return model, None
+    model = copy.deepcopy(model)
+    flush_unrepresentable(model)
+    where = ", ".join(f"{k} ({v})" for k, v in list(tiny.items())[:4])
+    return model, (
+        f"{sum(tiny.values())} weight(s) are so small that 1/w² overflows "
+        f"{next(iter(model.parameters())).dtype} ({where}); a copy of the model with them "
+        "set to 0 is measured (zero weights are frozen in the adaptive ball, whose radius "
+        "ρ|w| is below 1e-19 there anyway)"
+    )
+
+
+def _check_labels(b: int, logits: Tensor, targets: Tensor) -> None:
+    n_classes = logits.shape[-1]
+    valid = (targets == IGNORE_INDEX) | ((targets >= 0) & (targets < n_classes))
+    if not bool(valid.all()):
+        bad = sorted({int(t) for t in targets[~valid].reshape(-1).tolist()})
+        shown = ", ".join(map(str, bad[:10])) + (", …" if len(bad) > 10 else "")
+        raise MeasureError(
+            f"batch {b} has labels outside the model's {n_classes} classes (0..{n_classes - 1}): "
+            f"{shown}; check the label column, or that the model has the right number of labels"
+        )
+
+
+def clean_pass(
+    model: nn.Module, loss_fn: Callable, batches: Sequence[tuple[Any, Any]]
+) -> list[float]:
+    """Clean loss of every batch; raises unless every one is finite and every label valid.
+
+    Raises:
+        MeasureError: Naming the batch: not a pair, a model or loss that fails on it, a loss
+            that is not a scalar or not finite, labels outside the model's classes.
+    """
+    device = next(iter(model.parameters())).device
+    params = dict(model.named_parameters())
+    losses = []
+    with eval_mode(model), torch.no_grad():
+        for b, batch in enumerate(batches):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise MeasureError(
+                    f"batch {b} must be a pair (inputs, targets), got {type(batch).__name__}"
+                )
+            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
+            try:
+                out = call_model(model, params, inputs)
+            except Exception as err:
+                raise MeasureError(
+                    f"the model failed on batch {b}: {type(err).__name__}: {err}"
+                ) from err
+            try:
+                if uses_cross_entropy(loss_fn, targets):
+                    _check_labels(b, _logits(out), targets)
+                loss = loss_fn(out, targets)
+            except MeasureError as err:
+                if str(err).startswith(f"batch {b}"):
+                    raise
+                raise MeasureError(f"batch {b}: {err}") from err
+            except Exception as err:
+                raise MeasureError(
+                    f"the loss failed on batch {b}: {type(err).__name__}: {err}"
+                ) from err
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise MeasureError(
+                    f"the loss of batch {b} must be a scalar tensor, got {type(loss).__name__}"
+                )
+            value = float(loss)
+            if not math.isfinite(value):
+                raise MeasureError(
+                    f"the clean loss of batch {b} is {value}: sharpness is undefined. Check the "
+                    "data (NaN or inf inputs?), the model's weights and the loss"
+                )
+            losses.append(value)
+    return losses
+
+
+def invariance_tol(model: nn.Module) -> float:
+    """Tolerance of the invariance check: the relative output change rounding can cause."""
+    dtype = next(iter(model.parameters())).dtype
+    # A wrong block changes the outputs by O(1); correct blocks only by rounding, which after a
+    # product of up to three re-parametrized factors is ≲ 1e3 ulp of the dtype.
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 5e-2)
+
+
+def self_check(
+    model: nn.Module,
+    inputs: Any,
+    space: ParameterSpace,
+    seed: int,
+    say: Callable[[str], None],
+) -> InvarianceReport:
+    """Re-parametrize every block of ``space`` at random; raise unless the outputs stay put.
+
+    Args:
+        model: The model.
+        inputs: The inputs of batch 0.
+        space: The symmetry blocks found.
+        seed: Seed of the random group elements.
+        say: Called with what was checked.
+
+    Returns:
+        The :class:`geosharp.InvarianceReport` (``n_blocks == 0``: nothing to check).
+
+    Raises:
+        MeasureError: If the model fails on the inputs, its outputs are not finite, or they
+            change under the re-parametrization (a block that is not a symmetry).
+    """
+    say("self-check: random re-parametrization of every block found ...")
+    try:
+        invariance = check_invariance(
+            model, inputs, space=space, seed=seed, tol=invariance_tol(model)
+        )
+    except Exception as err:
+        raise MeasureError(
+            f"the invariance self-check could not run the model on batch 0: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    if invariance.n_blocks == 0:
+        # without blocks there is nothing to check (check_invariance then reports passed=False)
+        say("self-check: no symmetry blocks, so there is nothing to re-parametrize")
+        return invariance
+    say(f"self-check: {invariance}")
+    if invariance.passed:
+        return invariance
+    if not all(map(math.isfinite, invariance.rel_changes)):
+        raise MeasureError(
+            "self-check failed: the model's outputs on batch 0 are not finite (NaN or inf), "
+            "so the invariance under re-parametrization cannot be checked; check the data "
+            "and the model's weights"
+        )
+    worst = max(invariance.rel_changes)
+    raise MeasureError(
+        f"self-check failed: the model's outputs changed by up to {worst:.2g} (relative; "
+        f"tolerance {invariance.tol:g}) under a random re-parametrization of the "
+        f"{invariance.n_blocks} symmetry block(s) found, so at least one block is not a "
+        "symmetry of this model (a wrong adapter, or a module whose forward differs from "
+        "the layout the adapter expects). Measuring geodesic sharpness on it would be "
+        "wrong. Fix or narrow the adapter (find_symmetries(adapters=...)), declare the "
+        "blocks by hand (declare_block), or skip the check with --no-check / check=False "
+        "if you know better"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# after measuring
+
+#: A loss rise within this many units of the dtype's precision (relative to the loss) is
+#: rounding: a mean of many float32 terms computed twice along nearby paths differs by a few ulp.
+RISE_TOL_ULPS = 16
+#: The trend is judged over this many last Auto-PGD steps.
+RISE_WINDOW = 3
+
+
+def loss_eps(model: nn.Module) -> float:
+    """Machine epsilon of the dtype the model computes its loss in (its parameters')."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return float(torch.finfo(dtypes[0] if dtypes else torch.float32).eps)
+
+
+def still_rising(
+    trace: Sequence[float],
+    eps: float = float(torch.finfo(torch.float32).eps),
+    *,
+    ulps: float = RISE_TOL_ULPS,
+    window: int = RISE_WINDOW,
+) -> bool:
+    """Whether an Auto-PGD loss trace was still rising at its last step (beyond rounding).
+
+    A rise counts only above ``tol = ulps · eps · max|loss|``: the loss at the last step must be
+    the trace's best (within ``tol``), higher than at the step before by more than ``tol``, and
+    higher than ``window`` steps before by more than ``window · tol`` — a trend, not a one-ulp
+    wobble of a flat trace.
+
+    Args:
+        trace: The loss at every iterate (the clean loss first).
+        eps: Machine epsilon of the dtype the loss was computed in (float32 by default).
+        ulps: The tolerance in units of ``eps`` relative to the loss.
+        window: The number of last steps the trend is judged over.
+
+    Returns:
+        ``True`` if more steps would likely raise the loss further.
+
+    Example:
+        >>> still_rising([0.5, 0.6899, 0.689989447593689, 0.6899895071983337])  # one ulp
+        False
+        >>> still_rising([0.5, 0.6, 0.65, 0.68])
+        True
+    """
+    values = [float(v) for v in trace]
+    if len(values) < 3 or not all(math.isfinite(v) for v in values):
+        return False
+    tol = ulps * eps * max(max(abs(v) for v in values), 1e-30)
+    last = values[-1]
+    k = min(window, len(values) - 1)
+    return last >= max(values) - tol and last - values[-2] > tol and last - values[-1 - k] > k * tol
+
+
+def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float) -> list[str]:
+    """What a user should know about one measured row: it failed, or its ascent is suspect.
+
+    Args:
+        row: The row.
+        spec: Its measure.
+        steps: The Auto-PGD steps per batch.
+        loss_eps: Machine epsilon of the loss's dtype (:func:`still_rising`).
+
+    Returns:
+        At most one warning: the failure, the ascent still rising on most batches (the value
+        is a lower bound), or a worst case of exactly 0 that never raised the loss.
+    """
+    rising = sum(still_rising(t, loss_eps) for t in row.traces)
+    if row.error is not None:
+        return [f"{row.measure} at rho={row.rho} failed: {row.error}"]
+    if 2 * rising > len(row.traces) > 0:
+        return [
+            f"{row.measure} at rho={row.rho}: on {rising} of {len(row.traces)} "
+            f"batch(es) the loss was still rising at the last of {steps} Auto-PGD "
+            "steps, so the value is a lower bound; more --steps may find more"
+        ]
+    if (
+        spec.kind == "worst"
+        and spec.uses_rho
+        and row.value == 0.0
+        and all(len(t) > 1 and max(t) <= t[0] for t in row.traces)
+    ):
+        return [
+            f"{row.measure} at rho={row.rho}: the ascent never raised the loss on any "
+            "batch; the value 0 is suspicious (a vanishing gradient, or a metric that "
+            "is not finite at these weights)"
+        ]
+    return []

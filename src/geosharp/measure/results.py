@@ -1,0 +1,322 @@
+"""What ``gs.measure`` returns, and how it is printed and written.
+
+:class:`MeasureRow` is one measure at one ρ; :class:`MeasureReport` holds every row, the
+symmetry summary, the self-check and the settings, and prints as a plain-text table and writes
+JSON and CSV (and the HTML page of :mod:`~geosharp.measure.html`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geosharp._io import atomic_write_text
+from geosharp.estimators.checks import InvarianceReport
+from geosharp.estimators.curvature import CurvatureResult
+from geosharp.estimators.sharpness import SharpnessResult
+from geosharp.measure.names import MeasureSpec
+
+__all__ = ["MeasureReport", "MeasureRow"]
+
+
+@dataclass
+class MeasureRow:
+    """One measure at one ρ.
+
+    Attributes:
+        measure: Canonical measure name (e.g. ``"geodesic-inv-o2 worst l2"``).
+        rho: Radius (``None`` for relative flatness).
+        value: Mean over batches (``None`` if the measurement failed).
+        per_batch: The value of every batch.
+        clean_losses: ``L_S(w)`` of every batch.
+        perturbed_losses: Largest loss found (worst case) or mean perturbed loss, per batch.
+        traces: Loss at every Auto-PGD iterate of every batch (worst case).
+        time_s: Wall time.
+        n_forward: Forward passes.
+        n_backward: Backward passes.
+        error: Why the measurement failed (``None`` if it did not).
+        stderr: Curvature trace only: the Hutchinson standard error of :attr:`value` (``0``
+            for the exact trace; ``None`` for every other measure).
+        n_hvp: Curvature only: Hessian-vector products (double-backward passes).
+    """
+
+    measure: str
+    rho: float | None
+    value: float | None
+    per_batch: list[float] = field(default_factory=list)
+    clean_losses: list[float] = field(default_factory=list)
+    perturbed_losses: list[float] = field(default_factory=list)
+    traces: list[list[float]] = field(default_factory=list)
+    time_s: float = 0.0
+    n_forward: int = 0
+    n_backward: int = 0
+    error: str | None = None
+    stderr: float | None = None
+    n_hvp: int = 0
+
+    @property
+    def std(self) -> float | None:
+        """Standard deviation of the per-batch values (0 for one batch)."""
+        if self.value is None:
+            return None
+        n = len(self.per_batch)
+        if n < 2:
+            return 0.0
+        return math.sqrt(sum((v - self.value) ** 2 for v in self.per_batch) / (n - 1))
+
+    @property
+    def min(self) -> float | None:
+        """Smallest per-batch value."""
+        return min(self.per_batch) if self.per_batch and self.value is not None else None
+
+    @property
+    def max(self) -> float | None:
+        """Largest per-batch value."""
+        return max(self.per_batch) if self.per_batch and self.value is not None else None
+
+    @classmethod
+    def from_result(cls, res: SharpnessResult, rho: float | None) -> MeasureRow:
+        """Build a row from a :class:`geosharp.SharpnessResult`."""
+        return cls(
+            measure=res.measure,
+            rho=rho,
+            value=res.value,
+            per_batch=list(res.per_batch),
+            clean_losses=list(res.clean_losses),
+            perturbed_losses=list(res.perturbed_losses),
+            traces=[list(t) for t in res.traces],
+            time_s=res.time_s,
+            n_forward=res.n_forward,
+            n_backward=res.n_backward,
+        )
+
+    @classmethod
+    def from_curvature(cls, res: CurvatureResult, quantity: str) -> MeasureRow:
+        """Build the row of one quantity from a :class:`geosharp.CurvatureResult`."""
+        return cls(
+            measure=f"{res.measure} {quantity}",
+            rho=None,
+            value=res.values[quantity],
+            per_batch=list(res.per_batch[quantity]),
+            clean_losses=list(res.clean_losses),
+            time_s=res.time_s,
+            n_forward=res.n_forward,
+            n_backward=res.n_backward,
+            stderr=res.trace_stderr if quantity == "trace" else None,
+            n_hvp=res.n_hvp,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (spread statistics included)."""
+        return {
+            "measure": self.measure,
+            "rho": self.rho,
+            "value": self.value,
+            "std": self.std,
+            "min": self.min,
+            "max": self.max,
+            "n_batches": len(self.per_batch),
+            "time_s": self.time_s,
+            "n_forward": self.n_forward,
+            "n_backward": self.n_backward,
+            "n_hvp": self.n_hvp,
+            "stderr": self.stderr,
+            "error": self.error,
+            "per_batch": self.per_batch,
+            "clean_losses": self.clean_losses,
+            "perturbed_losses": self.perturbed_losses,
+            "traces": self.traces,
+        }
+
+
+_CSV_FIELDS = (
+    "measure",
+    "rho",
+    "value",
+    "std",
+    "min",
+    "max",
+    "n_batches",
+    "time_s",
+    "n_forward",
+    "n_backward",
+    "n_hvp",
+    "stderr",
+    "error",
+    "per_batch",
+)
+
+
+def _g(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}g}" if math.isfinite(x) else str(x)
+
+
+def _time(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    return str(obj)
+
+
+@dataclass
+class MeasureReport:
+    """What :func:`measure` found: the symmetry summary, the self-check and every measurement.
+
+    Attributes:
+        rows: One :class:`MeasureRow` per (measure, ρ), in the order measured.
+        symmetry_summary: :meth:`geosharp.ParameterSpace.summary` of the model.
+        adaptive_note: Which coordinates use the adaptive geometry, and why.
+        invariance: The re-parametrization check (``None`` if it was skipped).
+        clean_losses: ``L_S(w)`` of every batch, from the self-check.
+        n_batches: Number of batches.
+        n_samples: Number of samples (first dimension of the targets, summed), if known.
+        settings: Every setting of the call (plus what the caller added, e.g. file names).
+        warnings: Everything the user should know that did not stop the measurement.
+        time_s: Total wall time.
+    """
+
+    rows: list[MeasureRow]
+    symmetry_summary: str
+    adaptive_note: str
+    invariance: InvarianceReport | None
+    clean_losses: list[float]
+    n_batches: int
+    n_samples: int | None
+    settings: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    time_s: float = 0.0
+
+    def row(self, measure: str, rho: float | None = None) -> MeasureRow:
+        """The row of one measure (any spelling :meth:`MeasureSpec.parse` accepts) at ``rho``.
+
+        Raises:
+            KeyError: If it was not measured.
+        """
+        name = MeasureSpec.parse(measure).name
+        for r in self.rows:
+            if r.measure == name and (rho is None or r.rho == rho):
+                return r
+        raise KeyError(f"{name} at rho={rho} was not measured")
+
+    @property
+    def failed(self) -> list[MeasureRow]:
+        """The rows whose measurement failed."""
+        return [r for r in self.rows if r.error is not None]
+
+    def table(self) -> str:
+        """The results as an aligned plain-text table (measure, ρ, value, spread, time).
+
+        A curvature row's spread also gives the trace's standard error (Hutchinson) and the
+        number of Hessian-vector products.
+        """
+        header = ("measure", "rho", "value", "per-batch spread", "time")
+        rows = []
+        for r in self.rows:
+            if r.error is not None:
+                spread = "failed: " + (r.error if len(r.error) <= 60 else r.error[:57] + "...")
+                rows.append((r.measure, _g(r.rho), "–", spread, _time(r.time_s)))
+                continue
+            n = len(r.per_batch)
+            spread = (
+                f"± {_g(r.std, 2)} [{_g(r.min, 3)}, {_g(r.max, 3)}] over {n} batches"
+                if n > 1
+                else "(1 batch)"
+            )
+            if r.stderr is not None:
+                spread += f"; s.e. {_g(r.stderr, 2)}"
+            if r.n_hvp:
+                spread += f"; {r.n_hvp} HVPs"
+            rows.append((r.measure, _g(r.rho), _g(r.value, 5), spread, _time(r.time_s)))
+        widths = [max(len(x[j]) for x in [header, *rows]) for j in range(len(header))]
+        right = {1, 2, 4}
+
+        def fmt(cells: Sequence[str]) -> str:
+            return "  ".join(
+                c.rjust(w) if j in right else c.ljust(w)
+                for j, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(header), rule, *(fmt(r) for r in rows)])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict of everything (non-finite numbers become ``None``)."""
+        inv = None
+        if self.invariance is not None:
+            inv = {
+                "passed": self.invariance.passed,
+                "rel_changes": self.invariance.rel_changes,
+                "scales": self.invariance.scales,
+                "tol": self.invariance.tol,
+                "n_blocks": self.invariance.n_blocks,
+                "n_factors": self.invariance.n_factors,
+                "random_changes": self.invariance.random_changes,
+                "nothing_to_check": self.invariance.n_blocks == 0,
+            }
+        return _json_safe(
+            {
+                "settings": self.settings,
+                "n_batches": self.n_batches,
+                "n_samples": self.n_samples,
+                "clean_losses": self.clean_losses,
+                "invariance_check": inv,
+                "symmetry_summary": self.symmetry_summary,
+                "adaptive_note": self.adaptive_note,
+                "warnings": self.warnings,
+                "time_s": self.time_s,
+                "results": [r.to_dict() for r in self.rows],
+            }
+        )
+
+    def write_json(self, path: str | Path) -> Path:
+        """Write :meth:`to_dict` as JSON; returns the path."""
+        text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)
+        return atomic_write_text(path, text + "\n")
+
+    def to_csv(self) -> str:
+        """One CSV line per (measure, ρ); ``per_batch`` is a JSON list."""
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        for r in self.rows:
+            d = _json_safe(r.to_dict())
+            d["per_batch"] = json.dumps(d["per_batch"])
+            writer.writerow({k: "" if d[k] is None else d[k] for k in _CSV_FIELDS})
+        return buf.getvalue()
+
+    def write_csv(self, path: str | Path) -> Path:
+        """Write :meth:`to_csv`; returns the path."""
+        return atomic_write_text(path, self.to_csv())
+
+    def write_html(self, path: str | Path, title: str = "geosharp measure") -> Path:
+        """Write the self-contained HTML report with the per-batch loss-ascent curves.
+
+        Needs matplotlib. Returns the path.
+        """
+        from geosharp.measure.html import write_html
+
+        return write_html(self, path, title=title)
