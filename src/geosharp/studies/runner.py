@@ -32,6 +32,7 @@ from geosharp.estimators.curvature import curvature
 from geosharp.estimators.sharpness import measure_name
 from geosharp.measure.core import curvature_name
 from geosharp.studies.report import ReportPaths, write_report
+from geosharp.studies.sections import RESULT_FILES
 from geosharp.studies.store import Store
 
 
@@ -432,6 +433,9 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
     """Write ``results.csv`` and the report of the study recorded in ``store``.
 
     Models whose gap is not finite are left out of the analysis (and listed in the notes).
+    Files that add-ons or a study's own analysis left in the folder become sections of the
+    report through the providers of :func:`geosharp.studies.sections.folder_sections`; the
+    runner knows none of them.
     """
     out = Path(out_dir)
     info = json.loads(store.meta().get("report", "{}"))
@@ -462,11 +466,6 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         all_notes.append(
             f"{len(excluded)} model(s) left out of the analysis: " + ", ".join(excluded[:20])
         )
-    sections = []
-    if (out / "symmetry_test.csv").is_file():  # geosharp symmetry-test was run on this folder
-        from geosharp.studies.symmetry_test import read_rows, symmetry_section
-
-        sections.append(symmetry_section(read_rows(out / "symmetry_test.csv")))
     settings = dict(info.get("settings", {}))
     settings["models analysed"] = len(models)
     if models:
@@ -482,7 +481,6 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         paper=info.get("paper"),
         notes=all_notes,
         gap_label=info.get("gap_label", "generalization gap"),
-        sections=sections,
     )
 
 
@@ -532,11 +530,13 @@ def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
     """Copy a study's results without its checkpoints into ``dest`` and write the report there.
 
     ``dest`` receives a consistent snapshot of ``study.sqlite`` (SQLite's online backup, so a
-    study may still be running), the outputs of ``geosharp symmetry-test`` if any, and
-    ``results.csv``, ``tau_table.md``, ``summary.json``, the
-    plots and ``report.html`` built from it: a small folder to share or commit, which
-    ``geosharp report`` can rebuild. Checkpoints stay behind (``dest`` cannot resume training
-    or measure again).
+    study may still be running), the result files of the folder that exist
+    (:data:`geosharp.studies.sections.RESULT_FILES`: the symmetry test's rows and table, a
+    study's ``diagnostics.csv``, ``sections.json``, ``analysis.md``, ``PREREGISTRATION.md``),
+    and ``results.csv``, ``tau_table.md``, ``summary.json``, the plots and ``report.html``
+    built from them: a small folder to share or commit, which ``geosharp report`` can rebuild
+    with the same sections. Checkpoints stay behind (``dest`` cannot resume training or
+    measure again).
 
     Args:
         out_dir: The study's output folder.
@@ -557,7 +557,7 @@ def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
     dst.mkdir(parents=True, exist_ok=True)
     with Store(src / "study.sqlite", None, None) as store:
         store.backup(dst / "study.sqlite")
-    for extra in ("symmetry_test.csv", "symmetry_test.md"):  # geosharp symmetry-test
-        if (src / extra).is_file():
-            atomic_write_bytes(dst / extra, (src / extra).read_bytes())
+    for name in RESULT_FILES:  # what add-ons and the study's own analysis wrote
+        if (src / name).is_file():
+            atomic_write_bytes(dst / name, (src / name).read_bytes())
     return report_from_folder(dst)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,25 @@ import torch
 from geosharp._io import atomic_write_text
 from geosharp.estimators import sharpness
 from geosharp.stats import correlation_summary, tau_difference
-from geosharp.studies.report import Section
 from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.sections import Section
 from geosharp.studies.store import Store
 from geosharp.symmetry import find_symmetries, reparametrize
 from geosharp.symmetry.verify import call_model
 from geosharp.symmetry.verify import flatten_outputs as _flatten_outputs
 
-__all__ = ["SymmetryTestRow", "default_specs", "read_rows", "symmetry_section", "symmetry_test"]
+__all__ = [
+    "CSV_FILE",
+    "SymmetryTestRow",
+    "default_specs",
+    "folder_sections",
+    "read_rows",
+    "symmetry_section",
+    "symmetry_test",
+]
+
+#: Where :func:`symmetry_test` writes its rows in a study folder.
+CSV_FILE = "symmetry_test.csv"
 
 _FIELDS = [
     "model_id",
@@ -133,7 +144,7 @@ def symmetry_test(
         raise FileNotFoundError(f"{out} holds no study.sqlite; run `geosharp study ...` first")
     specs = list(specs) if specs is not None else default_specs(study)
     say = log or (lambda msg: None)
-    csv_path = out / "symmetry_test.csv"
+    csv_path = out / CSV_FILE
     rows = read_rows(csv_path)
     done = {(r.model_id, r.measure) for r in rows}
     batches = study.batches()
@@ -199,7 +210,7 @@ def symmetry_section(rows: Sequence[SymmetryTestRow], n_boot: int = 2000) -> Sec
         n_boot: Bootstrap resamples of the CIs.
 
     Returns:
-        A :class:`~geosharp.studies.report.Section`.
+        A :class:`~geosharp.studies.sections.Section`.
     """
 
     def f(x: float) -> str:
@@ -249,6 +260,17 @@ def symmetry_section(rows: Sequence[SymmetryTestRow], n_boot: int = 2000) -> Sec
     return Section(
         "τ before and after random equivalent re-parametrizations", header, body, caption
     )
+
+
+def folder_sections(out_dir: str | Path, gaps: Mapping[str, float]) -> list[Section]:
+    """The symmetry test of a study folder as report sections (none if it was not run).
+
+    A folder-section provider of :data:`geosharp.studies.sections.FOLDER_SECTION_PROVIDERS`:
+    every study report of a folder holding ``symmetry_test.csv`` shows this section. The
+    gaps are the ones recorded in the rows (``gaps`` is not needed).
+    """
+    path = Path(out_dir) / CSV_FILE
+    return [symmetry_section(read_rows(path))] if path.is_file() else []
 
 
 def _table(study: Study, rows: Sequence[SymmetryTestRow], n_boot: int) -> str:

@@ -1,0 +1,488 @@
+"""The numbers of a study report: τ per (measure, ρ) cell, paired comparisons and verdicts.
+
+Nothing here draws or writes a file; :mod:`geosharp.studies.report` feeds the results to
+:mod:`~geosharp.studies.plots` and :mod:`~geosharp.studies.render`.
+
+- :func:`check_models` and :func:`collect` validate the input and group the measurements into
+  one :class:`Cell` per (measure, ρ); :func:`correlate` computes every cell's Kendall τ-a with
+  the gap, its bootstrap CI and permutation p-value (:mod:`geosharp.stats`);
+- :func:`compare_with_paper`: sign and ordering of the paper's families (SPEC §7);
+- :func:`geodesic_vs_adaptive`: geodesic against adaptive sharpness on the same models
+  (paired Δτ with a CI and a verdict, see its docstring for what "stronger" means).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
+from geosharp.studies.formatting import fmt, rho_key, rho_label
+
+__all__ = [
+    "FAMILY_ORDER",
+    "MIN_MODELS",
+    "OPTIONAL_MODEL_FIELDS",
+    "Cell",
+    "Family",
+    "check_models",
+    "collect",
+    "compare_with_paper",
+    "correlate",
+    "default_paper_match",
+    "family_of",
+    "geodesic_vs_adaptive",
+    "measure_family",
+    "paper_columns",
+]
+
+#: A (measure, ρ) cell needs at least this many models with finite values for τ.
+MIN_MODELS = 3
+
+OPTIONAL_MODEL_FIELDS = ("train_loss", "test_loss", "train_err", "test_err")
+
+
+#: The kinds of rows of a τ table, in the order they are listed (a stable sort by kind).
+FAMILY_ORDER = ("sharpness", "relative flatness", "curvature")
+
+
+def measure_family(measure: str) -> str:
+    """The kind of a measure: ``"curvature"``, ``"relative flatness"`` or ``"sharpness"``.
+
+    Curvature rows (:func:`geosharp.curvature`, named like ``"geodesic-inv curvature
+    lambda_max"``) are their own family: no paper τ, listed after the sharpness measures.
+
+    Example:
+        >>> measure_family("adaptive curvature trace"), measure_family("adaptive worst l2")
+        ('curvature', 'sharpness')
+    """
+    name = re.sub(r"[\s_]+", "-", measure.strip().lower())
+    if re.search(r"(^|-)curvature(-|$)", name):
+        return "curvature"
+    if name == "relative-flatness":
+        return "relative flatness"
+    return "sharpness"
+
+
+def default_paper_match(measure: str) -> str | None:
+    """Map a measure name to the family label the paper reports it under (SPEC §7).
+
+    Names are compared case-insensitively with spaces and underscores read as hyphens.
+
+    Args:
+        measure: A measure name, e.g. ``"geodesic-inv-o2 worst l2"``.
+
+    Returns:
+        ``None`` for the "no corrected norm" ablation (``…-adaptivenorm``, not a paper
+        family) and for curvature (:func:`measure_family`; the paper reports sharpness only),
+        ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it starts with
+        "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
+
+    Example:
+        >>> default_paper_match("geodesic-inv-o2 worst l2"), default_paper_match("euclidean")
+        ('geodesic inv', None)
+        >>> default_paper_match("geodesic-inv curvature lambda_max") is None
+        True
+    """
+    name = re.sub(r"[\s_]+", "-", measure.strip().lower())
+    if "adaptivenorm" in name or measure_family(measure) == "curvature":
+        return None
+    if "adaptive" in name:
+        return "adaptive"
+    if name.startswith("geodesic-inv"):
+        return "geodesic inv"
+    if name.startswith("geodesic-mix"):
+        return "geodesic mix"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# input validation
+
+
+def _number(value: object, where: str, *, none_is_nan: bool) -> float:
+    if value is None and none_is_nan:
+        return math.nan
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{where} must be a number; got {value!r:.80}")
+    try:  # int, float, numpy scalars, 0-d arrays and tensors
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where} must be a number; got {value!r:.80}") from err
+
+
+def check_models(models: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Validate the ``models`` of :func:`~geosharp.studies.report.write_report`; clean copies."""
+    if not models:
+        raise ValueError("models is empty; pass one dict per trained model")
+    out: list[dict[str, object]] = []
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if not isinstance(model, Mapping):
+            raise ValueError(f"models[{i}] must be a dict; got {type(model).__name__}")
+        for key in ("model_id", "gap"):
+            if key not in model:
+                raise ValueError(f"models[{i}] has no {key!r}; every model needs model_id and gap")
+        model_id = model["model_id"]
+        if not isinstance(model_id, str):
+            raise ValueError(f"models[{i}]['model_id'] must be a str; got {model_id!r:.80}")
+        if model_id in seen:
+            raise ValueError(f"model_id {model_id!r} appears twice in models; ids must be unique")
+        seen.add(model_id)
+        row: dict[str, object] = {
+            "model_id": model_id,
+            "gap": _number(model["gap"], f"models[{i}]['gap']", none_is_nan=False),
+        }
+        for key in OPTIONAL_MODEL_FIELDS:
+            if model.get(key) is not None:
+                row[key] = _number(model[key], f"models[{i}][{key!r}]", none_is_nan=True)
+        hparams = model.get("hparams") or {}
+        if not isinstance(hparams, Mapping):
+            raise ValueError(f"models[{i}]['hparams'] must be a dict; got {hparams!r:.80}")
+        row["hparams"] = dict(hparams)
+        out.append(row)
+    return out
+
+
+@dataclass
+class Cell:
+    """The measurements of one (measure, ρ) pair and their correlation with the gap."""
+
+    measure: str
+    rho: float | None
+    model_ids: list[str] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    summary: CorrelationSummary | None = None
+
+
+def collect(
+    measurements: Sequence[Mapping[str, object]], model_ids: set[str]
+) -> dict[str, dict[float | None, Cell]]:
+    """Group the measurements into one :class:`Cell` per (measure, ρ), validating each."""
+    cells: dict[str, dict[float | None, Cell]] = {}
+    seen: set[tuple[str, str, float | None]] = set()
+    for i, meas in enumerate(measurements):
+        if not isinstance(meas, Mapping):
+            raise ValueError(f"measurements[{i}] must be a dict; got {type(meas).__name__}")
+        for key in ("model_id", "measure", "value"):
+            if key not in meas:
+                raise ValueError(
+                    f"measurements[{i}] has no {key!r}; every measurement needs model_id, "
+                    "measure, rho and value"
+                )
+        model_id, measure = meas["model_id"], meas["measure"]
+        if model_id not in model_ids:
+            raise ValueError(
+                f"measurements[{i}] refers to model_id {model_id!r}, which is not in models"
+            )
+        if not isinstance(measure, str) or not measure:
+            raise ValueError(f"measurements[{i}]['measure'] must be a non-empty str")
+        rho_raw = meas.get("rho")
+        rho = (
+            None
+            if rho_raw is None
+            else _number(rho_raw, f"measurements[{i}]['rho']", none_is_nan=False)
+        )
+        key = (str(model_id), measure, rho)
+        if key in seen:
+            raise ValueError(
+                f"measurements[{i}] repeats model {model_id!r}, measure {measure!r}, ρ={rho}; "
+                "pass each (model, measure, ρ) once (average replicates beforehand)"
+            )
+        seen.add(key)
+        cell = cells.setdefault(measure, {}).setdefault(rho, Cell(measure, rho))
+        cell.model_ids.append(str(model_id))
+        cell.values.append(_number(meas["value"], f"measurements[{i}]['value']", none_is_nan=True))
+        if meas.get("time_s") is not None:
+            cell.times.append(
+                _number(meas["time_s"], f"measurements[{i}]['time_s']", none_is_nan=True)
+            )
+    return cells
+
+
+def correlate(
+    cells: dict[str, dict[float | None, Cell]],
+    gaps: Mapping[str, float],
+    *,
+    n_boot: int,
+    n_perm: int,
+    level: float,
+    seed: int,
+) -> dict[str, dict[float | None, Cell]]:
+    """Fill every cell's :attr:`Cell.summary`; return the cells sorted by :data:`FAMILY_ORDER`.
+
+    Sharpness, then relative flatness, then curvature; each kind in the order given.
+    """
+    cells = dict(sorted(cells.items(), key=lambda kv: FAMILY_ORDER.index(measure_family(kv[0]))))
+    for by_rho in cells.values():
+        for cell in by_rho.values():
+            cell.summary = correlation_summary(
+                [gaps[m] for m in cell.model_ids],
+                cell.values,
+                n_boot=n_boot,
+                n_perm=n_perm,
+                level=level,
+                seed=seed,
+                min_models=MIN_MODELS,
+            )
+    return cells
+
+
+# --------------------------------------------------------------------------------------------
+# comparison with the paper
+
+
+@dataclass
+class Family:
+    """The cells of one paper family (e.g. every ``adaptive …`` measure) and the paper's τ."""
+
+    label: str
+    paper_tau: float
+    cells: list[Cell]
+
+    @property
+    def defined(self) -> list[Cell]:
+        """The cells whose τ is defined."""
+        return [c for c in self.cells if c.summary is not None and c.summary.defined]
+
+    def sign_verdict(self) -> str:
+        """``"same"``, ``"opposite"`` or ``"mixed"`` sign as the paper's, or ``"undefined"``."""
+        cells = self.defined
+        if not cells:
+            return "undefined"
+        same = sum(np.sign(c.summary.tau_a) == np.sign(self.paper_tau) for c in cells)
+        if same == len(cells):
+            return "same"
+        return "opposite" if same == 0 else "mixed"
+
+    def best(self) -> Cell | None:
+        """The defined cell with the largest |τ-a| (``None`` if there is none)."""
+        cells = self.defined
+        return max(cells, key=lambda c: abs(c.summary.tau_a)) if cells else None
+
+
+def family_of(
+    measure: str, paper: Mapping[str, float] | None, paper_match: Callable[[str], str | None]
+) -> str | None:
+    """The paper family of a measure, if the study has a paper τ for it."""
+    if not paper:
+        return None
+    label = paper_match(measure)
+    return label if label is not None and label in paper else None
+
+
+GEODESIC_MAIN = re.compile(r"^geodesic-(inv|mix)-o2 (worst|average) l2$")
+
+
+def geodesic_vs_adaptive(
+    cells: dict[str, dict[float | None, Cell]],
+    gaps: Mapping[str, float],
+    paper: Mapping[str, float] | None,
+    n_boot: int,
+    level: float,
+    seed: int,
+) -> list[dict[str, object]]:
+    """Paired comparison of each geodesic measure with adaptive ℓ2 of the same kind.
+
+    ``geodesic-{inv,mix}-o2 {worst,average} l2`` is compared with ``adaptive {worst,average}
+    l2`` at the same position of their ρ grids (smallest with smallest, …; radii of different
+    balls are not comparable, positions are): ``Δτ = τ_geo − τ_ada`` on the models that have
+    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau_difference`). The
+    direction that counts as "stronger" is the sign of the paper's τ for the geodesic family,
+    or of τ_geo when the study has no paper value.
+    """
+    out: list[dict[str, object]] = []
+    for name, by_rho in cells.items():
+        match = GEODESIC_MAIN.match(name)
+        base = f"adaptive {match.group(2)} l2" if match else None
+        if base is None or base not in cells:
+            continue
+        geo_rhos = sorted(by_rho, key=rho_key)
+        ada_rhos = sorted(cells[base], key=rho_key)
+        if len(geo_rhos) != len(ada_rhos):
+            continue
+        family = f"geodesic {match.group(1)}"  # type: ignore[union-attr]
+        for k, (rg, ra) in enumerate(zip(geo_rhos, ada_rhos, strict=True)):
+            cg, ca = by_rho[rg], cells[base][ra]
+            va = dict(zip(ca.model_ids, ca.values, strict=True))
+            ids = [m for m in cg.model_ids if m in va]
+            vg = dict(zip(cg.model_ids, cg.values, strict=True))
+            d = tau_difference(
+                [gaps[m] for m in ids],
+                [vg[m] for m in ids],
+                [va[m] for m in ids],
+                n_boot=n_boot,
+                level=level,
+                seed=seed,
+            )
+            tg = cg.summary.tau_a if cg.summary else math.nan
+            ta = ca.summary.tau_a if ca.summary else math.nan
+            ref = float(paper[family]) if paper and family in paper else tg
+            sign = 1.0 if ref > 0 else -1.0
+            if not math.isfinite(d.ci_low):
+                verdict = "undefined"
+            else:  # in the expected direction: > 0 means the geodesic τ is stronger
+                lo, hi = sorted((sign * d.ci_low, sign * d.ci_high))
+                verdict = (
+                    "geodesic stronger"
+                    if lo > 0
+                    else "adaptive stronger"
+                    if hi < 0
+                    else "no clear difference (CI contains 0)"
+                )
+            out.append(
+                {
+                    "geodesic": name,
+                    "adaptive": base,
+                    "position": k,
+                    "grid_size": len(geo_rhos),
+                    "rho_geodesic": rg,
+                    "rho_adaptive": ra,
+                    "tau_geodesic": tg,
+                    "tau_adaptive": ta,
+                    "diff": d.diff,
+                    "ci_low": d.ci_low,
+                    "ci_high": d.ci_high,
+                    "n_models": d.n_models,
+                    "direction": "negative" if sign < 0 else "positive",
+                    "verdict": verdict,
+                }
+            )
+    return out
+
+
+def compare_with_paper(
+    cells: dict[str, dict[float | None, Cell]],
+    paper: Mapping[str, float],
+    paper_match: Callable[[str], str | None],
+    level: float,
+) -> dict[str, object]:
+    """Sign of τ per paper family and the ordering of the families, with sentences."""
+    families: dict[str, Family] = {}
+    for measure, by_rho in cells.items():
+        label = family_of(measure, paper, paper_match)
+        if label is None:
+            continue
+        fam = families.setdefault(label, Family(label, float(paper[label]), []))
+        fam.cells.extend(by_rho[r] for r in sorted(by_rho, key=rho_key))
+    sentences: list[str] = []
+    fam_json: dict[str, object] = {}
+    pct = f"{100 * level:g} %"
+    for fam in families.values():
+        verdict = fam.sign_verdict()
+        defined = fam.defined
+        ours = ", ".join(
+            f"{fmt(c.summary.tau_a)} ({c.measure}, {rho_label(c.rho)})" for c in defined
+        )
+        if verdict == "undefined":
+            text = (
+                f"{fam.label}: the paper reports τ = {fmt(fam.paper_tau)}; our τ is undefined for "
+                "every matching measure, so the sign cannot be compared."
+            )
+        else:
+            excl = sum(not (c.summary.ci_low <= 0.0 <= c.summary.ci_high) for c in defined)
+            head = {
+                "same": "our τ-a has the same sign as the paper's",
+                "opposite": "our τ-a has the opposite sign to the paper's",
+                "mixed": (
+                    f"our τ-a has the paper's sign in "
+                    f"{sum(np.sign(c.summary.tau_a) == np.sign(fam.paper_tau) for c in defined)}"
+                    f" of {len(defined)} (measure, ρ) cells"
+                ),
+            }[verdict]
+            text = (
+                f"{fam.label}: {head} (paper {fmt(fam.paper_tau)}; ours {ours}); the {pct} CI "
+                f"excludes 0 in {excl} of {len(defined)} cell(s)."
+            )
+        sentences.append(text)
+        fam_json[fam.label] = {
+            "paper_tau": fam.paper_tau,
+            "sign_verdict": verdict,
+            "cells": [
+                {"measure": c.measure, "rho": c.rho, "tau_a": c.summary.tau_a} for c in defined
+            ],
+        }
+    ordering = _ordering(list(families.values()))
+    sentences.append(ordering["sentence"])
+    unmatched = [k for k in paper if k not in families]
+    if unmatched:
+        sentences.append(
+            "Paper families with no matching measure here: " + ", ".join(unmatched) + "."
+        )
+    return {
+        "families": fam_json,
+        "ordering_by": "|τ|",
+        "ordering_holds": ordering["holds"],
+        "paper_order": ordering["paper_order"],
+        "our_order": ordering["our_order"],
+        "unmatched_paper_families": unmatched,
+        "sentences": sentences,
+    }
+
+
+def _ordering(families: list[Family]) -> dict[str, object]:
+    """Check the paper's ordering of the families by |τ| against ours (best cell per family)."""
+    usable = [(f, f.best()) for f in families]
+    usable = [(f, b) for f, b in usable if b is not None]
+    result: dict[str, object] = {"holds": None, "paper_order": [], "our_order": []}
+    if len(usable) < 2:
+        result["sentence"] = (
+            "Ordering of families: fewer than two paper families have a defined τ here, so "
+            "there is no ordering to check."
+        )
+        return result
+    paper_order = sorted(usable, key=lambda fb: -abs(fb[0].paper_tau))
+    our_order = sorted(usable, key=lambda fb: -abs(fb[1].summary.tau_a))
+    violated = [
+        (f.label, g.label)
+        for f, bf in usable
+        for g, bg in usable
+        if abs(f.paper_tau) > abs(g.paper_tau) and not abs(bf.summary.tau_a) > abs(bg.summary.tau_a)
+    ]
+    holds = not violated
+    paper_txt = " > ".join(f"{f.label} ({fmt(abs(f.paper_tau))})" for f, _ in paper_order)
+    our_txt = " > ".join(f"{f.label} ({fmt(abs(b.summary.tau_a))})" for f, b in our_order)
+    verdict = (
+        "The paper's ordering holds in our results."
+        if holds
+        else "The paper's ordering does not hold in our results: "
+        + "; ".join(f"{a} is not stronger than {b}" for a, b in violated)
+        + "."
+    )
+    result.update(
+        holds=holds,
+        paper_order=[f.label for f, _ in paper_order],
+        our_order=[f.label for f, _ in our_order],
+        sentence=(
+            "Ordering of families by |τ| (the strength of the correlation, whatever its sign, "
+            "since the paper's sign differs between tasks): the paper has "
+            f"{paper_txt}; ours, taking for each family its largest |τ-a| over its measures "
+            f"and ρ values (the paper does not state its ρ), is {our_txt}. {verdict}"
+        ),
+    )
+    return result
+
+
+def paper_columns(
+    cells: dict[str, dict[float | None, Cell]],
+    paper: Mapping[str, float] | None,
+    paper_match: Callable[[str], str | None],
+    level: float,
+) -> tuple[dict[str, str] | None, dict[str, object] | None]:
+    """The "paper τ" column (measure → ``"-0.41 (adaptive)"``) and the comparison with the paper.
+
+    Both are ``None`` when the study has no paper values.
+    """
+    if not paper:
+        return None, None
+    column: dict[str, str] = {}
+    for measure in cells:
+        label = family_of(measure, paper, paper_match)
+        if label is not None:
+            column[measure] = f"{fmt(float(paper[label]))} ({label})"
+    return column, compare_with_paper(cells, paper, paper_match, level)
