@@ -235,7 +235,8 @@ def test_budget_split_adaptive_matches_coordinates():
     pert = Perturbation(space, theta, measure="adaptive")
     xi = pert.random(torch.Generator().manual_seed(0), 0.1)
     split = budget_split(pert, xi)
-    c = torch.where(theta != 0, xi[0][0] / theta, 0.0).square()  # zero weights are frozen
+    flat = torch.cat([t.reshape(-1) for t in xi[0]])  # one component per parameter, θ order
+    c = torch.where(theta != 0, flat / theta, 0.0).square()  # zero weights are frozen
     for blk in space.blocks:
         cat = {"QK": "QK", "VO": "VO", "b_k": "b_k"}[blk.kind]
         assert split[cat] == pytest.approx(

@@ -385,15 +385,6 @@ def _labels(space: ParameterSpace, device: torch.device) -> tuple[Tensor, list[s
     return labels, names
 
 
-def _elementwise_parts(geom: Any) -> list[ElementwiseGeometry] | None:
-    if isinstance(geom, ElementwiseGeometry):
-        return [geom]
-    parts = getattr(geom, "parts", None)  # the block-shaped adaptive metric of Perturbation
-    if isinstance(parts, list) and parts and all(isinstance(p, ElementwiseGeometry) for p in parts):
-        return parts
-    return None
-
-
 def budget_split(pert: Perturbation, xi: Xi) -> dict[str, float]:
     """``‖ξ‖²`` by block category, in the metric of the ball (SPEC §5.3).
 
@@ -416,21 +407,13 @@ def budget_split(pert: Perturbation, xi: Xi) -> dict[str, float]:
         if isinstance(geom, FixedGeometry):
             continue
         index = piece.index
-        if index is None:  # adaptive or Euclidean over all of θ
-            t = x[0].reshape(-1).to(torch.float64)
+        if isinstance(geom, (ElementwiseGeometry, EuclideanGeometry)):
             if isinstance(geom, EuclideanGeometry):
-                c = t.square()
+                contrib = tuple(t.square() for t in x)
             else:
-                c = t.square() * geom.inv_w2.reshape(-1).to(torch.float64)
-            total.index_add_(0, labels, c)
-            continue
-        parts = _elementwise_parts(geom)
-        if parts is not None:
-            for part, t, idx in zip(parts, x, index, strict=True):
-                c = t.reshape(-1).to(torch.float64).square() * part.inv_w2.reshape(-1).to(
-                    torch.float64
-                )
-                total.index_add_(0, labels[idx.reshape(-1)], c)
+                contrib = geom.coordinate_norm_sq(x)
+            for c, idx in zip(contrib, index, strict=True):
+                total.index_add_(0, labels[idx.reshape(-1)], c.reshape(-1).to(torch.float64))
             continue
         v = geom.norm_sq(x).to(torch.float64)
         first = index[0]

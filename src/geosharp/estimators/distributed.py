@@ -227,7 +227,8 @@ class BatchSplit:
         batches: The iterable of batches (materialized as a list when active).
         distributed: See :func:`is_active`.
         t0: ``time.perf_counter()`` at the start of the call (for :meth:`elapsed`).
-        theta: The flat weights; when active, every rank checks that the others hold the same.
+        theta: The weights (a tensor or a list of them); when active, every rank checks that
+            the others hold the same.
 
     Raises:
         ValueError: If the ranks disagree on the number of batches, their contents or the
@@ -240,7 +241,7 @@ class BatchSplit:
         distributed: bool | None,
         *,
         t0: float | None = None,
-        theta: Tensor | None = None,
+        theta: Tensor | Sequence[Tensor] | None = None,
     ) -> None:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.active = is_active(distributed)

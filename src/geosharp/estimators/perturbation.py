@@ -22,8 +22,7 @@ base-point work (Gram matrices and their factorizations) happens once, in the co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -39,57 +38,40 @@ BLOCK_METRICS = ("inv", "mix", "adaptive")
 Xi = list[Tangent]
 
 
-class _ProductElementwise(Geometry):
-    """Element-wise (adaptive) metric on a tuple of tensors, e.g. ``(G, H)`` of a GL block.
-
-    Used for the paper's "no corrected norm" ablation and for ``metric="adaptive"``: the block's
-    coordinates then carry the adaptive metric while still being gathered and scattered as a block.
-    """
-
-    def __init__(self, point: Sequence[Tensor]) -> None:
-        self.parts = [ElementwiseGeometry(p) for p in point]
-        self.point = tuple(point)
-
-    def inner(self, a: Tangent, b: Tangent) -> Tensor:
-        return sum(g.inner((x,), (y,)) for g, x, y in zip(self.parts, a, b, strict=True))
-
-    def project(self, xi: Tangent) -> Tangent:
-        return tuple(g.project((x,))[0] for g, x in zip(self.parts, xi, strict=True))
-
-    def riemannian_grad(self, egrad: Tangent) -> Tangent:
-        return tuple(g.riemannian_grad((e,))[0] for g, e in zip(self.parts, egrad, strict=True))
-
-    def christoffel_at(self, point: Tangent, xi: Tangent) -> Tangent:
-        return tuple(torch.zeros_like(x) for x in xi)
-
-    def geodesic(self, xi: Tangent, order: int | str = 1, steps: int = 10) -> Tangent:
-        return tuple(p + x for p, x in zip(self.point, xi, strict=True))
-
-    def random_tangent(
-        self, generator: torch.Generator | None = None, scale: float = 1.0, horizontal: bool = True
-    ) -> Tangent:
-        return tuple(g.random_tangent(generator, scale)[0] for g in self.parts)
-
-
-@dataclass
 class Piece:
     """One part of ``θ`` with its geometry.
 
     Attributes:
         name: Readable name (for summaries and errors).
-        index: Global positions in ``θ``, one tensor per component of the point (``None``: all
-            of ``θ``, a single component).
+        index: Global positions in ``θ``, one tensor per component of the point (built on
+            each access from the blocks or the space: a piece stores no parameter-sized index).
         geometry: Geometry used for the horizontal projection and the geodesic.
         norm_geometry: Geometry of the ball and of the Riemannian gradient (differs from
             ``geometry`` only in the "no corrected norm" ablation).
         order: Geodesic order used for this piece.
     """
 
-    name: str
-    index: tuple[Tensor, ...] | None
-    geometry: Geometry
-    norm_geometry: Geometry
-    order: int | str
+    def __init__(
+        self,
+        name: str,
+        index: tuple[Tensor, ...] | Callable[[], tuple[Tensor, ...]],
+        geometry: Geometry,
+        norm_geometry: Geometry,
+        order: int | str,
+    ) -> None:
+        self.name = name
+        self._index = index
+        self.geometry = geometry
+        self.norm_geometry = norm_geometry
+        self.order = order
+
+    @property
+    def index(self) -> tuple[Tensor, ...]:
+        """Global positions in ``θ`` of every component (a new tensor per access)."""
+        return self._index() if callable(self._index) else self._index
+
+    def __repr__(self) -> str:
+        return f"Piece({self.name!r}, {type(self.geometry).__name__}, order={self.order})"
 
 
 class Perturbation:
@@ -120,7 +102,7 @@ class Perturbation:
     def __init__(
         self,
         space: ParameterSpace,
-        theta0: Tensor,
+        theta0: Tensor | Mapping[str, Tensor],
         *,
         measure: str = "geodesic",
         metric: str = "inv",
@@ -142,29 +124,35 @@ class Perturbation:
         if measure == "geodesic" and metric not in BLOCK_METRICS:
             raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
         self.space = space
-        # θ₀ itself is not kept: every piece holds its own part of it (one copy of the weights
-        # in all, and none for measure="adaptive", whose piece is θ₀).
-        theta0 = theta0.detach()
         self.measure = measure
         self.metric = metric
         self.order = order
         self.exact_steps = exact_steps
-        device = theta0.device
+        # The base point is the model's own tensors (or views of a flat θ₀): coordinates in no
+        # block are never copied; only the symmetry blocks gather their (G, H) factors.
+        params = _base_params(space, theta0)
+        names = space.param_names
+        device = params[names[0]].device if names else torch.device("cpu")
         self.pieces: list[Piece] = []
-        if measure == "adaptive":
-            g = ElementwiseGeometry(theta0, name="all parameters")
-            self.pieces.append(Piece("all parameters (adaptive)", None, g, g, 1))
+        self._rest_piece: int | None = None
+        if measure in ("adaptive", "euclidean"):
+            comps = tuple(params[n] for n in names)
+            cls_ = ElementwiseGeometry if measure == "adaptive" else EuclideanGeometry
+            g = cls_(comps, name="all parameters")
+            index = _rest_positions(space, [(j, None) for j in range(len(names))], device)
+            self.pieces.append(Piece(f"all parameters ({measure})", index, g, g, 1))
+            self._rest_piece = 0
+            self._layout = [(j, None) for j in range(len(names))]
+            self._assembly = _Assembly(space, self.pieces, 0, self._layout, device)
             return
-        if measure == "euclidean":
-            g = EuclideanGeometry(theta0, name="all parameters")
-            self.pieces.append(Piece("all parameters (euclidean)", None, g, g, 1))
-            return
+        flat = space.flatten(params).detach() if space.blocks else None  # transient
         for blocks in _group_blocks(space):
             cls = type(blocks[0])
             index = tuple(i.to(device) for i in cls.batch(blocks))
-            point = tuple(theta0[i] for i in index)
+            point = tuple(flat[i] for i in index)
+            del index
             if metric == "adaptive":
-                geom: Geometry = _ProductElementwise(point)
+                geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
                 piece_order: int | str = 1
             else:
                 geom = cls.geometry(blocks, point, metric=metric, eps=eps)
@@ -173,30 +161,36 @@ class Perturbation:
                 norm_geom = geom
             else:  # the adaptive norm, on tangents kept in the block geometry's dtype
                 wide = geom.tangent_dtype
-                norm_geom = _ProductElementwise(tuple(p.to(wide) for p in point))
+                norm_geom = ElementwiseGeometry(tuple(p.to(wide) for p in point))
             name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
-            self.pieces.append(Piece(name, index, geom, norm_geom, piece_order))
-        rest = space.rest_index.to(device)
-        self._rest_piece: int | None = None
-        if rest.numel():
+            self.pieces.append(
+                Piece(name, _block_positions(cls, blocks, device), geom, norm_geom, piece_order)
+            )
+        del flat
+        self._layout = space.rest_layout()
+        if self._layout:
+            comps = tuple(
+                params[names[j]]
+                if local is None
+                else params[names[j]].reshape(-1)[local.to(device)]
+                for j, local in self._layout
+            )
+            index = _rest_positions(space, self._layout, device)
             if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
-                g = FixedGeometry((theta0[rest],), name="other parameters (held fixed)")
                 label = "other parameters (held fixed)"
+                g = FixedGeometry(comps, name=label)
             else:
-                g = ElementwiseGeometry(theta0[rest], name="other parameters")
                 label = "other parameters (adaptive)"
+                g = ElementwiseGeometry(comps, name="other parameters")
             self._rest_piece = len(self.pieces)
-            self.pieces.append(Piece(label, (rest,), g, g, 1))
-        # θ′ is assembled by one gather: the pieces' values, concatenated, put back in θ order.
-        # (Pieces cover every coordinate exactly once; the symmetry finder guarantees it.)
-        covered = sum(i.numel() for p in self.pieces for i in p.index)
-        if covered != theta0.numel():
+            self.pieces.append(Piece(label, index, g, g, 1))
+        covered = space.block_numel + space.adaptive_numel
+        if covered != space.numel():
             raise ValueError(
                 f"the symmetry blocks and the rest cover {covered} coordinates of "
-                f"{theta0.numel()}: the ParameterSpace is inconsistent"
+                f"{space.numel()}: the ParameterSpace is inconsistent"
             )
-        self._inverse: Tensor | None = None  # of endpoint(), built on first use
-        self._assembly = _Assembly(space, self.pieces, self._rest_piece, device)
+        self._assembly = _Assembly(space, self.pieces, self._rest_piece, self._layout, device)
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
@@ -233,7 +227,7 @@ class Perturbation:
         for p, e in zip(self.pieces, egrad, strict=True):
             g = p.norm_geometry
             if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
-                out.append((g.riemannian_grad_(e[0]),))
+                out.append(g.riemannian_grad_(tuple(e)))
             elif isinstance(g, EuclideanGeometry):
                 out.append(tuple(e))
             else:
@@ -272,33 +266,55 @@ class Perturbation:
         return out
 
     # -- ℓ∞ (adaptive or plain box) -----------------------------------------------------------
+    @staticmethod
+    def _abs_w(p: Piece) -> tuple[Tensor, ...] | None:
+        g = p.geometry
+        return g.abs_w_parts() if isinstance(g, ElementwiseGeometry) else None
+
     def sign_direction(self, egrad: Xi) -> Xi:
         """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
         out = []
         for p, e in zip(self.pieces, egrad, strict=True):
-            scale = p.geometry.abs_w if isinstance(p.geometry, ElementwiseGeometry) else 1.0
-            out.append(tuple(torch.sign(t) * scale for t in e))
+            scale = self._abs_w(p)
+            if scale is None:
+                out.append(tuple(torch.sign(t) for t in e))
+            else:
+                out.append(tuple(torch.sign(t) * a for t, a in zip(e, scale, strict=True)))
         return out
 
     def box(self, xi: Xi, rho: float) -> Xi:
         """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
         out = []
         for p, x in zip(self.pieces, xi, strict=True):
-            if isinstance(p.geometry, ElementwiseGeometry):
-                bound = rho * p.geometry.abs_w
-            else:
-                bound = torch.full_like(x[0], rho)
-            out.append(tuple(torch.maximum(torch.minimum(t, bound), -bound) for t in x))
+            scale = self._abs_w(p)
+            bounds = (
+                [torch.full_like(t, rho) for t in x] if scale is None else [rho * a for a in scale]
+            )
+            out.append(
+                tuple(
+                    torch.maximum(torch.minimum(t, b), -b) for t, b in zip(x, bounds, strict=True)
+                )
+            )
         return out
 
     def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
-        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
+
+        One draw over all components of a piece, then split (the numbers do not depend on how
+        the piece is cut into components).
+        """
         out = []
         for p in self.pieces:
+            point = p.geometry.point
+            sizes = [t.numel() for t in point]
+            t0 = point[0]
+            u = torch.rand(sum(sizes), generator=generator, dtype=t0.dtype, device=t0.device)
+            u = 2 * u - 1
+            scale = self._abs_w(p)
             x = []
-            for t in p.geometry.point:
-                u = 2 * torch.rand(t.shape, generator=generator, dtype=t.dtype, device=t.device) - 1
-                x.append(u * rho * (t.abs() if isinstance(p.geometry, ElementwiseGeometry) else 1))
+            for k, (uk, t) in enumerate(zip(u.split(sizes), point, strict=True)):
+                uk = uk.view(t.shape)
+                x.append(uk * rho * (scale[k] if scale is not None else 1))
             out.append(tuple(x))
         return out
 
@@ -312,29 +328,60 @@ class Perturbation:
 
     def endpoint(self, xi: Xi) -> Tensor:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
-        moved = self._moved(xi)
-        if self.pieces[0].index is None:
-            return moved[0][0]
-        if self._inverse is None:
-            order = torch.cat([i.reshape(-1) for p in self.pieces for i in p.index])
-            self._inverse = torch.empty_like(order)
-            self._inverse[order] = torch.arange(order.numel(), device=order.device)
-        return torch.cat([v.reshape(-1) for new in moved for v in new])[self._inverse]
+        return self.space.flatten(self.endpoint_params(xi))
 
     def endpoint_params(self, xi: Xi) -> dict[str, Tensor]:
-        """The perturbed parameters by name: ``space.unflatten(endpoint(ξ))``, built cheaply.
+        """The perturbed parameters by name, ready for :func:`torch.func.functional_call`.
 
-        Bit-identical to :meth:`endpoint` followed by
-        :meth:`~geosharp.symmetry.ParameterSpace.unflatten`, but without a pass over all of
-        ``θ``: parameters with no coordinate in a symmetry block are views of the adaptive
-        piece, and only the coordinates of symmetry blocks are gathered (see
-        :class:`_Assembly`). Ready for :func:`torch.func.functional_call`; differentiable in
-        ``ξ``.
+        Differentiable in ``ξ``. Parameters with no coordinate in a symmetry block are their
+        moved component itself (no gather, no copy, and their gradient is the model's own);
+        only the parameters that hold block coordinates are gathered (see :class:`_Assembly`).
         """
-        moved = self._moved(xi)
-        if self.pieces[0].index is None:
-            return self.space.unflatten(moved[0][0])
-        return self._assembly(moved)
+        return self._assembly(self._moved(xi))
+
+
+def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The base point by name, detached: the given tensors, or views of a flat ``θ₀``."""
+    if isinstance(theta0, Tensor):
+        return {n: t.detach() for n, t in space.unflatten(theta0.detach()).items()}
+    out = {}
+    for name, shape in zip(space.param_names, space.shapes, strict=True):
+        if name not in theta0:
+            raise KeyError(
+                f"parameter {name!r} of the ParameterSpace is missing from the base point; pass "
+                "e.g. dict(model.named_parameters())"
+            )
+        t = theta0[name]
+        if t.shape != shape:
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(t.shape)} but the ParameterSpace was built "
+                f"for shape {tuple(shape)}"
+            )
+        out[name] = t.detach()
+    return out
+
+
+def _rest_positions(
+    space: ParameterSpace, layout: Sequence[tuple[int, Tensor | None]], device: torch.device
+) -> Callable[[], tuple[Tensor, ...]]:
+    """Global positions of the rest components, built when asked (no index is stored)."""
+
+    def build() -> tuple[Tensor, ...]:
+        out = []
+        for j, local in layout:
+            off = space.offsets[j]
+            if local is None:
+                out.append(torch.arange(off, off + math.prod(space.shapes[j]), device=device))
+            else:
+                out.append(local.to(device) + off)
+        return tuple(out)
+
+    return build
+
+
+def _block_positions(cls: type, blocks: list, device: torch.device) -> Callable:
+    """Global positions of a batched block piece, built when asked (the blocks hold them)."""
+    return lambda: tuple(i.to(device) for i in cls.batch(blocks))
 
 
 def _group_blocks(space: ParameterSpace) -> list[list]:
@@ -349,17 +396,14 @@ def _group_blocks(space: ParameterSpace) -> list[list]:
 
 
 class _Assembly:
-    """Builds the perturbed parameters from the moved pieces with few full-size passes.
+    """Builds the perturbed parameters by name from the moved pieces.
 
-    The pieces hold the coordinates of ``θ`` in their own order: the symmetry pieces (blocks,
-    pairs) a permutation of their coordinates, the adaptive piece ("rest") the remaining ones in
-    ``θ`` order (:attr:`~geosharp.symmetry.ParameterSpace.rest_index` is sorted). A parameter
-    entirely in the rest is therefore a contiguous run of the rest piece: one ``split`` gives
-    it as a view, and its gradient flows back through one ``cat``. Parameters with coordinates
-    in a symmetry piece (the Q, K, V, O projections) are gathered from a *source* vector, the
-    symmetry pieces' values followed by the rest coordinates of such parameters, by one index.
-    On MiniLM-L6 that gathers 3.5 M values instead of permuting all 22.7 M (and, backwards,
-    scattering them into a θ-sized zero vector).
+    A parameter with no coordinate in a symmetry block is one component of the rest piece, in
+    its own shape: its moved value *is* the perturbed parameter (no copy; its gradient flows
+    back unchanged). The parameters with block coordinates (the Q, K, V, O projections) are
+    gathered by one index from a *source* vector: the symmetry pieces' values followed by the
+    rest coordinates of such parameters. Nothing here is parameter-sized but that index, over
+    the gathered parameters only (on MiniLM-L6 3.5 M of 22.7 M coordinates).
     """
 
     def __init__(
@@ -367,56 +411,63 @@ class _Assembly:
         space: ParameterSpace,
         pieces: Sequence[Piece],
         rest_piece: int | None,
+        layout: Sequence[tuple[int, Tensor | None]],
         device: torch.device,
     ) -> None:
         self.names, self.shapes = list(space.param_names), list(space.shapes)
         sizes = [math.prod(s) for s in self.shapes]
         self.rest_piece = rest_piece
         self.sym_pieces = [i for i in range(len(pieces)) if i != rest_piece]
-        sym_order = [i.reshape(-1) for k in self.sym_pieces for i in pieces[k].index]
-        n = space.numel()
-        position = torch.full((n,), -1, dtype=torch.long, device=device)
-        n_src = 0
-        if sym_order:
-            order = torch.cat(sym_order)
-            position[order] = torch.arange(order.numel(), device=device)
-            n_src = order.numel()
-        rest = space.rest_index.to(device)
-        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
-        ends = starts + torch.tensor(sizes, dtype=torch.long, device=device)
-        lo = torch.searchsorted(rest, starts).tolist()
-        hi = torch.searchsorted(rest, ends).tolist()
-        #: Rest coordinates per parameter (the rest piece is split by these).
-        self.rest_sizes = [b - a for a, b in zip(lo, hi, strict=True)]
+        #: rest component k → (parameter j, whole?) ; whole parameters are used as they are
+        self.layout = [(j, local is None) for j, local in layout]
+        whole = {j for j, w in self.layout if w}
         #: Parameters with symmetry coordinates, gathered from the source.
-        self.gathered = [j for j, s in enumerate(sizes) if self.rest_sizes[j] < s]
-        #: Rest runs appended to the source (parameters that are partly rest).
-        self.mixed = [j for j in self.gathered if self.rest_sizes[j] > 0]
-        for j in self.mixed:
-            position[rest[lo[j] : hi[j]]] = torch.arange(
-                n_src, n_src + self.rest_sizes[j], device=device
-            )
-            n_src += self.rest_sizes[j]
+        self.gathered = [j for j in range(len(sizes)) if j not in whole and sizes[j]]
+        #: Rest components (positions in the rest piece) appended to the source.
+        self.mixed = [k for k, (j, w) in enumerate(self.layout) if not w]
         self.gathered_sizes = [sizes[j] for j in self.gathered]
-        runs = [position[space.offsets[j] : space.offsets[j] + sizes[j]] for j in self.gathered]
-        self.index = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long, device=device)
-        if self.index.numel() and int(self.index.min()) < 0:
+        n_gathered = sum(self.gathered_sizes)
+        self.index = torch.full((n_gathered,), -1, dtype=torch.long, device=device)
+        if not self.gathered:
+            return
+        # global position → position in the concatenated gathered parameters
+        shift = torch.zeros(len(sizes), dtype=torch.long, device=device)
+        start = 0
+        for j in self.gathered:
+            shift[j] = start - space.offsets[j]
+            start += sizes[j]
+        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
+        n_src = 0
+        for k in self.sym_pieces:
+            for comp in pieces[k].index:
+                glob = comp.reshape(-1).to(device)
+                owner = torch.searchsorted(starts, glob, right=True) - 1
+                self.index[glob + shift[owner]] = torch.arange(
+                    n_src, n_src + glob.numel(), device=device
+                )
+                n_src += glob.numel()
+                del glob, owner
+        for j, local in layout:
+            if local is None:
+                continue
+            pos = local.to(device) + (shift[j] + space.offsets[j])
+            self.index[pos] = torch.arange(n_src, n_src + pos.numel(), device=device)
+            n_src += pos.numel()
+        if n_gathered and int(self.index.min()) < 0:
             raise ValueError("the symmetry blocks and the rest do not cover every parameter")
 
     def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
-        chunks: Sequence[Tensor] = ()
-        if self.rest_piece is not None:
-            chunks = torch.split(moved[self.rest_piece][0], self.rest_sizes)
         out: dict[str, Tensor] = {}
+        rest = moved[self.rest_piece] if self.rest_piece is not None else ()
+        for (j, whole), value in zip(self.layout, rest, strict=True):
+            if whole:
+                out[self.names[j]] = value.view(self.shapes[j])
         if self.gathered:
             parts = [v.reshape(-1) for k in self.sym_pieces for v in moved[k]]
-            parts += [chunks[j] for j in self.mixed]
+            parts += [rest[k].reshape(-1) for k in self.mixed]
             source = torch.cat(parts) if len(parts) > 1 else parts[0]
             for j, value in zip(
                 self.gathered, torch.split(source[self.index], self.gathered_sizes), strict=True
             ):
                 out[self.names[j]] = value.view(self.shapes[j])
-        for j, (name, shape) in enumerate(zip(self.names, self.shapes, strict=True)):
-            if name not in out:
-                out[name] = chunks[j].view(shape)
         return {name: out[name] for name in self.names}

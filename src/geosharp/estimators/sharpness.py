@@ -343,9 +343,11 @@ def sharpness(
             space = find_symmetries(model, key_bias=key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    params = dict(model.named_parameters())
-    theta0 = space.flatten(params).detach()
-    device = theta0.device
+    # The base point is the model's own parameters (detached views): no flat copy of θ₀.
+    named = dict(model.named_parameters())
+    base = {n: named[n].detach() for n in space.param_names}
+    first = base[space.param_names[0]]
+    device, dtype = first.device, first.dtype
     if perturb == "blocks":
         if not space.blocks:
             raise ValueError(
@@ -360,10 +362,10 @@ def sharpness(
     else:
         pert_kw = {"measure": measure, "metric": metric, "order": order}
 
-    def build(theta0: Tensor = theta0) -> Perturbation:
+    def build() -> Perturbation:
         return Perturbation(
             space,
-            theta0,
+            base,
             eps=eps,
             corrected_norm=corrected_norm,
             exact_steps=exact_steps,
@@ -382,9 +384,7 @@ def sharpness(
     # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
     from geosharp.estimators.distributed import BatchSplit, batch_seed
 
-    split = BatchSplit(batches, distributed, t0=t0, theta=theta0)
-    dtype = theta0.dtype
-    del theta0  # the pieces of `pert` hold the base point; no second copy of the weights
+    split = BatchSplit(batches, distributed, t0=t0, theta=[base[n] for n in space.param_names])
     local = list(split.local())
     per_batch_passes = (1 + samples) if kind == "average" else (1 + steps * restarts)
     bar = _PassBar(progress, name, len(local) * per_batch_passes)

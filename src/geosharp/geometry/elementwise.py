@@ -31,6 +31,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -39,94 +41,186 @@ from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 
 
 class ElementwiseGeometry(Geometry):
-    """Adaptive metric ``Σ η_i ζ_i / w_i²`` at the base point ``w`` (any shape).
+    """Adaptive metric ``Σ η_i ζ_i / w_i²`` at the base point ``w``: one tensor or several.
+
+    The point may be one tensor (any shape) or a tuple of tensors, e.g. every parameter of a
+    model outside the symmetry blocks: tangents are then tuples with one tensor per component
+    and the metric is the sum over components (a product of element-wise metrics). Nothing of
+    the size of ``w`` is stored for components whose every coordinate can move — ``1/w²``,
+    ``w²`` and ``|w|`` are recomputed per component, in temporaries the size of one component —
+    so a point made of a model's own parameter tensors costs no memory at all. Components with
+    frozen coordinates keep their masked ``1/w²``.
 
     Args:
-        w: The weights, any shape, floating dtype. Exact zeros (and weights whose ``1/w²``
-            overflows) are frozen coordinates.
+        w: The weights: a floating tensor, or a sequence of floating tensors on one device.
+            Exact zeros (and weights whose ``1/w²`` overflows) are frozen coordinates.
         name: Name used in error messages.
 
     Raises:
-        TypeError: If ``w`` is not a floating tensor.
+        TypeError: If a component is not a floating tensor.
     """
 
-    def __init__(self, w: Tensor, name: str = "tensor") -> None:
-        check_tensor("w", w)
-        self.w = w
+    def __init__(self, w: Tensor | Sequence[Tensor], name: str = "tensor") -> None:
+        parts = (w,) if isinstance(w, Tensor) else tuple(w)
+        if not parts:
+            raise ValueError(f"{name}: an element-wise geometry needs at least one tensor")
+        for t in parts:
+            check_tensor("w", t)
+        self.point: Point = parts
         self.name = name
-        self.point: Point = (w,)
         # Frozen: exact zeros, and weights so small that 1/w² overflows the dtype (a ball of
-        # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM).
-        # Only 1/w² is stored (one parameter-sized buffer beside w): w², |w| and the mask are
-        # recomputed where they are needed, in temporaries that live for one operation.
-        inv_w2 = w.reciprocal().square_()
-        mask = (w != 0) & torch.isfinite(inv_w2)
-        # 1/w² on moving coordinates, 0 on frozen ones: the metric restricted to what can move.
-        self.inv_w2 = inv_w2.masked_fill_(~mask, 0.0)
-        self.has_frozen = not bool(mask.all())
-        del mask
+        # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM). Only the
+        # components that have such coordinates keep a masked 1/w² (0 where frozen).
+        self._frozen: list[Tensor | None] = []
+        for t in parts:
+            inv_w2 = t.reciprocal().square_()
+            mask = (t != 0) & torch.isfinite(inv_w2)
+            self._frozen.append(None if bool(mask.all()) else inv_w2.masked_fill_(~mask, 0.0))
+            del inv_w2, mask
+        self.has_frozen = any(f is not None for f in self._frozen)
+
+    # -- single-tensor conveniences (the point has one component) ----------------------------
+    @property
+    def w(self) -> Tensor:
+        """The weights, when the point is a single tensor."""
+        return self._single(self.point)
+
+    def _single(self, parts: Sequence[Tensor]) -> Tensor:
+        if len(parts) != 1:
+            raise TypeError(
+                f"{self.name} has {len(self.point)} components; use the *_parts methods"
+            )
+        return parts[0]
+
+    @property
+    def inv_w2(self) -> Tensor:
+        """``1/w²`` on moving coordinates, 0 on frozen ones (single tensor; a temporary)."""
+        return self._single(self.inv_w2_parts())
 
     @property
     def mask(self) -> Tensor:
-        """``True`` on the coordinates that can move (a temporary)."""
-        return self.inv_w2 != 0
+        """``True`` on the coordinates that can move (single tensor; a temporary)."""
+        return self._single(self.mask_parts())
 
     @property
     def w2(self) -> Tensor:
-        """``w²`` on moving coordinates, 0 on frozen ones (a temporary)."""
-        w2 = self.w.square()
-        return w2.masked_fill_(~self.mask, 0.0) if self.has_frozen else w2
+        """``w²`` on moving coordinates, 0 on frozen ones (single tensor; a temporary)."""
+        return self._single(self.w2_parts())
 
     @property
     def abs_w(self) -> Tensor:
-        """``|w|`` on moving coordinates, 0 on frozen ones (a temporary)."""
-        a = self.w.abs()
-        return a.masked_fill_(~self.mask, 0.0) if self.has_frozen else a
+        """``|w|`` on moving coordinates, 0 on frozen ones (single tensor; a temporary)."""
+        return self._single(self.abs_w_parts())
 
-    def riemannian_grad_(self, egrad: Tensor) -> Tensor:
+    # -- per component (temporaries) -----------------------------------------------------------
+    def inv_w2_parts(self) -> tuple[Tensor, ...]:
+        """``1/w²`` per component, 0 on frozen coordinates."""
+        return tuple(
+            t.reciprocal().square_() if f is None else f
+            for t, f in zip(self.point, self._frozen, strict=True)
+        )
+
+    def mask_parts(self) -> tuple[Tensor, ...]:
+        """Per component, ``True`` on the coordinates that can move."""
+        return tuple(
+            torch.ones_like(t, dtype=torch.bool) if f is None else f != 0
+            for t, f in zip(self.point, self._frozen, strict=True)
+        )
+
+    def w2_parts(self) -> tuple[Tensor, ...]:
+        """``w²`` per component, 0 on frozen coordinates."""
+        return tuple(
+            t.square() if f is None else t.square().masked_fill_(f == 0, 0.0)
+            for t, f in zip(self.point, self._frozen, strict=True)
+        )
+
+    def abs_w_parts(self) -> tuple[Tensor, ...]:
+        """``|w|`` per component, 0 on frozen coordinates."""
+        return tuple(
+            t.abs() if f is None else t.abs().masked_fill_(f == 0, 0.0)
+            for t, f in zip(self.point, self._frozen, strict=True)
+        )
+
+    def _scaled(self, x: Tensor, k: int) -> Tensor:
+        """``x / |w|`` of component ``k`` (0 on frozen coordinates), a new tensor."""
+        f = self._frozen[k]
+        if f is None:
+            return x / self.point[k]
+        return x * f.sqrt()
+
+    def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...]:
+        """``ξ_i² / w_i²`` per coordinate (0 on frozen ones), one tensor per component."""
+        x = self._check(xi)
+        return tuple(self._scaled(t, k).square_() for k, t in enumerate(x))
+
+    def riemannian_grad_(self, egrad: Tensor | Sequence[Tensor]) -> Tensor | tuple[Tensor, ...]:
         """``e ⊙ w²`` written into ``egrad`` (zero on frozen coordinates)."""
-        return egrad.mul_(self.w2)
+        if isinstance(egrad, Tensor):
+            return egrad.mul_(self.w2)
+        return tuple(e.mul_(w2) for e, w2 in zip(egrad, self.w2_parts(), strict=True))
 
-    def _check(self, xi: Tangent, name: str = "xi") -> Tensor:
-        if not isinstance(xi, (tuple, list)) or len(xi) != 1:
-            raise TypeError(f"{name} must be a 1-tuple (xi,) of tensors")
-        return check_like(name, xi[0], "w", self.w)
+    def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
+        if not isinstance(xi, (tuple, list)) or len(xi) != len(self.point):
+            raise TypeError(
+                f"{name} must be a {len(self.point)}-tuple of tensors (one per component of "
+                f"{self.name})"
+            )
+        for t, w in zip(xi, self.point, strict=True):
+            check_like(name, t, "w", w)
+        return tuple(xi)
 
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
         """``Σ_i a_i b_i / w_i²`` over the non-frozen coordinates (a 0-dim tensor)."""
-        return (self._check(a, "a") * self._check(b, "b") * self.inv_w2).sum()
+        a, b = self._check(a, "a"), self._check(b, "b")
+        total = None
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            v = torch.dot(self._scaled(x, k).reshape(-1), self._scaled(y, k).reshape(-1))
+            total = v if total is None else total + v
+        return total
 
     def norm_sq(self, xi: Tangent) -> Tensor:
-        """``Σ_i ξ_i² / w_i²`` (one temporary, for large tensors)."""
-        x = self._check(xi).reshape(-1)
-        return torch.dot(x, x * self.inv_w2.reshape(-1))
+        """``Σ_i ξ_i² / w_i²`` (one temporary the size of a component)."""
+        total = None
+        for k, x in enumerate(self._check(xi)):
+            r = self._scaled(x, k).reshape(-1)
+            v = torch.dot(r, r)
+            total = v if total is None else total + v
+        return total
 
     def project(self, xi: Tangent) -> Tangent:
         """Zero the frozen coordinates (``w_i = 0`` or ``1/w_i²`` not finite)."""
         x = self._check(xi)
         if not self.has_frozen:
-            return (x,)
-        return (torch.where(self.mask, x, torch.zeros_like(x)),)
+            return x
+        return tuple(
+            t if f is None else torch.where(f != 0, t, torch.zeros_like(t))
+            for t, f in zip(x, self._frozen, strict=True)
+        )
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """``e ⊙ w²`` (zero on frozen coordinates)."""
-        return (self._check(egrad, "egrad") * self.w2,)
+        e = self._check(egrad, "egrad")
+        return tuple(t * w2 for t, w2 in zip(e, self.w2_parts(), strict=True))
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """``Γ_w(ξ, ξ) = −ξ² / w`` (zero on frozen coordinates)."""
-        (w,) = point
-        (x,) = xi
-        mask = w != 0
-        w_safe = torch.where(mask, w, torch.ones_like(w))
-        return (torch.where(mask, -x.square() / w_safe, torch.zeros_like(x)),)
+        out = []
+        for w, x in zip(point, xi, strict=True):
+            mask = w != 0
+            w_safe = torch.where(mask, w, torch.ones_like(w))
+            out.append(torch.where(mask, -x.square() / w_safe, torch.zeros_like(x)))
+        return tuple(out)
 
     def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """Endpoint of the geodesic; ``"exact"`` is the closed form ``w·exp(ξ/w)``."""
         x = self._check(xi)
         if order == "exact":
-            w_safe = torch.where(self.mask, self.w, torch.ones_like(self.w))
-            return (torch.where(self.mask, self.w * torch.exp(x / w_safe), self.w),)
-        return super().geodesic((x,), order=order, steps=steps)
+            out = []
+            for w, t, m in zip(self.point, x, self.mask_parts(), strict=True):
+                w_safe = torch.where(m, w, torch.ones_like(w))
+                out.append(torch.where(m, w * torch.exp(t / w_safe), w))
+            return tuple(out)
+        return super().geodesic(x, order=order, steps=steps)
 
     def random_tangent(
         self,
@@ -134,50 +228,85 @@ class ElementwiseGeometry(Geometry):
         scale: float = 1.0,
         horizontal: bool = True,
     ) -> Tangent:
-        """``ξ = scale · Z ⊙ |w|`` — adaptive average-case noise ``δ_i ~ N(0, ρ² w_i²)``."""
-        z = torch.randn(self.w.shape, generator=generator, dtype=self.w.dtype, device=self.w.device)
-        return (scale * z * self.abs_w,)
+        """``ξ = scale · Z ⊙ |w|`` — adaptive average-case noise ``δ_i ~ N(0, ρ² w_i²)``.
+
+        One draw of all coordinates in component order (the same numbers as one draw over
+        the concatenated components), then split: the noise does not depend on how the
+        point is cut into components.
+        """
+        first = self.point[0]
+        if len(self.point) == 1:
+            z = torch.randn(
+                first.shape, generator=generator, dtype=first.dtype, device=first.device
+            )
+            return (scale * z * self.abs_w,)
+        sizes = [t.numel() for t in self.point]
+        flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
+        out = []
+        for z, w, a in zip(flat.split(sizes), self.point, self.abs_w_parts(), strict=True):
+            out.append(scale * z.view(w.shape) * a)
+        return tuple(out)
 
 
 class EuclideanGeometry(Geometry):
     """The flat metric ``⟨η, ζ⟩ = Σ η_i ζ_i`` of plain (non-adaptive) sharpness.
 
     Args:
-        w: The weights (any shape).
+        w: The weights: one tensor (any shape) or a sequence of tensors (the components of
+            a product, as for :class:`ElementwiseGeometry`).
         name: Name used in error messages.
     """
 
-    def __init__(self, w: Tensor, name: str = "tensor") -> None:
-        check_tensor("w", w)
-        self.w = w
+    def __init__(self, w: Tensor | Sequence[Tensor], name: str = "tensor") -> None:
+        parts = (w,) if isinstance(w, Tensor) else tuple(w)
+        if not parts:
+            raise ValueError(f"{name}: a Euclidean geometry needs at least one tensor")
+        for t in parts:
+            check_tensor("w", t)
         self.name = name
-        self.point: Point = (w,)
+        self.point: Point = parts
 
-    def _check(self, xi: Tangent, name: str = "xi") -> Tensor:
-        if not isinstance(xi, (tuple, list)) or len(xi) != 1:
-            raise TypeError(f"{name} must be a 1-tuple (xi,) of tensors")
-        return check_like(name, xi[0], "w", self.w)
+    @property
+    def w(self) -> Tensor:
+        """The weights, when the point is a single tensor."""
+        if len(self.point) != 1:
+            raise TypeError(f"{self.name} has {len(self.point)} components")
+        return self.point[0]
+
+    def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
+        if not isinstance(xi, (tuple, list)) or len(xi) != len(self.point):
+            raise TypeError(
+                f"{name} must be a {len(self.point)}-tuple of tensors (one per component of "
+                f"{self.name})"
+            )
+        for t, w in zip(xi, self.point, strict=True):
+            check_like(name, t, "w", w)
+        return tuple(xi)
 
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
         """``Σ a_i b_i``."""
-        return (self._check(a, "a") * self._check(b, "b")).sum()
+        total = None
+        for x, y in zip(self._check(a, "a"), self._check(b, "b"), strict=True):
+            v = torch.dot(x.reshape(-1), y.reshape(-1))
+            total = v if total is None else total + v
+        return total
 
     def project(self, xi: Tangent) -> Tangent:
         """Identity: the Euclidean ball knows no symmetry."""
-        return (self._check(xi),)
+        return self._check(xi)
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """Identity."""
-        return (self._check(egrad, "egrad"),)
+        return self._check(egrad, "egrad")
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """Zero: straight lines are the geodesics."""
-        return (torch.zeros_like(xi[0]),)
+        return tuple(torch.zeros_like(x) for x in xi)
 
     def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """The straight line ``w + ξ``, exact for every order."""
         check_order(order)
-        return (self.w + self._check(xi),)
+        return tuple(w + x for w, x in zip(self.point, self._check(xi), strict=True))
 
     def random_tangent(
         self,
@@ -185,9 +314,18 @@ class EuclideanGeometry(Geometry):
         scale: float = 1.0,
         horizontal: bool = True,
     ) -> Tangent:
-        """``scale · Z``."""
-        z = torch.randn(self.w.shape, generator=generator, dtype=self.w.dtype, device=self.w.device)
-        return (scale * z,)
+        """``scale · Z`` (one draw over all components, then split)."""
+        first = self.point[0]
+        if len(self.point) == 1:
+            z = torch.randn(
+                first.shape, generator=generator, dtype=first.dtype, device=first.device
+            )
+            return (scale * z,)
+        sizes = [t.numel() for t in self.point]
+        flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
+        return tuple(
+            scale * z.view(w.shape) for z, w in zip(flat.split(sizes), self.point, strict=True)
+        )
 
 
 # ---------------------------------------------------------------------------------------------

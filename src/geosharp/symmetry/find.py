@@ -309,15 +309,12 @@ def find_symmetries(
 
 
 def _space(res: _Resolver, blocks: list[SymmetryBlock], notes: list[str]) -> ParameterSpace:
-    owned = torch.zeros(res.numel, dtype=torch.bool)
-    for b in blocks:
-        owned[b.positions()] = True
+    # the coordinates in no block are derived from the blocks (ParameterSpace.rest_layout)
     return ParameterSpace(
         param_names=tuple(name for name, _ in res.included),
         shapes=tuple(p.shape for _, p in res.included),
         offsets=tuple(res.offsets[name] for name, _ in res.included),
         blocks=blocks,
-        rest_index=torch.nonzero(~owned).reshape(-1),
         excluded=dict(res.excluded),
         notes=notes,
     )

@@ -44,8 +44,10 @@ class ParameterSpace:
         shapes: Shape of each parameter.
         offsets: Start of each parameter in ``θ``.
         blocks: The symmetry blocks, with global indices into ``θ``.
-        rest_index: Sorted global positions of every coordinate in no block; these use the
-            adaptive element-wise geometry.
+        rest_index: (property) Sorted global positions of every coordinate in no block;
+            these use the adaptive element-wise geometry. Derived from the blocks on demand:
+            the space itself stores no parameter-sized index (:meth:`rest_layout` is the
+            compact form the estimators use).
         excluded: Parameters left out of ``θ`` (name → reason), e.g. frozen ones.
         notes: Human-readable remarks of the finder (e.g. why a block was not used).
 
@@ -65,9 +67,59 @@ class ParameterSpace:
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
     blocks: list[SymmetryBlock] = field(default_factory=list)
-    rest_index: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     excluded: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    _layout: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    # -- the coordinates in no block ------------------------------------------------------------
+    def rest_layout(self) -> list[tuple[int, Tensor | None]]:
+        """The coordinates in no block, parameter by parameter (computed once, then cached).
+
+        Returns:
+            ``(j, local)`` for every parameter ``j`` (position in :attr:`param_names`) with at
+            least one coordinate in no block, in parameter order: ``local = None`` when the
+            whole parameter is outside every block (no index is stored), else the sorted flat
+            positions inside the parameter that are in no block (a parameter shared with a
+            block, e.g. a fused QKV projection of which one head was dropped).
+        """
+        if self._layout is None:
+            sizes = [math.prod(s) for s in self.shapes]
+            touched: dict[int, Tensor] = {}
+            if self.blocks:
+                starts = torch.tensor(self.offsets, dtype=torch.long)
+                for b in self.blocks:
+                    pos = b.positions().reshape(-1).cpu()
+                    if not pos.numel():
+                        continue
+                    owner = torch.searchsorted(starts, pos, right=True) - 1
+                    for j in torch.unique(owner).tolist():
+                        sel = pos[owner == j] - self.offsets[j]
+                        if j not in touched:
+                            touched[j] = torch.zeros(sizes[j], dtype=torch.bool)
+                        touched[j][sel] = True
+            layout: list[tuple[int, Tensor | None]] = []
+            for j, size in enumerate(sizes):
+                if j not in touched:
+                    if size:
+                        layout.append((j, None))
+                    continue
+                local = torch.nonzero(~touched[j]).reshape(-1)
+                if local.numel():
+                    layout.append((j, local))
+            self._layout = layout
+        return self._layout
+
+    @property
+    def rest_index(self) -> Tensor:
+        """Sorted global positions of every coordinate in no block (built on each access)."""
+        parts = []
+        for j, local in self.rest_layout():
+            off = self.offsets[j]
+            if local is None:
+                parts.append(torch.arange(off, off + math.prod(self.shapes[j])))
+            else:
+                parts.append(local + off)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     # -- coordinates --------------------------------------------------------------------------
     def numel(self) -> int:
@@ -201,7 +253,6 @@ class ParameterSpace:
         return replace(
             self,
             blocks=[b.to(device) for b in self.blocks],
-            rest_index=self.rest_index.to(device),
             excluded=dict(self.excluded),
             notes=list(self.notes),
         )
@@ -235,7 +286,10 @@ class ParameterSpace:
     @property
     def adaptive_numel(self) -> int:
         """Number of coordinates with the adaptive geometry (length of :attr:`rest_index`)."""
-        return int(self.rest_index.numel())
+        return sum(
+            math.prod(self.shapes[j]) if local is None else int(local.numel())
+            for j, local in self.rest_layout()
+        )
 
     @property
     def n_group_factors(self) -> int:
