@@ -1,9 +1,20 @@
 """``gs.measure`` and ``geosharp measure``: the sharpness of one trained model, self-checked.
 
 :func:`measure` (in :mod:`~geosharp.measure.core`) is the pure measuring function: a model and
-a list of batches in, a :class:`MeasureReport` out, no files. :mod:`~geosharp.measure.loading`
-reads models and data from files for the command line; :mod:`~geosharp.measure.html` writes the
-report page; :mod:`~geosharp.measure.cli` is the ``geosharp measure`` subcommand.
+a list of batches in, a :class:`MeasureReport` out, no files. One module per concern:
+
+* :mod:`~geosharp.measure.names`: the measure-name grammar (``"geodesic-inv-o2"`` →
+  :class:`MeasureSpec`, canonical names, the readings the study reports make of a name);
+* :mod:`~geosharp.measure.losses`: the default and the named losses;
+* :mod:`~geosharp.measure.checks`: the self-check before measuring, the warnings after;
+* :mod:`~geosharp.measure.results`: :class:`MeasureRow`, :class:`MeasureReport`, the table,
+  JSON and CSV; :mod:`~geosharp.measure.html`: the report page;
+* :mod:`~geosharp.measure.model_loading`, :mod:`~geosharp.measure.data_loading`,
+  :mod:`~geosharp.measure.data_files`, :mod:`~geosharp.measure.resolve` (gathered in
+  :mod:`~geosharp.measure.loading`) and :mod:`~geosharp.measure.lm`: models and data from files
+  for the command line;
+* :mod:`~geosharp.measure.cli`: the ``geosharp measure`` subcommand;
+* :mod:`~geosharp.measure.errors`: :class:`MeasureError`, :class:`MeasureWarning`.
 
 Example:
     >>> import torch

@@ -274,7 +274,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _needs_head(model_spec: str, task: str = "classification") -> bool:
     """Whether ``model_spec`` is a Hugging Face folder without a head for ``task``."""
-    from geosharp.measure.loading import _is_base_architecture, _lm_head
+    from geosharp.measure.model_loading import _is_base_architecture, _lm_head
 
     cfg = Path(model_spec).expanduser() / "config.json"
     if not cfg.is_file():
@@ -327,20 +327,12 @@ def _execute(args: argparse.Namespace) -> int:
     import torch
 
     from geosharp.measure.checks import flush_unrepresentable
+    from geosharp.measure.data_files import _columns, data_kind, infer_num_labels, read_table
+    from geosharp.measure.data_loading import load_data
     from geosharp.measure.lm import detect_task, load_lm_data, load_seq2seq_data
-    from geosharp.measure.loading import (
-        _columns,
-        check_model_spec,
-        data_kind,
-        import_callable,
-        infer_num_labels,
-        load_data,
-        load_model,
-        read_table,
-        resolve_device,
-        resolve_dtype,
-    )
     from geosharp.measure.losses import resolve_loss
+    from geosharp.measure.model_loading import check_model_spec, load_model
+    from geosharp.measure.resolve import import_callable, resolve_device, resolve_dtype
 
     _validate(args)
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring

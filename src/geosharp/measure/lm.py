@@ -5,7 +5,7 @@ config, ``--task`` forces one):
 
 * ``classification``: labels (or float targets) from a column of the data, cross-entropy (or
   squared error) of the model's prediction per sample; read by
-  :func:`geosharp.measure.loading.load_data`.
+  :func:`geosharp.measure.data_loading.load_data`.
 * ``causal-lm``: next-token cross-entropy on a text corpus (:func:`load_lm_data`). The corpus
   is a ``.txt`` file (one document per line, or the whole file cut into chunks of
   ``max_length`` tokens), a ``.jsonl``/``.json``/``.csv``/``.parquet`` file or a ``datasets``
@@ -37,20 +37,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.loading import (
+from geosharp.measure.data_files import _columns, data_kind, read_table
+from geosharp.measure.data_loading import (
     DataSet,
-    LoadedModel,
     _check_batch_size,
-    _columns,
     _length_limit,
     _load_function,
-    _load_hf,
     _tokenizer,
-    data_kind,
-    read_table,
 )
+from geosharp.measure.errors import MeasureError
 from geosharp.measure.losses import IGNORE_INDEX
+from geosharp.measure.model_loading import LoadedModel, _load_hf
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [
@@ -260,7 +257,7 @@ def load_peft(
         seed: Seed of fresh weights.
 
     Returns:
-        A :class:`~geosharp.measure.loading.LoadedModel` whose trainable parameters are the
+        A :class:`~geosharp.measure.model_loading.LoadedModel` whose trainable parameters are the
         adapter's (``kind="peft"``).
 
     Raises:
@@ -515,7 +512,7 @@ def load_lm_data(
         dtype: Floating tensors of a data function are cast to this dtype.
 
     Returns:
-        A :class:`~geosharp.measure.loading.DataSet` (``n_tokens``: the predicted tokens).
+        A :class:`~geosharp.measure.data_loading.DataSet` (``n_tokens``: the predicted tokens).
 
     Raises:
         MeasureError: On every problem with the corpus or its tokenization.
@@ -675,7 +672,7 @@ def load_seq2seq_data(
         dtype: Floating tensors of a data function are cast to this dtype.
 
     Returns:
-        A :class:`~geosharp.measure.loading.DataSet` (``n_tokens``: the target tokens).
+        A :class:`~geosharp.measure.data_loading.DataSet` (``n_tokens``: the target tokens).
 
     Raises:
         MeasureError: On every problem with the data.

@@ -1,0 +1,486 @@
+"""Loading the model to measure: a Hugging Face folder, a PEFT adapter, a file, a function.
+
+Models: a Hugging Face model folder (``config.json``; loaded offline with
+``attn_implementation="eager"``), a PEFT adapter folder (``adapter_config.json``, loaded on its
+base model folder, see :mod:`~geosharp.measure.lm`), a file written by ``torch.jit.save`` or
+``torch.save(model)``, or ``module:function`` (``package.module:build`` or
+``path/to/file.py:build``) that builds the model, optionally with a state dict (``--weights``;
+``.pt``/``.pth``/``.bin`` or ``.safetensors``). :func:`load_model` returns a
+:class:`LoadedModel`: the module on its device and in its dtype, with what the data loading
+needs to know (tokenizer folder, number of labels, architecture).
+
+A missing path, a checkpoint whose keys do not match, a folder without a task head and no
+``--num-labels`` raise :class:`~geosharp.measure.errors.MeasureError` saying what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.measure.errors import MeasureError
+from geosharp.measure.resolve import (
+    _is_function_spec,
+    import_callable,
+    resolve_device,
+    resolve_dtype,
+)
+from geosharp.models.hf import quiet_transformers
+
+__all__ = ["LoadedModel", "TorchScriptModule", "check_model_spec", "load_model", "load_state_dict"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to measure, and what is known about it.
+
+    Attributes:
+        model: The ``nn.Module`` (eval mode, on its device, in its dtype).
+        kind: ``"huggingface"``, ``"peft"``, ``"torchscript"``, ``"torch.save"`` or
+            ``"module:function"``.
+        name: Readable name (the path or spec, and the class).
+        tokenizer: The Hugging Face tokenizer of a model folder (``None`` otherwise).
+        num_labels: Number of classes, if the model says (Hugging Face config).
+        regression: Whether the model is a regression model (Hugging Face config).
+        label2id: Label names → class index (Hugging Face config).
+        max_positions: Longest sequence the model accepts, if known.
+        notes: Things the user should know about how the model was loaded (warnings).
+        info: What was loaded, said without a warning (e.g. which parameters are trainable).
+        task: The head the model was loaded with: ``"classification"``, ``"causal-lm"`` or
+            ``"seq2seq"`` (``None`` for models that are not Hugging Face folders).
+    """
+
+    model: nn.Module
+    kind: str
+    name: str
+    tokenizer: Any = None
+    num_labels: int | None = None
+    regression: bool = False
+    label2id: dict[str, int] = field(default_factory=dict)
+    max_positions: int | None = None
+    notes: list[str] = field(default_factory=list)
+    info: list[str] = field(default_factory=list)
+    task: str | None = None
+
+
+class TorchScriptModule(nn.Module):
+    """An ``nn.Module`` view of a TorchScript module, so parameters can be substituted.
+
+    :func:`torch.func.functional_call` refuses TorchScript modules. This wrapper holds the
+    script module's parameters as its own (same names, same storage); in ``forward`` it hands
+    whatever tensors currently sit in those slots — the substituted ones inside
+    ``functional_call`` — to the script module, calls it, and puts the originals back. The
+    script module's classes are erased, so no symmetry adapter can recognise attention in it:
+    every coordinate uses the adaptive geometry.
+
+    Args:
+        script: A ``torch.jit.ScriptModule`` (scripted or traced).
+    """
+
+    def __init__(self, script: torch.jit.ScriptModule) -> None:
+        super().__init__()
+        self.__dict__["_script"] = script  # not a submodule: its parameters are ours
+        self._names: list[str] = []
+        for name, p in script.named_parameters():
+            owner: nn.Module = self
+            *path, attr = name.split(".")
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.register_parameter(attr, nn.Parameter(p.detach(), requires_grad=p.requires_grad))
+            self._names.append(name)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> TorchScriptModule:
+        # .to(device, dtype) must reach the script module's buffers too
+        super()._apply(fn, recurse)
+        self.__dict__["_script"]._apply(fn)
+        return self
+
+    def _slot(self, root: Any, name: str) -> tuple[Any, str]:
+        *path, attr = name.split(".")
+        for part in path:
+            root = getattr(root, part)
+        return root, attr
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the script module with this module's (possibly substituted) parameters."""
+        script = self.__dict__["_script"]
+        originals = []
+        try:
+            for name in self._names:
+                mine, attr = self._slot(self, name)
+                theirs, _ = self._slot(script, name)
+                originals.append((theirs, attr, getattr(theirs, attr)))
+                theirs._c.setattr(attr, getattr(mine, attr))
+            return script(*args, **kwargs)
+        finally:
+            for theirs, attr, value in originals:
+                theirs._c.setattr(attr, value)
+
+
+def _state_dict_from(obj: Any, path: Path) -> dict[str, Tensor]:
+    if isinstance(obj, nn.Module):
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        for key in ("state_dict", "model_state_dict", "model"):
+            inner = obj.get(key)
+            if (
+                isinstance(inner, Mapping)
+                and inner
+                and all(isinstance(v, Tensor) for v in inner.values())
+            ):
+                return dict(inner)
+        if obj and all(isinstance(v, Tensor) for v in obj.values()):
+            return dict(obj)
+    raise MeasureError(
+        f"{path} holds no state dict (a mapping from parameter names to tensors, or a dict with "
+        f"one under 'state_dict'), but a {type(obj).__name__}"
+    )
+
+
+def load_state_dict(model: nn.Module, path: str | Path) -> list[str]:
+    """Load a state dict file into ``model``, strictly, with a readable error on mismatch.
+
+    A ``module.`` prefix on every key (``nn.DataParallel``) is removed.
+
+    Args:
+        model: The model.
+        path: ``.safetensors`` or anything ``torch.load(weights_only=True)`` reads.
+
+    Returns:
+        Notes on what was done.
+
+    Raises:
+        MeasureError: If the file is missing or unreadable, or its keys or shapes do not match.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise MeasureError(f"weights file not found: {path}")
+    notes = []
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            obj: Any = load_file(str(path))
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise MeasureError(
+            f"cannot read the weights {path}: {type(err).__name__}: {err}. A state dict is "
+            "expected (torch.save(model.state_dict(), path) or a .safetensors file)"
+        ) from err
+    sd = _state_dict_from(obj, path)
+    expected = model.state_dict()
+    if (
+        sd
+        and all(k.startswith("module.") for k in sd)
+        and not any(k.startswith("module.") for k in expected)
+    ):
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
+        notes.append(f"removed the prefix 'module.' from the keys of {path.name}")
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    shapes = [
+        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in sd and tuple(sd[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or shapes:
+
+        def few(keys: Sequence[str]) -> str:
+            return ", ".join(keys[:5]) + (f", … ({len(keys)} in all)" if len(keys) > 5 else "")
+
+        parts = []
+        if missing:
+            parts.append(
+                f"{len(missing)} key(s) of the model missing from the checkpoint: {few(missing)}"
+            )
+        if unexpected:
+            parts.append(
+                f"{len(unexpected)} unexpected key(s) in the checkpoint: {few(unexpected)}"
+            )
+        if shapes:
+            parts.append(f"{len(shapes)} shape mismatch(es): {few(shapes)}")
+        raise MeasureError(
+            f"the weights {path} do not match the model: "
+            + "; ".join(parts)
+            + ". Check that the function builds the architecture the weights were saved from"
+        )
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=True)
+    return notes
+
+
+def _is_base_architecture(arch: str | None) -> bool:
+    """``BertModel``-like (no task head; ``GPT2LMHeadModel`` has one)."""
+    return arch is None or (
+        arch.endswith("Model") and "For" not in arch and not arch.endswith("LMHeadModel")
+    )
+
+
+def _lm_head(arch: str | None) -> bool:
+    """A language-model head (``*ForCausalLM``, ``*LMHeadModel``, ``*ForConditionalGeneration``)."""
+    return bool(arch) and arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+
+
+def _load_hf(
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    num_labels: int | None,
+    seed: int,
+    label2id: Mapping[str, int] | None,
+    task: str | None = None,
+) -> LoadedModel:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    except ImportError as err:
+        raise MeasureError(
+            f"{folder} is a Hugging Face model folder, and loading it needs transformers: "
+            "pip install 'geosharp[hf]'"
+        ) from err
+    with quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except Exception as err:
+            raise MeasureError(f"cannot read the config of {folder}: {err}") from err
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = archs[0] if archs else None
+    notes = []
+    cls = getattr(transformers, arch, None) if arch else None
+    fresh_head = False
+    kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "eager"}
+    kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
+    if task in ("causal-lm", "seq2seq"):
+        from geosharp.measure.lm import model_class
+
+        cls = model_class(task, arch)
+    elif (
+        _is_base_architecture(arch) or cls is None or (task == "classification" and _lm_head(arch))
+    ):
+        if num_labels is None:
+            raise MeasureError(
+                f"{folder} holds a model without a task head (architectures: {archs or 'none'}); "
+                "pass --num-labels (or give data with a label column) so that a classification "
+                "head can be attached"
+            )
+        cls = AutoModelForSequenceClassification
+        kwargs["num_labels"] = num_labels
+        if label2id:
+            kwargs["label2id"] = dict(label2id)
+            kwargs["id2label"] = {v: k for k, v in label2id.items()}
+        fresh_head = True
+    elif num_labels is not None and num_labels != config.num_labels:
+        raise MeasureError(
+            f"{folder} has a head with {config.num_labels} labels but {num_labels} were asked "
+            "for (--num-labels); drop --num-labels or use a matching checkpoint"
+        )
+    torch.manual_seed(seed)  # a fresh head is drawn reproducibly
+    with quiet_transformers():
+        try:
+            model, info = cls.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+        except Exception as err:
+            raise MeasureError(
+                f"cannot load the model in {folder} as {cls.__name__}: {type(err).__name__}: {err}"
+            ) from err
+    if fresh_head:
+        notes.append(
+            f"the checkpoint has no classification head (architectures: {archs or 'none'}): "
+            f"a fresh head with {num_labels} labels was drawn (seed {seed}), so the measured "
+            "sharpness includes a random head"
+        )
+    elif task in ("causal-lm", "seq2seq") and info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        shown = ", ".join(missing[:4]) + (
+            f", … ({len(missing)} in all)" if len(missing) > 4 else ""
+        )
+        notes.append(
+            f"{folder} does not hold every weight of {type(model).__name__} (architectures: "
+            f"{archs or 'none'}): {shown} were drawn fresh (seed {seed}), so the measured "
+            "sharpness includes random weights"
+        )
+    if task in ("causal-lm", "seq2seq") and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # no key/value cache in the outputs: the loss needs none
+    tokenizer = None
+    with quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception:
+            tokenizer = None
+    cfg = model.config
+    lm = task in ("causal-lm", "seq2seq")
+    regression = not lm and (
+        getattr(cfg, "problem_type", None) == "regression" or cfg.num_labels == 1
+    )
+    return LoadedModel(
+        model=model.eval(),
+        kind="huggingface",
+        name=f"{folder} ({type(model).__name__})",
+        tokenizer=tokenizer,
+        num_labels=None if regression or lm else int(cfg.num_labels),
+        regression=regression,
+        label2id={}
+        if lm
+        else {str(k): int(v) for k, v in (getattr(cfg, "label2id", None) or {}).items()},
+        max_positions=getattr(cfg, "max_position_embeddings", None),
+        notes=notes,
+        task=task or "classification",
+    )
+
+
+def _load_file(path: Path) -> tuple[nn.Module, str, list[str]]:
+    notes = []
+    try:
+        script = torch.jit.load(str(path), map_location="cpu")
+    except Exception:
+        script = None
+    if script is not None:
+        notes.append(
+            "TorchScript erases the module classes, so no symmetry adapter can recognise "
+            "attention: every coordinate uses the adaptive geometry (geodesic = adaptive here). "
+            "Save the model with torch.save(model) or pass module:function + --weights to get "
+            "its symmetry blocks"
+        )
+        return TorchScriptModule(script), "torchscript", notes
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except (ModuleNotFoundError, AttributeError) as err:
+        raise MeasureError(
+            f"cannot unpickle the model in {path}: {err}. torch.save(model) stores a reference "
+            "to the model's class, which must be importable: run from the folder of its module, "
+            "add it to PYTHONPATH, or pass module:function + --weights"
+        ) from err
+    except Exception as err:
+        raise MeasureError(
+            f"cannot read {path} as a model: {type(err).__name__}: {err}. Expected a file "
+            "written by torch.save(model) or torch.jit.save"
+        ) from err
+    if isinstance(obj, nn.Module):
+        return obj, "torch.save", notes
+    if isinstance(obj, Mapping):
+        raise MeasureError(
+            f"{path} holds a state dict ({len(obj)} entries), not a model: pass the function "
+            f"that builds the model and the weights, e.g. `geosharp measure mymodule:build DATA "
+            f"--weights {path}`"
+        )
+    raise MeasureError(f"{path} holds a {type(obj).__name__}, not an nn.Module")
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise a clear error at once if ``spec`` is neither a path that exists nor module:function.
+
+    Raises:
+        MeasureError: If the model cannot be found.
+    """
+    if not Path(spec).expanduser().exists() and not _is_function_spec(spec):
+        raise MeasureError(
+            f"model not found: {spec!r} is neither an existing file or folder nor "
+            "module:function. Expected a Hugging Face model folder (with config.json), a file "
+            "written by torch.save(model) or torch.jit.save, or module:function with --weights"
+        )
+
+
+def load_model(
+    spec: str,
+    *,
+    weights: str | Path | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    num_labels: int | None = None,
+    label2id: Mapping[str, int] | None = None,
+    seed: int = 0,
+    task: str | None = None,
+    base: str | Path | None = None,
+) -> LoadedModel:
+    """Load a model from a Hugging Face folder, a saved file or ``module:function``.
+
+    Args:
+        spec: A folder with ``config.json``, a PEFT adapter folder (``adapter_config.json``),
+            a ``torch.save``/``torch.jit.save`` file, or ``module:function`` (called without
+            arguments, must return an ``nn.Module``).
+        weights: A state dict loaded (strictly) into the model.
+        device: Where to put the model.
+        dtype: Parameter dtype.
+        num_labels: For a Hugging Face model without a task head: the size of the fresh
+            classification head.
+        label2id: Names of the labels of such a head.
+        seed: Seed of a fresh head.
+        task: For a Hugging Face folder: ``"causal-lm"`` or ``"seq2seq"`` load it with its
+            language-model head (``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``);
+            ``None`` or ``"classification"``: its own class, or a classification head.
+        base: The base model folder of a PEFT adapter (default: the adapter config's
+            ``base_model_name_or_path``).
+
+    Returns:
+        A :class:`LoadedModel` in eval mode.
+
+    Raises:
+        MeasureError: If the model cannot be found or loaded.
+    """
+    device = resolve_device(str(device)) if not isinstance(device, torch.device) else device
+    dtype = resolve_dtype(dtype)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir() and (path / "adapter_config.json").is_file():
+            from geosharp.measure.lm import load_peft
+
+            loaded = load_peft(
+                path,
+                base=base,
+                dtype=dtype,
+                task=task,
+                num_labels=num_labels,
+                label2id=label2id,
+                seed=seed,
+            )
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise MeasureError(
+                    f"{path} is a folder without config.json (nor adapter_config.json): a "
+                    "Hugging Face model folder (save_pretrained) or a PEFT adapter folder is "
+                    "expected"
+                )
+            loaded = _load_hf(
+                path, dtype=dtype, num_labels=num_labels, seed=seed, label2id=label2id, task=task
+            )
+        else:
+            model, kind, notes = _load_file(path)
+            loaded = LoadedModel(model, kind, f"{path} ({type(model).__name__})", notes=notes)
+    elif _is_function_spec(spec):
+        build = import_callable(spec, "model builder")
+        torch.manual_seed(seed)
+        try:
+            model = build()
+        except Exception as err:
+            raise MeasureError(
+                f"the model builder {spec!r} failed: {type(err).__name__}: {err}"
+            ) from err
+        if not isinstance(model, nn.Module):
+            raise MeasureError(
+                f"the model builder {spec!r} returned a {type(model).__name__}, not an nn.Module"
+            )
+        loaded = LoadedModel(model, "module:function", f"{spec} ({type(model).__name__})")
+    else:
+        check_model_spec(spec)
+        raise AssertionError("unreachable")  # pragma: no cover
+    if weights is not None:
+        loaded.notes.extend(load_state_dict(loaded.model, weights))
+    elif loaded.kind == "module:function":
+        loaded.notes.append(
+            "no --weights given: the model is measured with the weights its builder returned"
+        )
+    try:
+        loaded.model.to(device=device, dtype=dtype)
+    except Exception as err:
+        raise MeasureError(f"cannot move the model to {device} / {dtype}: {err}") from err
+    loaded.model.eval()
+    return loaded
