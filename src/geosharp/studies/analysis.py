@@ -8,18 +8,26 @@ Nothing here draws or writes a file; :mod:`geosharp.studies.report` feeds the re
   the gap, its bootstrap CI and permutation p-value (:mod:`geosharp.stats`);
 - :func:`compare_with_paper`: sign and ordering of the paper's families (SPEC §7);
 - :func:`geodesic_vs_adaptive`: geodesic against adaptive sharpness on the same models
-  (paired Δτ with a CI and a verdict, see its docstring for what "stronger" means).
+  (paired Δτ with a CI) and :func:`paired_verdict` (what "stronger" means).
+
+Measure names are read with :mod:`geosharp.measure.names` (the grammar ``geosharp measure``
+uses): :func:`measure_family`, :func:`default_paper_match`, ``is_geodesic_main``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from geosharp.measure.names import (
+    default_paper_match,
+    is_geodesic_main,
+    measure_family,
+    parse_measure,
+)
 from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 from geosharp.studies.formatting import fmt, rho_key, rho_label
 
@@ -29,6 +37,7 @@ __all__ = [
     "OPTIONAL_MODEL_FIELDS",
     "Cell",
     "Family",
+    "PairedVerdict",
     "check_models",
     "collect",
     "compare_with_paper",
@@ -37,6 +46,7 @@ __all__ = [
     "family_of",
     "geodesic_vs_adaptive",
     "measure_family",
+    "paired_verdict",
     "paper_columns",
 ]
 
@@ -48,56 +58,6 @@ OPTIONAL_MODEL_FIELDS = ("train_loss", "test_loss", "train_err", "test_err")
 
 #: The kinds of rows of a τ table, in the order they are listed (a stable sort by kind).
 FAMILY_ORDER = ("sharpness", "relative flatness", "curvature")
-
-
-def measure_family(measure: str) -> str:
-    """The kind of a measure: ``"curvature"``, ``"relative flatness"`` or ``"sharpness"``.
-
-    Curvature rows (:func:`geosharp.curvature`, named like ``"geodesic-inv curvature
-    lambda_max"``) are their own family: no paper τ, listed after the sharpness measures.
-
-    Example:
-        >>> measure_family("adaptive curvature trace"), measure_family("adaptive worst l2")
-        ('curvature', 'sharpness')
-    """
-    name = re.sub(r"[\s_]+", "-", measure.strip().lower())
-    if re.search(r"(^|-)curvature(-|$)", name):
-        return "curvature"
-    if name == "relative-flatness":
-        return "relative flatness"
-    return "sharpness"
-
-
-def default_paper_match(measure: str) -> str | None:
-    """Map a measure name to the family label the paper reports it under (SPEC §7).
-
-    Names are compared case-insensitively with spaces and underscores read as hyphens.
-
-    Args:
-        measure: A measure name, e.g. ``"geodesic-inv-o2 worst l2"``.
-
-    Returns:
-        ``None`` for the "no corrected norm" ablation (``…-adaptivenorm``, not a paper
-        family) and for curvature (:func:`measure_family`; the paper reports sharpness only),
-        ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it starts with
-        "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
-
-    Example:
-        >>> default_paper_match("geodesic-inv-o2 worst l2"), default_paper_match("euclidean")
-        ('geodesic inv', None)
-        >>> default_paper_match("geodesic-inv curvature lambda_max") is None
-        True
-    """
-    name = re.sub(r"[\s_]+", "-", measure.strip().lower())
-    if "adaptivenorm" in name or measure_family(measure) == "curvature":
-        return None
-    if "adaptive" in name:
-        return "adaptive"
-    if name.startswith("geodesic-inv"):
-        return "geodesic inv"
-    if name.startswith("geodesic-mix"):
-        return "geodesic mix"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,9 +236,6 @@ def family_of(
     return label if label is not None and label in paper else None
 
 
-GEODESIC_MAIN = re.compile(r"^geodesic-(inv|mix)-o2 (worst|average) l2$")
-
-
 def geodesic_vs_adaptive(
     cells: dict[str, dict[float | None, Cell]],
     gaps: Mapping[str, float],
@@ -292,21 +249,23 @@ def geodesic_vs_adaptive(
     ``geodesic-{inv,mix}-o2 {worst,average} l2`` is compared with ``adaptive {worst,average}
     l2`` at the same position of their ρ grids (smallest with smallest, …; radii of different
     balls are not comparable, positions are): ``Δτ = τ_geo − τ_ada`` on the models that have
-    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau_difference`). The
-    direction that counts as "stronger" is the sign of the paper's τ for the geodesic family,
-    or of τ_geo when the study has no paper value.
+    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau_difference`), and a
+    verdict by :func:`paired_verdict` (which measure correlates more strongly with the gap in
+    the expected direction).
     """
     out: list[dict[str, object]] = []
     for name, by_rho in cells.items():
-        match = GEODESIC_MAIN.match(name)
-        base = f"adaptive {match.group(2)} l2" if match else None
-        if base is None or base not in cells:
+        if not is_geodesic_main(name):
+            continue
+        spec = parse_measure(name)
+        base = f"adaptive {spec.kind} l2"
+        if base not in cells:
             continue
         geo_rhos = sorted(by_rho, key=rho_key)
         ada_rhos = sorted(cells[base], key=rho_key)
         if len(geo_rhos) != len(ada_rhos):
             continue
-        family = f"geodesic {match.group(1)}"  # type: ignore[union-attr]
+        family = f"geodesic {spec.metric}"
         for k, (rg, ra) in enumerate(zip(geo_rhos, ada_rhos, strict=True)):
             cg, ca = by_rho[rg], cells[base][ra]
             va = dict(zip(ca.model_ids, ca.values, strict=True))
@@ -322,19 +281,8 @@ def geodesic_vs_adaptive(
             )
             tg = cg.summary.tau_a if cg.summary else math.nan
             ta = ca.summary.tau_a if ca.summary else math.nan
-            ref = float(paper[family]) if paper and family in paper else tg
-            sign = 1.0 if ref > 0 else -1.0
-            if not math.isfinite(d.ci_low):
-                verdict = "undefined"
-            else:  # in the expected direction: > 0 means the geodesic τ is stronger
-                lo, hi = sorted((sign * d.ci_low, sign * d.ci_high))
-                verdict = (
-                    "geodesic stronger"
-                    if lo > 0
-                    else "adaptive stronger"
-                    if hi < 0
-                    else "no clear difference (CI contains 0)"
-                )
+            paper_tau = float(paper[family]) if paper and family in paper else None
+            judged = paired_verdict(d.ci_low, d.ci_high, tg, ta, paper_tau)
             out.append(
                 {
                     "geodesic": name,
@@ -349,11 +297,100 @@ def geodesic_vs_adaptive(
                     "ci_low": d.ci_low,
                     "ci_high": d.ci_high,
                     "n_models": d.n_models,
-                    "direction": "negative" if sign < 0 else "positive",
-                    "verdict": verdict,
+                    "direction": judged.direction,
+                    "direction_from": judged.direction_from,
+                    "verdict": judged.verdict,
                 }
             )
     return out
+
+
+@dataclass(frozen=True)
+class PairedVerdict:
+    """What :func:`paired_verdict` concluded.
+
+    Attributes:
+        direction: ``"negative"`` or ``"positive"`` (the expected sign of τ), or ``"none"``.
+        direction_from: ``"paper"`` or ``"τ geodesic + τ adaptive"``.
+        verdict: ``"geodesic stronger"``, ``"adaptive stronger"`` (each possibly followed by
+            ``"; neither τ has the expected sign"``), ``"no clear difference (CI contains
+            0)"``, ``"undefined"`` or ``"undefined (no expected direction …)"``.
+    """
+
+    direction: str
+    direction_from: str
+    verdict: str
+
+
+def paired_verdict(
+    ci_low: float,
+    ci_high: float,
+    tau_geodesic: float,
+    tau_adaptive: float,
+    paper_tau: float | None = None,
+) -> PairedVerdict:
+    """Which of two measures correlates more strongly with the gap in the expected direction.
+
+    The verdict is read on ``s·τ``, the correlation in the expected direction ``s ∈ {−1, +1}``,
+    and its CI is ``s·[ci_low, ci_high]``, the paired bootstrap CI of ``Δτ = τ_geo − τ_ada``:
+
+    - ``s`` is the sign of the paper's τ for the geodesic family when the study has one
+      (``paper_tau``); otherwise the sign of ``τ_geo + τ_ada``, the direction the two
+      measures share on balance (so a τ near 0 cannot flip it: with ``τ_ada = −0.71`` the
+      direction is negative whether ``τ_geo`` is ``+0.01`` or ``−0.01``). When that sum is 0
+      (or not finite) there is no expected direction and the verdict is undefined.
+    - ``"geodesic stronger"`` when the whole CI of ``s·Δτ`` is above 0, ``"adaptive
+      stronger"`` when it is below 0, else ``"no clear difference (CI contains 0)"``.
+    - Where the stronger measure's ``s·τ`` is not positive (only possible with a paper
+      direction: both τ have the other sign), ``"; neither τ has the expected sign"`` is
+      added: the "stronger" one is only the less wrong.
+
+    So with no paper value, ``τ_ada = −0.3`` and ``τ_geo = +0.1`` give the negative direction
+    and, if the CI allows, "adaptive stronger": adaptive sharpness correlates with the gap
+    (−0.3) and geodesic sharpness does not in that direction (+0.1). When the direction comes
+    from the sum, or both τ have the expected sign, this is also the reading on ``|τ|``: the
+    measure called stronger has the larger ``|τ|`` (of the point estimates). With a paper
+    direction that one τ contradicts, the other is stronger whatever the sizes.
+
+    Args:
+        ci_low: Lower end of the CI of ``τ_geo − τ_ada`` (NaN: undefined).
+        ci_high: Upper end.
+        tau_geodesic: τ of the geodesic measure.
+        tau_adaptive: τ of the adaptive measure.
+        paper_tau: The paper's τ for the geodesic family, if any.
+
+    Example:
+        >>> paired_verdict(0.2, 0.6, 0.1, -0.3).verdict  # Δτ = τ_geo − τ_ada = +0.4
+        'adaptive stronger'
+        >>> paired_verdict(0.45, 0.98, 0.01, -0.71).verdict  # τ_geo ≈ 0: still negative
+        'adaptive stronger'
+        >>> paired_verdict(-0.1, 0.1, 0.0, 0.0).verdict
+        'undefined (no expected direction: τ geodesic + τ adaptive = 0 and no paper value)'
+    """
+    if paper_tau is not None and math.isfinite(paper_tau) and paper_tau != 0:
+        sign, source = math.copysign(1.0, paper_tau), "paper"
+    else:
+        total = tau_geodesic + tau_adaptive
+        source = "τ geodesic + τ adaptive"
+        if not math.isfinite(total) or total == 0:
+            reason = "τ undefined" if not math.isfinite(total) else "τ geodesic + τ adaptive = 0"
+            return PairedVerdict(
+                "none", source, f"undefined (no expected direction: {reason} and no paper value)"
+            )
+        sign = math.copysign(1.0, total)
+    direction = "negative" if sign < 0 else "positive"
+    if not (math.isfinite(ci_low) and math.isfinite(ci_high)):
+        return PairedVerdict(direction, source, "undefined")
+    lo, hi = sorted((sign * ci_low, sign * ci_high))
+    if lo > 0:
+        verdict, winner = "geodesic stronger", tau_geodesic
+    elif hi < 0:
+        verdict, winner = "adaptive stronger", tau_adaptive
+    else:
+        return PairedVerdict(direction, source, "no clear difference (CI contains 0)")
+    if not sign * winner > 0:
+        verdict += "; neither τ has the expected sign"
+    return PairedVerdict(direction, source, verdict)
 
 
 def compare_with_paper(

@@ -126,7 +126,7 @@ def _diff(old: str, new: str, name: str, limit: int) -> str:
 
 
 def compare_folder(
-    folder: str | Path, *, keep: str | Path | None = None, limit: int = 40
+    folder: str | Path, *, keep: str | Path | None = None, limit: int = 40, update: bool = False
 ) -> FolderCheck:
     """Rebuild the report of ``folder`` in a temporary copy and compare it with the committed one.
 
@@ -135,6 +135,9 @@ def compare_folder(
         keep: Build there instead (kept afterwards, e.g. to compare two regenerations byte for
             byte); default: a temporary folder, removed afterwards.
         limit: Most diff lines kept per file.
+        update: Copy the rebuilt report (``tau_table.md``, ``summary.json``, ``report.html`` and
+            the plots) over the committed one where it differs: after a change of the report
+            that the committed results should show.
     """
     from geosharp.studies.runner import report_from_folder
 
@@ -161,7 +164,19 @@ def compare_folder(
             check.differs[name] = _diff(
                 normalize(old, images=False), normalize(new, images=False), name, limit
             )
+        if update and check.differs:
+            _copy_report(dst, src)
     return check
+
+
+def _copy_report(built: Path, committed: Path) -> None:
+    for name in COMPARED:
+        shutil.copyfile(built / name, committed / name)
+    (committed / "plots").mkdir(exist_ok=True)
+    for png in sorted((built / "plots").glob("*.png")):
+        target = committed / "plots" / png.name
+        if not target.is_file() or target.read_bytes() != png.read_bytes():
+            shutil.copyfile(png, target)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,12 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("roots", nargs="*", default=["results"], help="folders to search")
     parser.add_argument("--limit", type=int, default=40, help="diff lines shown per file")
     parser.add_argument("--keep", help="build the reports under this folder and keep them")
+    parser.add_argument(
+        "--update", action="store_true", help="copy rebuilt reports over the committed ones"
+    )
     args = parser.parse_args(argv)
     bad = 0
     for root in args.roots:
         for folder in study_folders(root):
             keep = None if args.keep is None else Path(args.keep) / folder
-            check = compare_folder(folder, keep=keep, limit=args.limit)
+            check = compare_folder(folder, keep=keep, limit=args.limit, update=args.update)
             if check.identical:
                 state = "identical"
             elif check.same_numbers:

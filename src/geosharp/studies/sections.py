@@ -90,9 +90,10 @@ PAIRED_HEAD = [
 PAIRED_METHOD = (
     "Δτ = τ-a(geodesic) − τ-a(adaptive) on the same models, at the same position of the two ρ "
     "grids; [low, high] = {level:g} % paired percentile bootstrap CI (both τ recomputed on each "
-    "resample of the models). Stronger means larger |τ| in the direction of the paper's sign "
-    "for the geodesic family (of τ-geodesic when there is no paper value); a CI containing 0 "
-    "is no clear difference."
+    "resample of the models). Stronger: correlates more strongly with the gap in the expected "
+    "direction, i.e. the CI of s·Δτ lies above 0 (geodesic) or below 0 (adaptive), where s is "
+    "the sign of the paper's τ for the geodesic family or, with no paper value, the sign of "
+    "τ-geodesic + τ-adaptive; a CI containing 0 is no clear difference."
 )
 
 
