@@ -132,9 +132,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--eps",
         type=float,
         default=0.0,
-        help="damping ε of the Gram matrices GᵀG + εI of the symmetry blocks (default 0: the "
-        "measure is exactly invariant; if a block is reported singular, try about 1e-6 times "
-        "its typical squared weight)",
+        help="damping ε of the symmetry blocks' metrics: the geodesic measures invert the Gram "
+        "matrices GᵀG + εI of every GL(h) block (one per attention head's query-key and "
+        "value-output factors; also the diagonal-pair metrics). Default 0: exactly invariant. "
+        "Set it only if a measure fails because a block's Gram matrix is singular (a head "
+        "with rank-deficient weights, e.g. pruned or zero-initialized), to about 1e-6 times "
+        "the block's typical squared weight; the invariance then holds up to about that much",
     )
     m.add_argument(
         "--iters",

@@ -1,10 +1,12 @@
 """The self-contained HTML report of ``geosharp measure``, with the loss-ascent curves.
 
 One page (inline CSS, plots embedded as base64 PNG, drawn with matplotlib's Agg backend): the
-settings, the results table (curvature rows with their Hessian-vector products and the
-trace's standard error), the invariance self-check, the symmetry summary, the warnings and,
-for every worst-case measure, the loss rise ``L_S(w′_k) − L_S(w)`` at every Auto-PGD iterate
-``k`` of every batch, one panel per ρ.
+results table (curvature rows with their Hessian-vector products and the trace's standard
+error), the invariance self-check, the warnings, for every worst-case measure the loss rise
+``L_S(w′_k) − L_S(w)`` at every Auto-PGD iterate ``k`` of every batch (one panel per ρ), the
+symmetry summary, the coordinates in the adaptive geometry (a table of parameter patterns) and
+the settings, written as a person reads them (``none``, ``yes``, ``0.01, 0.1``; no JSON
+literals). Nothing scrolls sideways: long lines wrap.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
+import re
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,12 +30,35 @@ if TYPE_CHECKING:
 __all__ = ["write_html"]
 
 _CSS = """
-pre { background: #f7f7f7; border: 1px solid #e2e2e2; padding: .8em; overflow-x: auto;
-      font-size: .85em; }
+pre { background: #f7f7f7; border: 1px solid #e2e2e2; padding: .8em; font-size: .85em;
+      white-space: pre-wrap; overflow-wrap: anywhere; }
 .pass { color: #1a7f37; font-weight: bold; } .fail { color: #b42318; font-weight: bold; }
 .warn { color: #9a6700; }
+td.num, table.settings th { white-space: nowrap; }
+td.pattern { font-family: ui-monospace, monospace; font-size: .9em; overflow-wrap: anywhere; }
 figure { margin: 1.5em 0; }
 """
+
+#: How the settings table names the keys of ``MeasureReport.settings`` (others: ``_`` → space).
+_SETTING_LABELS = {
+    "model_kind": "model kind",
+    "task_reason": "why this task",
+    "batch_size": "batch size",
+    "max_length": "max length (tokens)",
+    "n_tokens": "predicted tokens",
+    "label_map": "text labels → class ids",
+    "model_info": "about the model",
+    "rhos": "radii ρ",
+    "steps": "Auto-PGD steps",
+    "eps": "ε (Gram-matrix damping)",
+    "check": "invariance self-check",
+    "n_params": "parameters",
+    "n_gl_heads": "GL(h) heads",
+    "n_diagonal_pairs": "diagonal pairs",
+    "n_symmetry_blocks": "symmetry blocks",
+    "n_group_factors": "group factors",
+}
+_NOTE_ROW = re.compile(r"^  (?P<pattern>\S+)\s+(?P<count>[\d,]+)$")
 
 
 def _num(x: float | None, digits: int = 5) -> str:
@@ -42,11 +68,62 @@ def _num(x: float | None, digits: int = 5) -> str:
 
 
 def _display(value: Any) -> str:
+    """A setting as a person reads it: no JSON literals (``null``, ``true``, brackets, quotes).
+
+    Example:
+        >>> _display(None), _display(True), _display([0.01, 0.1]), _display({"neg": 0, "pos": 1})
+        ('none', 'yes', '0.01, 0.1', 'neg → 0, pos → 1')
+        >>> _display({"iters": 50, "trace_method": "hutchinson"}), _display(3298)
+        ('iters 50, trace method hutchinson', '3,298')
+    """
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, str):
         return value
     if isinstance(value, float):
         return _num(value)
-    return json.dumps(value, ensure_ascii=False, default=str)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, Mapping):
+        if not value:
+            return "none"
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+            return ", ".join(f"{k} → {v}" for k, v in value.items())  # a label map
+        return ", ".join(f"{str(k).replace('_', ' ')} {_display(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(_display(v) for v in value) if value else "none"
+    return str(value)
+
+
+def _adaptive_html(note: str) -> str:
+    """The adaptive-geometry note as a paragraph and a table of parameter patterns.
+
+    Falls back to wrapped preformatted text if the note is not in
+    :func:`~geosharp.measure.core.adaptive_note`'s format.
+    """
+    e = html.escape
+    head, *lines = note.splitlines()
+    rows, more = [], ""
+    for line in lines:
+        m = _NOTE_ROW.match(line)
+        if m:
+            rows.append((m["pattern"], m["count"]))
+        elif line.startswith("  … ") and not more:
+            more = line.strip()
+        else:
+            return f"<pre>{e(note)}</pre>"
+    out = [f"<p>{e(head)}</p>"]
+    if rows:
+        out.append("<table><tr><th>parameters (layer index: *)</th><th>coordinates</th></tr>")
+        out += [
+            f"<tr><td class='pattern'>{e(p)}</td><td class='num'>{e(c)}</td></tr>" for p, c in rows
+        ]
+        if more:
+            out.append(f"<tr><td colspan='2'>{e(more)}</td></tr>")
+        out.append("</table>")
+    return "\n".join(out)
 
 
 def _curves_png(measure: str, rows: list[MeasureRow]) -> bytes:
@@ -189,11 +266,16 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
 
     out.append("<h2>Symmetries</h2>")
     out.append(f"<pre>{e(report.symmetry_summary)}</pre>")
-    out.append(f"<pre>{e(report.adaptive_note)}</pre>")
+    out.append("<h3>Adaptive geometry</h3>")
+    out.append(_adaptive_html(report.adaptive_note))
 
-    out.append("<h2>Settings</h2><table>")
+    out.append("<h2>Settings</h2><table class='settings'>")
     for key, value in report.settings.items():
-        out.append(f"<tr><th>{e(str(key))}</th><td>{e(_display(value))}</td></tr>")
+        label = _SETTING_LABELS.get(str(key), str(key).replace("_", " "))
+        out.append(
+            f"<tr><th title='{e(str(key))} in results.json'>{e(label)}</th>"
+            f"<td>{e(_display(value))}</td></tr>"
+        )
     out.append("</table>")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out += page_end(geosharp.__version__, stamp)
