@@ -29,6 +29,8 @@ lines = [
 ]
 for q in ("lambda_max", "trace"):
     for a, b in PAIRS:
+        if f"{a} curvature {q}" not in vals or f"{b} curvature {q}" not in vals:
+            continue  # a measure the study did not measure (Study 3: inv and adaptive only)
         s1, s2 = vals[f"{a} curvature {q}"], vals[f"{b} curvature {q}"]
         ids = sorted(set(s1) & set(s2))
         g, x1, x2 = [gap[m] for m in ids], [s1[m] for m in ids], [s2[m] for m in ids]

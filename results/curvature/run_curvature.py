@@ -13,6 +13,19 @@ prints how they compare with the committed ones.
         --out runs/curvature-diagonal
     OMP_NUM_THREADS=1 .venv/bin/python results/curvature/run_curvature.py vit-mnist \
         --out runs/curvature-vit-mnist
+
+``vit-mnist-diagnostics``: the diagnostics row (``ClassifierStudy.diagnose``, Study 2's middle
+radii, ``key_bias="quotient"`` as in Study 4) of every retrained ViT of ``--out`` (the folder
+of the ``vit-mnist`` run, with its checkpoints), into ``--out/diagnostics.csv`` (resumable).
+
+``minilm-text``: the 24 MiniLM fine-tunes of Study 3 retrained from their seeds (the
+checkpoints were not committed), each measured right after its fine-tune with the curvature
+part of Study 3 (``MINILM_CURVATURE``, see ``minilm-text/SETTINGS.md``) and its diagnostics row
+(``key_bias="quotient"``, on Study 3's two sharpness batches); then how the retrained models
+compare with the committed ``results/minilm-text`` (``comparison.json``). Resumable.
+
+    OMP_NUM_THREADS=1 .venv/bin/python results/curvature/run_curvature.py minilm-text \
+        --out runs/curvature-minilm-text
 """
 
 from __future__ import annotations
@@ -145,14 +158,121 @@ def vit_mnist(args: argparse.Namespace) -> None:
     (Path(args.out) / "comparison.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
+def vit_mnist_diagnostics(args: argparse.Namespace) -> None:
+    """The diagnostics of the retrained Study 2 ViTs of ``--out``."""
+    from geosharp.studies.classifier import diagnose_folder
+    from geosharp.studies.vit_mnist import ViTMNISTStudy
+
+    t0 = time.perf_counter()
+    n = diagnose_folder(
+        ViTMNISTStudy(),
+        args.out,
+        key_bias="quotient",
+        extra=lambda row: {"weight_decay": row["hparams"]["weight_decay"]},
+        log=lambda msg: print(msg, flush=True),
+    )
+    print(json.dumps({"diagnosed": n, "wall_s": time.perf_counter() - t0}), flush=True)
+
+
+def _compare_models(out: Path, committed: Path) -> dict:
+    """The retrained models of ``out`` against the committed ones: metrics equal bit for bit?"""
+    _, models_new, _ = _read(out / "study.sqlite")
+    _, models_old, _ = _read(committed / "study.sqlite")
+    old = {m: (json.loads(x), g) for m, x, g in models_old}
+    bit_exact, same_error, gap_diff, loss_diff = [], 0, [], []
+    for m, x, g in models_new:
+        metrics = json.loads(x)
+        o_metrics, o_gap = old[m]
+        if metrics == o_metrics:
+            bit_exact.append(m)
+        errors = [k for k in metrics if k.endswith("_error")]
+        same_error += all(metrics[k] == o_metrics[k] for k in errors)
+        gap_diff.append(abs(g - o_gap))
+        losses = [k for k in metrics if k.endswith("_loss")]
+        loss_diff += [abs(metrics[k] / o_metrics[k] - 1) for k in losses if o_metrics[k]]
+    return {
+        "models": len(models_new),
+        "models_bit_exact": len(bit_exact),
+        "models_with_the_committed_errors": same_error,
+        "largest_gap_difference": max(gap_diff, default=math.nan),
+        "median_gap_difference": sorted(gap_diff)[len(gap_diff) // 2] if gap_diff else None,
+        "largest_relative_loss_difference": max(loss_diff, default=math.nan),
+    }
+
+
+def minilm_text(args: argparse.Namespace) -> None:
+    """Study 3 retrained, each fine-tune measured (curvature, diagnostics) right after."""
+    from geosharp.studies.classifier import (
+        DIAGNOSTICS_FILE,
+        append_diagnostics,
+        curvature_specs,
+        read_diagnostics,
+    )
+    from geosharp.studies.minilm_text import MINILM_CURVATURE, MiniLMTextStudy
+    from geosharp.studies.runner import Shard
+
+    out = Path(args.out)
+
+    class CurvatureOnly(MiniLMTextStudy):
+        """Study 3 with curvature; this run measures only the curvature part of the plan.
+
+        A model's diagnostics row is computed when it is first loaded (as Study 4 does).
+        """
+
+        def plan(self):
+            return curvature_specs(self.curvature)
+
+        def load(self, row):
+            model = super().load(row)
+            if row["model_id"] not in read_diagnostics(out / DIAGNOSTICS_FILE):
+                t0 = time.perf_counter()
+                diag = self.diagnose(model, key_bias="quotient")
+                diag["weight_decay"] = row["hparams"]["weight_decay"]
+                diag["diagnostics_time_s"] = time.perf_counter() - t0
+                append_diagnostics(out / DIAGNOSTICS_FILE, row["model_id"], diag)
+            return model
+
+    study = CurvatureOnly().with_curvature(MINILM_CURVATURE)
+    n = study.cfg.n_models
+    t0 = time.perf_counter()
+    failures = []
+    for k in range(1, n + 1):  # one model at a time: fine-tune, then measure it
+        summary = run_study(study, out, progress=False, shard=Shard(k, n), report=False)
+        failures += summary.failures
+        print(f"model {k}/{n} done at {time.perf_counter() - t0:.0f} s", flush=True)
+    wall = time.perf_counter() - t0
+    with sqlite3.connect(out / "study.sqlite") as conn:
+        train = [t for (t,) in conn.execute("select train_time_s from models")]
+        curv = [t for (t,) in conn.execute("select time_s from measurements")]
+    diag = read_diagnostics(out / DIAGNOSTICS_FILE)
+    info = {
+        "wall_s": wall,
+        "failures": failures,
+        "training_s": sum(train),
+        "curvature_s": sum(curv),
+        "diagnostics_s": sum(d.get("diagnostics_time_s", 0.0) for d in diag.values()),
+        **_compare_models(out, RESULTS / "minilm-text"),
+    }
+    print(json.dumps(info, indent=2))
+    (out / "comparison.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
 def main() -> None:
     """Parse the arguments and run."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=("diagonal", "vit-mnist"))
+    ap.add_argument(
+        "study", choices=("diagonal", "vit-mnist", "vit-mnist-diagnostics", "minilm-text")
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    {"diagonal": diagonal, "vit-mnist": vit_mnist}[args.study](args)
+    run = {
+        "diagonal": diagonal,
+        "vit-mnist": vit_mnist,
+        "vit-mnist-diagnostics": vit_mnist_diagnostics,
+        "minilm-text": minilm_text,
+    }
+    run[args.study](args)
 
 
 if __name__ == "__main__":

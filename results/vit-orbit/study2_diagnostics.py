@@ -4,9 +4,9 @@ Study 2's checkpoints were not kept. Its training is deterministic in each model
 model can be retrained and checked against its stored train/test error (bit-exact training
 reproduces them). For the first ``K`` models of ``results/vit-mnist`` this retrains the model,
 checks the errors, and writes the same diagnostics row Study 4 computes
-(``VitOrbitStudy.diagnose``: orbit position of every head and the ascent optima of adaptive ℓ2
-and geodesic inv at Study 2's middle radii, with ``key_bias="quotient"`` as in Study 4) to
-``results/vit-orbit/study2_diagnostics.csv``.
+(``ClassifierStudy.diagnose``, the method ``VitOrbitStudy`` uses: orbit position of every head
+and the ascent optima of adaptive ℓ2 and geodesic inv at Study 2's middle radii, with
+``key_bias="quotient"`` as in Study 4) to ``results/vit-orbit/study2_diagnostics.csv``.
 
 Usage: ``python results/vit-orbit/study2_diagnostics.py [K]`` (default 6).
 """
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
 from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
 from geosharp.studies.vit_orbit import append_diagnostics, read_diagnostics
 
@@ -34,7 +33,6 @@ def main(k: int) -> None:
     """Retrain and diagnose the first ``k`` models of Study 2."""
     torch.set_num_threads(1)
     study = ViTMNISTStudy(ViTMNISTConfig())
-    cfg = study.cfg
     with sqlite3.connect(STUDY2) as conn:
         stored = {
             mid: (json.loads(h), json.loads(m))
@@ -51,29 +49,7 @@ def main(k: int) -> None:
         model = study.build()
         model.load_state_dict(state)
         model.float().eval()
-        ascents = {
-            "adaptive_l2": ascent_diagnostics(
-                model,
-                study.loss_fn,
-                study.batches(),
-                measure="adaptive",
-                rho=cfg.rhos_adaptive_l2[1],
-                steps=cfg.steps,
-                key_bias="quotient",
-            ),
-            "inv": ascent_diagnostics(
-                model,
-                study.loss_fn,
-                study.batches(),
-                measure="geodesic",
-                metric="inv",
-                order=2,
-                rho=cfg.rhos_inv[1],
-                steps=cfg.steps,
-                key_bias="quotient",
-            ),
-        }
-        row = summary_row(balance(model, key_bias="quotient"), ascents)
+        row = study.diagnose(model, key_bias="quotient")
         row["reproduced_errors"] = float(same)
         row["weight_decay"] = hp["weight_decay"]
         row["time_s"] = time.perf_counter() - t0

@@ -21,10 +21,18 @@ module only says what is its own (data, model, batches, learning-rate schedule):
   SPEC §9) for geodesic inv and mix, adaptive and Euclidean curvature, no ρ.
   ``study.with_curvature()`` adds them to the plan and records the :class:`CurvaturePlan` in
   the study's config; without it the plan and the config are those of the committed results.
+* **Diagnostics** (issue 14) — :meth:`ClassifierStudy.diagnose` and :func:`diagnose_folder`:
+  per model, the orbit position of every attention head
+  (:func:`geosharp.estimators.diagnostics.balance`) and the Auto-PGD optima of adaptive ℓ2 and
+  geodesic inv at the middle ρ of their grids (budget split, order-2 displacement:
+  :func:`~geosharp.estimators.diagnostics.ascent_diagnostics`), one row per model in the
+  folder's ``diagnostics.csv``, which the study report turns into a section. Study 4
+  (:mod:`geosharp.studies.vit_orbit`) computes its rows with the same method.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import time
 from abc import abstractmethod
@@ -39,19 +47,25 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from geosharp._io import torch_save_atomically
+from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
 from geosharp.studies.runner import MeasureSpec, Study
 from geosharp.studies.store import Store
 
 __all__ = [
     "CALIBRATION_TARGET",
     "CLASSIFIER_CURVATURE",
+    "DIAGNOSTICS_FILE",
+    "DIAGNOSTIC_FAMILIES",
     "RADIUS_FAMILIES",
     "ClassifierStudy",
     "CurvaturePlan",
+    "append_diagnostics",
     "calibrate_rhos",
     "curvature_specs",
+    "diagnose_folder",
     "grids_text",
     "half_decade_grid",
+    "read_diagnostics",
     "save_atomically",
     "standard_plan",
 ]
@@ -202,6 +216,8 @@ class ClassifierStudy(Study):
     head: str = "head"
     #: Hyperparameters drawn uniformly from the config range of the same name, after dropout.
     extra_uniform: tuple[str, ...] = ()
+    #: The curvature plan of :meth:`with_curvature` without an argument.
+    default_curvature: CurvaturePlan = CLASSIFIER_CURVATURE
     #: The opt-in curvature part of the plan (:meth:`with_curvature`); ``None``: none.
     curvature: CurvaturePlan | None = None
 
@@ -270,7 +286,7 @@ class ClassifierStudy(Study):
         )
 
     def with_curvature(self, plan: CurvaturePlan | None = None) -> ClassifierStudy:
-        """Add the curvature rows to the plan (default :data:`CLASSIFIER_CURVATURE`).
+        """Add the curvature rows to the plan (default :attr:`default_curvature`).
 
         The plan is recorded in :meth:`config` under ``"curvature"``, so a folder measured
         without curvature is refused unless reused with ``force`` (its rows are kept, and
@@ -279,7 +295,7 @@ class ClassifierStudy(Study):
         Returns:
             The study itself.
         """
-        self.curvature = plan or CLASSIFIER_CURVATURE
+        self.curvature = plan or self.default_curvature
         return self
 
     # -- Study interface -----------------------------------------------------------------------
@@ -419,12 +435,152 @@ class ClassifierStudy(Study):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
         return F.cross_entropy(logits, targets)
 
+    def diagnose(
+        self,
+        model: nn.Module,
+        *,
+        key_bias: str | None = None,
+        batches: list[tuple[Any, Any]] | None = None,
+    ) -> dict[str, float]:
+        """The diagnostics row of one model: orbit position, ascent optima at the middle ρ.
+
+        For every family of :data:`DIAGNOSTIC_FAMILIES` (adaptive ℓ2, geodesic inv at order 2)
+        the worst-case ℓ2 ascent of the plan is re-run at the middle ρ of the config's grid
+        ``rhos_<key>`` with the config's ``steps`` (the same Auto-PGD as the study's row, so
+        ``<key>_value`` is that sharpness) and its optimum inspected; with the orbit position
+        of every head (:func:`~geosharp.estimators.diagnostics.balance`) it makes one row
+        (:func:`~geosharp.estimators.diagnostics.summary_row`).
+
+        Args:
+            model: The trained model (never written).
+            key_bias: ``"quotient"`` or ``"keep"`` (default: the study's ``key_bias``).
+            batches: Sharpness batches (default: :meth:`batches`).
+
+        Returns:
+            Column → value.
+        """
+        c = self.cfg
+        kb = self.key_bias if key_bias is None else key_bias
+        data = self.batches() if batches is None else batches
+        ascents = {}
+        for key, family in DIAGNOSTIC_FAMILIES.items():
+            grid = getattr(c, f"rhos_{key}")
+            ascents[key] = ascent_diagnostics(
+                model,
+                self.loss_fn,
+                data,
+                rho=grid[len(grid) // 2],
+                steps=c.steps,
+                key_bias=kb,
+                **family,
+            )
+        return summary_row(balance(model, key_bias=kb), ascents)
+
     def plan(self) -> list[MeasureSpec]:
         """Every measure of the study at its three ρ (:func:`standard_plan`), then curvature."""
         specs = standard_plan(self.cfg, head=self.head)
         if self.curvature is not None:
             specs += curvature_specs(self.curvature)
         return specs
+
+
+#: Worst-case ℓ2 measures whose Auto-PGD optimum :meth:`ClassifierStudy.diagnose` inspects, at
+#: the middle ρ of the config's grid ``rhos_<key>`` (key → measure keywords).
+DIAGNOSTIC_FAMILIES: dict[str, dict[str, Any]] = {
+    "adaptive_l2": {"measure": "adaptive"},
+    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
+}
+
+#: Name of the per-model diagnostics file in a study folder (the study report shows it).
+DIAGNOSTICS_FILE = "diagnostics.csv"
+
+
+def read_diagnostics(path: str | Path) -> dict[str, dict[str, float]]:
+    """``model_id`` → its diagnostics (complete rows only; a missing file is empty)."""
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    with p.open(newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        for row in reader:
+            if None in row or any(v is None for v in row.values()):
+                continue  # a torn last line
+            try:
+                out[row["model_id"]] = {
+                    k: float(v) for k, v in row.items() if k != "model_id" and v != ""
+                }
+            except ValueError:
+                continue
+    return out
+
+
+def append_diagnostics(path: str | Path, model_id: str, values: dict[str, float]) -> None:
+    """Append one model's row (the header is written with the first row)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    new = not p.is_file() or p.stat().st_size == 0
+    if new:
+        header = ["model_id", *values]
+    else:
+        with p.open(newline="", encoding="utf-8") as fh:
+            header = next(csv.reader(fh))
+    with p.open("a", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore", restval="")
+        if new:
+            w.writeheader()
+        w.writerow({"model_id": model_id, **{k: repr(float(v)) for k, v in values.items()}})
+        fh.flush()
+
+
+def diagnose_folder(
+    study: ClassifierStudy,
+    out_dir: str | Path,
+    *,
+    key_bias: str | None = None,
+    path: str | Path | None = None,
+    extra: Callable[[dict[str, Any]], dict[str, float]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> int:
+    """The diagnostics row of every analysed model of a study folder (resumable).
+
+    Every stored model that the study includes and whose checkpoint is in ``out_dir`` and
+    that has no row yet is loaded (:meth:`ClassifierStudy.load`), diagnosed
+    (:meth:`ClassifierStudy.diagnose`) and appended to ``path`` with its
+    ``diagnostics_time_s`` and the columns of ``extra(model_row)``.
+
+    Args:
+        study: The study of the folder.
+        out_dir: The folder (``study.sqlite`` and the checkpoints).
+        key_bias: Passed to :meth:`ClassifierStudy.diagnose`.
+        path: The CSV (default ``out_dir / "diagnostics.csv"``).
+        extra: More columns of a model's row (e.g. its weight decay).
+        log: Called with one line per model.
+
+    Returns:
+        The number of rows written.
+    """
+    out = Path(out_dir)
+    target = Path(path) if path is not None else out / DIAGNOSTICS_FILE
+    with Store(out / "study.sqlite", None, None) as store:
+        rows = sorted(store.models(), key=lambda r: r["model_id"])
+    written = 0
+    for row in rows:
+        if not study.included(row) or not row.get("checkpoint"):
+            continue
+        if row["model_id"] in read_diagnostics(target):
+            continue
+        row = {**row, "checkpoint_path": str(out / row["checkpoint"])}
+        t0 = time.perf_counter()
+        values = study.diagnose(study.load(row), key_bias=key_bias)
+        if extra is not None:
+            values.update(extra(row))
+        values["diagnostics_time_s"] = time.perf_counter() - t0
+        append_diagnostics(target, row["model_id"], values)
+        written += 1
+        if log is not None:
+            log(f"{row['model_id']} diagnosed in {values['diagnostics_time_s']:.1f} s")
+    return written
 
 
 #: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates

@@ -74,11 +74,12 @@ from geosharp.models.hf import quiet_transformers
 from geosharp.studies.classifier import (
     RADIUS_FAMILIES,
     ClassifierStudy,
+    CurvaturePlan,
     grids_text,
     half_decade_grid,
 )
 
-__all__ = ["PAPER_TAU", "MiniLMTextConfig", "MiniLMTextStudy"]
+__all__ = ["MINILM_CURVATURE", "PAPER_TAU", "MiniLMTextConfig", "MiniLMTextStudy"]
 
 #: Kendall τ of the paper's analogous population, BERT fine-tuned on MNLI (SPEC §7).
 PAPER_TAU = {"adaptive": 0.06, "geodesic inv": 0.28, "geodesic mix": 0.38}
@@ -86,6 +87,18 @@ PAPER_TAU = {"adaptive": 0.06, "geodesic inv": 0.28, "geodesic mix": 0.38}
 PAPER_TAU_RELATIVE_FLATNESS = -0.09
 
 _EMBEDDINGS = "bert.embeddings."
+
+#: The curvature part of Study 3 (``with_curvature()``), fixed from the costs on the pilot
+#: ``minilm-000`` before any curvature τ (``results/curvature/minilm-text/SETTINGS.md``): one
+#: Hessian-vector product of MiniLM costs ≈ 1.5–3 s per batch of 16 on one loaded core, and
+#: every row ≈ 5.5 s more, so Study 2's plan (four measures, ≤ 50 Lanczos iterations, 20 probes)
+#: would cost ≈ 5.5 min per model. To fit the 24 retrained fine-tunes in the time, only geodesic
+#: inv and adaptive are measured (the issue-14 comparison), λ_max with ≤ 5 Lanczos iterations
+#: (pilot: 0.1 % and 3.8 % below the converged values) and the trace with 2 Hutchinson probes
+#: per batch (pilot standard error at 10 probes 5 % and 9 %, so ≈ 12 % and 21 % at 2).
+MINILM_CURVATURE = CurvaturePlan(
+    measures=(("geodesic", "inv"), ("adaptive", "")), iters=5, tol=1e-3, probes=2
+)
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,7 @@ class MiniLMTextStudy(ClassifierStudy):
     eval_split = "heldout"
     activity = "fine-tuning"
     head = "classifier"
+    default_curvature = MINILM_CURVATURE
 
     def __init__(self, cfg: MiniLMTextConfig | None = None) -> None:
         super().__init__(cfg or MiniLMTextConfig())

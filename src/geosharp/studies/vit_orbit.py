@@ -43,7 +43,6 @@ the study existed).
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
@@ -59,8 +58,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from geosharp._io import atomic_write_text
-from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
-from geosharp.studies.classifier import half_decade_grid, rho_rule_grid
+from geosharp.studies.classifier import (
+    DIAGNOSTIC_FAMILIES,
+    DIAGNOSTICS_FILE,
+    append_diagnostics,
+    half_decade_grid,
+    read_diagnostics,
+    rho_rule_grid,
+)
 from geosharp.studies.runner import MeasureSpec
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import ViTMNISTStudy
@@ -85,8 +90,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "average_inv": {"measure": "geodesic", "metric": "inv", "order": 2, "kind": "average"},
 }
 
-#: Worst-case measures whose Auto-PGD optimum is inspected (diagnostics), at the middle ρ.
-ASCENT_DIAGNOSTICS = ("adaptive_l2", "inv")
+#: Worst-case measures whose Auto-PGD optimum is inspected (diagnostics), at the middle ρ: those
+#: of ``ClassifierStudy.diagnose`` (``geosharp.studies.classifier.DIAGNOSTIC_FAMILIES``).
+ASCENT_DIAGNOSTICS = tuple(DIAGNOSTIC_FAMILIES)
 
 #: Paired comparisons of the analysis: geodesic measure → its adaptive counterpart (family keys).
 PAIRS = (
@@ -335,23 +341,6 @@ class VitOrbitStudy(ViTMNISTStudy):
             append_diagnostics(out / DIAGNOSTICS_FILE, row["model_id"], diag)
         return model
 
-    def diagnose(self, model: nn.Module) -> dict[str, float]:
-        """The diagnostics row of one model (orbit position; ascent optima at the middle ρ)."""
-        c = self.cfg
-        ascents = {}
-        for key in ASCENT_DIAGNOSTICS:
-            grid = getattr(c, f"rhos_{key}")
-            ascents[key] = ascent_diagnostics(
-                model,
-                self.loss_fn,
-                self.batches(),
-                rho=grid[len(grid) // 2],
-                steps=c.steps,
-                key_bias=self.key_bias,
-                **FAMILIES[key],
-            )
-        return summary_row(balance(model, key_bias=self.key_bias), ascents)
-
     # -- report ---------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         """Settings shown in the report."""
@@ -399,51 +388,6 @@ class VitOrbitStudy(ViTMNISTStudy):
             "expected sign (τ < 0) of the paired comparison",
             "seed": c.seed,
         }
-
-
-# ---------------------------------------------------------------------------------------------
-# the diagnostics file
-# ---------------------------------------------------------------------------------------------
-#: Name of the per-model diagnostics file in a study folder (the report shows it).
-DIAGNOSTICS_FILE = "diagnostics.csv"
-
-
-def read_diagnostics(path: str | Path) -> dict[str, dict[str, float]]:
-    """``model_id`` → its diagnostics (complete rows only; a missing file is empty)."""
-    p = Path(path)
-    if not p.is_file():
-        return {}
-    out: dict[str, dict[str, float]] = {}
-    with p.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        for row in reader:
-            if None in row or any(v is None for v in row.values()):
-                continue  # a torn last line
-            try:
-                out[row["model_id"]] = {
-                    k: float(v) for k, v in row.items() if k != "model_id" and v != ""
-                }
-            except ValueError:
-                continue
-    return out
-
-
-def append_diagnostics(path: str | Path, model_id: str, values: dict[str, float]) -> None:
-    """Append one model's row (the header is written with the first row)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    new = not p.is_file() or p.stat().st_size == 0
-    if new:
-        header = ["model_id", *values]
-    else:
-        with p.open(newline="", encoding="utf-8") as fh:
-            header = next(csv.reader(fh))
-    with p.open("a", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore", restval="")
-        if new:
-            w.writeheader()
-        w.writerow({"model_id": model_id, **{k: repr(float(v)) for k, v in values.items()}})
-        fh.flush()
 
 
 # ---------------------------------------------------------------------------------------------
