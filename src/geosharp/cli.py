@@ -109,15 +109,11 @@ def _diagonal_study(args: argparse.Namespace):
 
 
 def _threads_and_overrides(args: argparse.Namespace, name: str) -> dict:
-    """Shared options of the transformer studies: threads, --models, --seed; no --rho."""
-    if args.rho is not None:
-        raise ValueError(
-            f"{name} measures every measure on its own ρ grid (fixed by its ρ rule, listed in "
-            "the report's settings); --rho is not supported"
-        )
+    """Shared options of the transformer studies: threads, --models, --seed.
+
+    (``--rho`` and ``--population`` were refused before, by :func:`_check_study_options`.)
+    """
     set_threads(args.threads)
-    if getattr(args, "population", None) is not None:
-        raise ValueError(f"--population is an option of the diagonal study, not of {name}")
     overrides = {"seed": args.seed}
     if args.models is not None:
         overrides["n_models"] = args.models
@@ -159,6 +155,28 @@ def _vit_orbit_study(args: argparse.Namespace):
     return VitOrbitStudy(cfg)
 
 
+#: Options of ``geosharp study`` that only some studies take: option → (the studies that take
+#: it, why the others do not). Checked before any work (:func:`_check_study_options`).
+STUDY_ONLY_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "rho": (
+        ("diagonal",),
+        "the transformer studies fix one ρ grid per measure by their ρ rule (listed in the "
+        "report's settings)",
+    ),
+    "population": (("diagonal",), "the other studies have one population"),
+}
+
+
+def _check_study_options(args: argparse.Namespace) -> None:
+    """Refuse, in one line and before any work, an option the chosen study does not take."""
+    for option, (studies, why) in STUDY_ONLY_OPTIONS.items():
+        if getattr(args, option, None) is not None and args.name not in studies:
+            raise ValueError(
+                f"--{option} is an option of the {' and '.join(studies)} study only, not of "
+                f"{args.name}: {why}"
+            )
+
+
 #: ``geosharp study NAME``: name → (help text, factory building the Study from the arguments).
 STUDIES = {
     "diagonal": ("paper's Study 1: diagonal linear networks", _diagonal_study),
@@ -170,6 +188,13 @@ STUDIES = {
     ),
 }
 
+
+_CURVATURE_HELP = (
+    "also measure the study's opt-in curvature part: λ_max and trace of the loss Hessian "
+    "(geodesic inv and mix, adaptive, Euclidean; no ρ), reported as their own rows beside the "
+    "sharpness measures. Recorded in the study's configuration: adding it to a folder "
+    "measured without it needs --force (its rows are kept, only the curvature rows are added)"
+)
 
 _LIBRARY_THREADS_HELP = (
     "CPU threads of torch and NumPy's BLAS (default: the libraries' own; statistics and plots only)"
@@ -209,8 +234,9 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         default=None,
-        help="radii of the diagonal study (default: 0.001 0.01 0.1); the transformer studies fix "
-        "one ρ grid per measure by their ρ rule and do not take --rho",
+        metavar="RHO",
+        help="diagonal only: its radii (default: 0.001 0.01 0.1). vit-mnist, minilm-text and "
+        "vit-orbit fix one ρ grid per measure by their ρ rule and refuse --rho",
     )
     s.add_argument("--seed", type=int, default=0, help="seed of data and population")
     s.add_argument(
@@ -220,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
         help="diagonal only: alpha (Study 1, the default) or sgd-batch (the second population)",
     )
     s.add_argument("--quick", action="store_true", help="a tiny configuration (seconds)")
+    s.add_argument("--curvature", action="store_true", help=_CURVATURE_HELP)
     s.add_argument(
         "--force",
         action="store_true",
@@ -250,6 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--models", type=int, default=None, help="as given to geosharp study")
     t.add_argument("--seed", type=int, default=0, help="as given to geosharp study")
     t.add_argument("--quick", action="store_true", help="as given to geosharp study")
+    t.add_argument("--curvature", action="store_true", help="as given to geosharp study")
     t.add_argument(
         "--threads",
         type=int,
@@ -265,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
         help="scale a of the group elements, log-uniform per model (default: 0.1 10)",
     )
     t.add_argument("--test-seed", type=int, default=0, help="seed of the group elements")
-    t.set_defaults(rho=None)
+    t.set_defaults(rho=None, population=None)
     r = sub.add_parser(
         "report",
         help="rebuild results.csv and report.html of a study folder",
@@ -319,8 +347,12 @@ def _check_requirements(name: str) -> None:
 
 
 def _make_study(args: argparse.Namespace):
+    _check_study_options(args)
     _check_requirements(args.name)
-    return STUDIES[args.name][1](args)
+    study = STUDIES[args.name][1](args)
+    if getattr(args, "curvature", False):
+        study.with_curvature()  # the study's own default curvature plan
+    return study
 
 
 def main(argv: Sequence[str] | None = None) -> int:
