@@ -332,7 +332,8 @@ def _execute(args: argparse.Namespace) -> int:
     from geosharp.measure.checks import flush_unrepresentable
     from geosharp.measure.data_files import _columns, data_kind, infer_num_labels, read_table
     from geosharp.measure.data_loading import load_data
-    from geosharp.measure.lm import detect_task, load_lm_data, load_seq2seq_data
+    from geosharp.measure.lm import load_lm_data, load_seq2seq_data
+    from geosharp.measure.lm_tasks import detect_task
     from geosharp.measure.losses import resolve_loss
     from geosharp.measure.model_loading import check_model_spec, load_model
     from geosharp.measure.resolve import import_callable, resolve_device, resolve_dtype

@@ -2,7 +2,7 @@
 
 Models: a Hugging Face model folder (``config.json``; loaded offline with
 ``attn_implementation="eager"``), a PEFT adapter folder (``adapter_config.json``, loaded on its
-base model folder, see :mod:`~geosharp.measure.lm`), a file written by ``torch.jit.save`` or
+base model folder, see :mod:`~geosharp.measure.lm_tasks`), a file written by ``torch.jit.save`` or
 ``torch.save(model)``, or ``module:function`` (``package.module:build`` or
 ``path/to/file.py:build``) that builds the model, optionally with a state dict (``--weights``;
 ``.pt``/``.pth``/``.bin`` or ``.safetensors``). :func:`load_model` returns a
@@ -261,7 +261,7 @@ def _load_hf(
     kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "eager"}
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
     if task in ("causal-lm", "seq2seq"):
-        from geosharp.measure.lm import model_class
+        from geosharp.measure.lm_tasks import model_class
 
         cls = model_class(task, arch)
     elif (
@@ -431,7 +431,7 @@ def load_model(
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir() and (path / "adapter_config.json").is_file():
-            from geosharp.measure.lm import load_peft
+            from geosharp.measure.lm_tasks import load_peft
 
             loaded = load_peft(
                 path,
