@@ -170,8 +170,11 @@ def compare_folder(
 
 
 def _copy_report(built: Path, committed: Path) -> None:
+    """Copy what differs (beyond time and version) from ``built`` over ``committed``."""
     for name in COMPARED:
-        shutil.copyfile(built / name, committed / name)
+        old = (committed / name).read_text(encoding="utf-8")
+        if normalize(old) != normalize((built / name).read_text(encoding="utf-8")):
+            shutil.copyfile(built / name, committed / name)
     (committed / "plots").mkdir(exist_ok=True)
     for png in sorted((built / "plots").glob("*.png")):
         target = committed / "plots" / png.name

@@ -1,4 +1,4 @@
-"""The figures of a study report: one scatter plot of sharpness against gap per measure.
+"""The figures of a study report: one figure per measure, its values against the gap per ρ.
 
 matplotlib's Agg canvas is used directly (no display, no global pyplot state).
 """
@@ -8,19 +8,113 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from geosharp._io import atomic_write_bytes
+from geosharp.measure.names import measure_family
 from geosharp.studies.analysis import Cell
 from geosharp.studies.formatting import fmt, rho_key, rho_label
 
-__all__ = ["log_x", "plot_measure"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["log_x", "measure_figure", "plot_measure", "value_label"]
 
 
 def log_x(values: np.ndarray) -> bool:
     """Log axis when every value is positive and they span more than two decades."""
     return bool(values.size) and bool(np.all(values > 0)) and values.max() / values.min() > 100.0
+
+
+#: How a curvature quantity (the last word of its name) is written on an axis.
+_QUANTITY = {"lambda_max": "λ_max", "lambda_min": "λ_min", "trace": "trace"}
+
+
+def value_label(measure: str) -> str:
+    """What the x axis of a measure's plot shows: sharpness, curvature λ_max/trace, or flatness.
+
+    Example:
+        >>> value_label("adaptive worst l2"), value_label("relative_flatness")
+        ('sharpness', 'relative flatness')
+        >>> value_label("geodesic-inv curvature lambda_max")
+        'curvature λ_max (geodesic-inv)'
+    """
+    family = measure_family(measure)
+    if family == "relative flatness":
+        return "relative flatness"
+    if family == "curvature":
+        head, _, quantity = measure.rpartition(" ")
+        of = head.replace("curvature", "").strip()
+        text = f"curvature {_QUANTITY.get(quantity, quantity)}"
+        return f"{text} ({of})" if of else text
+    return "sharpness"
+
+
+def _panel_title(rho: float | None, cell: Cell) -> str:
+    s = cell.summary
+    tau = f"τ-a = {fmt(s.tau_a)}" if s is not None and s.defined else "τ undefined"
+    return tau if rho is None else f"{rho_label(rho)}: {tau}"
+
+
+def measure_figure(
+    measure: str,
+    by_rho: dict[float | None, Cell],
+    gaps: Mapping[str, float],
+    gap_label: str,
+) -> Figure:
+    """A measure's values against the gap, as a matplotlib figure (Agg canvas, no display).
+
+    One panel per ρ, side by side with a shared gap axis: the values at different radii
+    differ by orders of magnitude, so each panel has its own x axis (every panel logarithmic
+    when all values are positive and some panel's span more than two decades,
+    :func:`log_x`). A measure without a radius (curvature, relative flatness) has one panel,
+    titled with its τ only. The x axis names what is plotted (:func:`value_label`).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "write_report draws its scatter plots with matplotlib; install it "
+            "(pip install matplotlib)"
+        ) from err
+    rhos = sorted(by_rho, key=rho_key)
+    n = max(1, len(rhos))
+    width = 5.0 if n == 1 else min(11.0, 1.0 + 3.4 * n)
+    fig = Figure(figsize=(width, 3.9), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, n, sharey=True, squeeze=False)[0]
+    points = []
+    for rho in rhos:
+        cell = by_rho[rho]
+        x = np.asarray(cell.values, dtype=float)
+        y = np.asarray([gaps[m] for m in cell.model_ids], dtype=float)
+        ok = np.isfinite(x) & np.isfinite(y)
+        points.append((x[ok], y[ok]))
+    # One rule for every panel of a figure: logarithmic x when every value is positive and
+    # some panel spans more than two decades.
+    positive = all(bool(np.all(x > 0)) for x, _ in points)
+    log = positive and any(log_x(x) for x, _ in points)
+    all_y: list[float] = []
+    for k, (ax, rho, (x, y)) in enumerate(zip(axes, rhos, points, strict=False)):
+        cell = by_rho[rho]
+        all_y.extend(y.tolist())
+        ax.scatter(x, y, s=18, color=f"C{k % 10}", alpha=0.8)
+        if log and x.size:
+            ax.set_xscale("log")
+        if not x.size:
+            ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(_panel_title(rho, cell), fontsize=9)
+        ax.set_xlabel(value_label(measure), fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    if log_x(np.asarray(all_y)):
+        axes[0].set_yscale("log")
+    axes[0].set_ylabel(gap_label, fontsize=9)
+    fig.suptitle(measure if len(measure) <= 80 else measure[:77] + "...", fontsize=10)
+    return fig
 
 
 def plot_measure(
@@ -30,53 +124,9 @@ def plot_measure(
     gaps: Mapping[str, float],
     gap_label: str,
 ) -> bytes:
-    """Draw sharpness against gap (a colour per ρ), write the PNG to ``path``, return its bytes."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "write_report draws its scatter plots with matplotlib; install it "
-            "(pip install matplotlib)"
-        ) from err
-    fig = Figure(figsize=(5.6, 4.4), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    all_x: list[float] = []
-    all_y: list[float] = []
-    for k, rho in enumerate(sorted(by_rho, key=rho_key)):
-        cell = by_rho[rho]
-        x = np.asarray(cell.values, dtype=float)
-        y = np.asarray([gaps[m] for m in cell.model_ids], dtype=float)
-        ok = np.isfinite(x) & np.isfinite(y)
-        all_x.extend(x[ok].tolist())
-        all_y.extend(y[ok].tolist())
-        s = cell.summary
-        tau = f"τ-a = {fmt(s.tau_a)}" if s is not None and s.defined else "τ undefined"
-        ax.scatter(
-            x[ok], y[ok], s=22, color=f"C{k % 10}", alpha=0.8, label=f"{rho_label(rho)}: {tau}"
-        )
-    xs = np.asarray(all_x)
-    if log_x(xs):
-        ax.set_xscale("log")
-    if log_x(np.asarray(all_y)):
-        ax.set_yscale("log")
-    if not xs.size:
-        ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel(f"sharpness ({measure})")
-    ax.set_ylabel(gap_label)
-    ax.set_title(measure if len(measure) <= 60 else measure[:57] + "...", fontsize=10)
-    ax.grid(alpha=0.3)
-    # Below the axes, never over the points (constrained layout makes room for it).
-    ax.legend(
-        fontsize=8,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18),
-        ncol=min(2, max(1, len(by_rho))),
-        frameon=False,
-    )
+    """Draw :func:`measure_figure`, write it as a PNG to ``path`` and return the PNG's bytes."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    measure_figure(measure, by_rho, gaps, gap_label).savefig(buf, format="png")
     data = buf.getvalue()
     atomic_write_bytes(path, data)
     return data

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from geosharp._html import page_end, page_start
 from geosharp.studies.analysis import MIN_MODELS, OPTIONAL_MODEL_FIELDS, Cell
 from geosharp.studies.formatting import display, fmt, fmt_p, rho_key, rho_label, undefined_reason
+from geosharp.studies.plots import value_label
 from geosharp.studies.sections import Section
 
 __all__ = ["cell_text", "html_page", "layout", "markdown_table", "method_text"]
@@ -104,6 +105,9 @@ td.undef { color: #8a8a8a; font-style: italic; }
 .ci { color: #555; font-size: .9em; }
 .method { color: #444; font-size: .92em; }
 figure { display: inline-block; margin: .5em 1em .5em 0; }
+table.models { font-size: .8em; }
+table.models th, table.models td { padding: .2em .4em; }
+table.models td:first-child { white-space: nowrap; }
 """
 
 
@@ -178,12 +182,19 @@ def html_page(
     for section in sections:
         out += section.html()
 
-    out.append("<h2>Sharpness against gap</h2>")
+    kinds = {value_label(m).split(" (")[0] for m in images}
+    heading = "Sharpness" if kinds == {"sharpness"} else "Each measure"
+    out.append(f"<h2>{heading} against {e(gap_label)}</h2>")
+    out.append(
+        '<p class="method">One panel per ρ, each with its own horizontal axis (the values at '
+        "different radii differ by orders of magnitude; logarithmic where they span more than "
+        "two decades).</p>"
+    )
     for measure, data in images.items():
         b64 = base64.b64encode(data).decode("ascii")
         out.append(
-            f'<figure><img alt="{e(measure)}: sharpness against {e(gap_label)}" '
-            f'src="data:image/png;base64,{b64}"><figcaption>{e(measure)}</figcaption></figure>'
+            f'<figure><img alt="{e(measure)}: {e(value_label(measure))} against '
+            f'{e(gap_label)}" src="data:image/png;base64,{b64}"></figure>'
         )
 
     out.append("<h2>Models</h2>")
@@ -191,12 +202,14 @@ def html_page(
     for model in models:
         hp_keys.extend(k for k in model["hparams"] if k not in hp_keys)
     opt = [k for k in OPTIONAL_MODEL_FIELDS if any(k in m for m in models)]
-    head = ["model", *hp_keys, *(k.replace("_", " ") for k in opt), gap_label]
-    out.append("<table>")
+    # Headers wrap at spaces (``label_smoothing`` → "label smoothing"), numbers align right:
+    # the table of a dozen hyperparameters fits the page's width (issue 13).
+    head = ["model", *(k.replace("_", " ") for k in [*hp_keys, *opt]), gap_label]
+    out.append('<table class="models">')
     out.append("<tr>" + "".join(f"<th>{e(str(h))}</th>" for h in head) + "</tr>")
     for model in models:
         row = [f"<td>{e(str(model['model_id']))}</td>"]
-        row += [f"<td>{e(display(model['hparams'].get(k, '–')))}</td>" for k in hp_keys]
+        row += [_value_cell(model["hparams"].get(k, "–")) for k in hp_keys]
         row += [f'<td class="num">{e(display(model.get(k, "–")))}</td>' for k in opt]
         row.append(f'<td class="num">{e(display(model["gap"]))}</td>')
         out.append("<tr>" + "".join(row) + "</tr>")
@@ -209,6 +222,13 @@ def html_page(
         out.append("</ul>")
     out += page_end(version, generated_at)
     return "\n".join(out)
+
+
+def _value_cell(value: object) -> str:
+    """A table cell: numbers right-aligned (``td.num``), anything else as text."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    cls = ' class="num"' if numeric else ""
+    return f"<td{cls}>{html.escape(display(value))}</td>"
 
 
 def method_text(
