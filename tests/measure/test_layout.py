@@ -1,5 +1,5 @@
-"""The split of ``measure/core.py``, ``loading.py`` and ``lm.py`` by concern: every name that was
-imported from them before is still importable there, and is the object of its new module."""
+"""The split of ``measure/core.py``, ``loading.py``, ``lm.py`` and ``cli.py`` by concern: every
+name that was imported from them before is still importable there, and is its new module's."""
 
 import importlib
 
@@ -47,6 +47,7 @@ MOVED = {
         "resolve_device": "resolve",
         "resolve_dtype": "resolve",
     },
+    "geosharp.measure.cli": {"add_parser": "cli_parser"},
     "geosharp.measure.lm": {
         "TASKS": "lm_tasks",
         "detect_task": "lm_tasks",

@@ -13,7 +13,8 @@ a list of batches in, a :class:`MeasureReport` out, no files. One module per con
   :mod:`~geosharp.measure.data_files`, :mod:`~geosharp.measure.resolve` (gathered in
   :mod:`~geosharp.measure.loading`), :mod:`~geosharp.measure.lm_tasks` and
   :mod:`~geosharp.measure.lm`: models and data from files for the command line;
-* :mod:`~geosharp.measure.cli`: the ``geosharp measure`` subcommand;
+* :mod:`~geosharp.measure.cli`: the ``geosharp measure`` subcommand (its arguments and help:
+  :mod:`~geosharp.measure.cli_parser`);
 * :mod:`~geosharp.measure.errors`: :class:`MeasureError`, :class:`MeasureWarning`.
 
 Example:
