@@ -3,7 +3,8 @@
 1. the ``--eps`` help did not say what ε is (the damping of the GL(h) Gram matrices), when to
    set it, or its default;
 2. the HTML report's adaptive block overflowed with a horizontal scrollbar, and its settings
-   showed JSON literals (``null``, ``true``, ``["…"]``, ``{"…": …}``).
+   showed JSON literals (``null``, ``true``, ``["…"]``, ``{"…": …}``);
+3. a misspelt ``--measures`` failed only after the model and the data were loaded.
 """
 
 import argparse
@@ -161,3 +162,20 @@ def test_page_fits_1280_px_in_headless_chromium(page, tmp_path):
     m = re.search(r'data-overflow="([^"]*)"', dom)
     assert m is not None, "the probe did not run"
     assert m.group(1) == "[]", m.group(1)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. a bad measure fails before anything is loaded
+
+
+def test_bad_measure_fails_before_the_model_is_loaded(tmp_path, run_cli):
+    (tmp_path / "d.csv").write_text("text,label\na,0\n")
+    code, out, err = run_cli(
+        tmp_path / "no-such-model", tmp_path / "d.csv", "--measures", "sharpest"
+    )
+    assert code == 2 and err.startswith("geosharp: error: unknown measure 'sharpest': a measure is")
+    assert out == ""
+    code, out, err = run_cli(
+        tmp_path / "no-such-model", tmp_path / "d.csv", "--measures", "euclidean-blocks"
+    )
+    assert code == 2 and "blocks (attention-only" in err and out == ""

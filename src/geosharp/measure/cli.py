@@ -33,6 +33,11 @@ def _say(msg: str) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    """Fail on a bad option before anything is loaded (the measures are parsed here too)."""
+    from geosharp.measure.names import parse_measure
+
+    for text in args.measures or ():
+        parse_measure(text)
     if args.steps < 1:
         raise MeasureError(f"--steps must be >= 1, got {args.steps}")
     if args.iters < 1:
