@@ -70,6 +70,11 @@ MEASURES: dict[str, dict[str, Any]] = {
     "geodesic-inv-o2-average": dict(
         measure="geodesic", metric="inv", order=2, kind="average", rho=0.01
     ),
+    # opt-in: no best-iterate direction kept, recomputed at restarts (``low_memory=True``)
+    "adaptive-l2-lowmem": dict(measure="adaptive", kind="worst", rho=0.316, low_memory=True),
+    "geodesic-inv-o2-lowmem": dict(
+        measure="geodesic", metric="inv", order=2, kind="worst", rho=0.0316, low_memory=True
+    ),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

@@ -74,6 +74,17 @@ class AscentResult:
     restarts: list[int] = field(default_factory=list)
 
 
+def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
+    """``z ← a·z + 2b·ξ_k − b·ξ_{k−1}``, in place.
+
+    A function of its own: its loop variables, which would keep ``ξ_{k−1}`` alive through the
+    next forward and backward, die with its frame.
+    """
+    for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
+        for t, x, p in zip(tz, tx, tp, strict=True):
+            t.mul_(a).add_(x, alpha=2.0 * b).add_(p, alpha=-b)
+
+
 def autopgd(
     pert: Perturbation,
     loss: LossFn,
@@ -82,6 +93,7 @@ def autopgd(
     xi0: Xi,
     norm: str = "l2",
     start: tuple[float, Xi | None] | list | None = None,
+    keep_best_direction: bool = True,
 ) -> AscentResult:
     """Maximize ``loss(ξ)`` over the ball ``‖ξ‖ ≤ ρ`` (or the ℓ∞ box) with Auto-PGD.
 
@@ -96,12 +108,17 @@ def autopgd(
             sign steps).
         start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
             the caller holds no reference to the gradient, which becomes the first direction.
+        keep_best_direction: Keep the ascent direction of the best iterate for restarts (one
+            ξ-sized buffer). ``False`` trades it for time: a restart from a best iterate older
+            than the current one recomputes its gradient (one extra forward and backward,
+            counted by ``loss``); the iterates are the same.
 
     Returns:
         An :class:`AscentResult`.
     """
     eta = 2.0 * rho
     xi, xi_prev = xi0, xi0
+    del xi0  # held as the first ξ_{k−1} and best iterate only: freed once both move on
     value, egrad = start if start is not None else loss(xi, True)
     if isinstance(start, list):
         start.clear()  # the caller's gradient lives on only as `direction` (computed in place)
@@ -109,7 +126,7 @@ def autopgd(
     # gradient whose signs are taken (ℓ∞). Stored with the best iterate for restarts.
     direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
-    best_direction = direction
+    best_direction = direction if keep_best_direction else None
     cps = set(checkpoints(steps))
     n_improved, last_cp, eta_at_cp, best_at_cp = 0, 0, eta, value
     a, b = MOMENTUM, 1.0 - MOMENTUM
@@ -126,17 +143,19 @@ def autopgd(
                     "not finite (a symmetry block near-singular at eps=0? try eps > 0)"
                 )
             scale = eta / rn if rn > 0 else 0.0
+            reuse = direction is not best_direction
             z = [
-                tuple(torch.add(x, d, alpha=scale) for x, d in zip(tx, td, strict=True))
+                tuple(
+                    torch.add(x, d, alpha=scale, out=d) if reuse else torch.add(x, d, alpha=scale)
+                    for x, d in zip(tx, td, strict=True)
+                )
                 for tx, td in zip(xi, direction, strict=True)
             ]
             z = pert.ball(z, rho, inplace=True, project=False)
         else:
             step = pert.sign_direction(direction)
             z = pert.box(Perturbation.combine(xi, step, 1.0, eta), rho)
-        for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
-            for t, x, p in zip(tz, tx, tp, strict=True):
-                t.mul_(a).add_(x, alpha=2.0 * b).add_(p, alpha=-b)
+        _momentum_(z, xi, xi_prev, a, b)
         new = pert.ball(z, rho, inplace=True, project=False) if norm == "l2" else pert.box(z, rho)
         res.step_sizes.append(eta)
         xi_prev, xi = xi, new
@@ -148,7 +167,8 @@ def autopgd(
             direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
         res.trace.append(value)
         if value > res.best_loss:
-            res.best_loss, res.best_xi, best_direction = value, xi, direction
+            res.best_loss, res.best_xi = value, xi
+            best_direction = direction if keep_best_direction else None
             n_improved += 1
         if i in cps:
             too_few = n_improved < MIN_UPDATE_RATIO * (i - last_cp)
@@ -156,6 +176,13 @@ def autopgd(
             eta_at_cp, best_at_cp, last_cp, n_improved = eta, res.best_loss, i, 0
             if too_few or stalled:
                 eta /= 2.0
-                xi, direction = res.best_xi, best_direction
+                if keep_best_direction:
+                    direction = best_direction
+                elif res.best_xi is not xi and i < steps - 1:  # recompute its direction
+                    direction = egrad = None  # (egrad is the current direction's buffer)
+                    _, egrad = loss(res.best_xi, True)
+                    direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
+                    egrad = None
+                xi = res.best_xi
                 res.restarts.append(i)
     return res

@@ -455,6 +455,8 @@ class _Assembly:
             n_src += pos.numel()
         if n_gathered and int(self.index.min()) < 0:
             raise ValueError("the symmetry blocks and the rest do not cover every parameter")
+        if n_src < 2**31:  # int32 positions: half the memory of the one index kept per call
+            self.index = self.index.to(torch.int32)
 
     def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}

@@ -236,6 +236,7 @@ def sharpness(
     key_bias: str = "quotient",
     perturb: str = "all",
     cache: bool = True,
+    low_memory: bool = False,
     progress: bool | None = None,
     distributed: bool | None = None,
 ) -> SharpnessResult:
@@ -284,6 +285,11 @@ def sharpness(
         cache: Reuse the symmetry search and the factorized geometry of the previous call on
             the same model with unchanged weights (:mod:`geosharp.estimators.cache`): several
             radii or measures of one model pay the set-up once. ``False``: build afresh.
+        low_memory: Trade time for memory in the worst case: Auto-PGD keeps no ascent
+            direction for restarts and recomputes it when it restarts from a best iterate older
+            than the current one (one extra forward and backward each time; the iterates and
+            the value are the same). Saves one ξ-sized buffer of peak memory
+            (``benchmarks/README.md``).
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -421,10 +427,18 @@ def sharpness(
                         # a list, which autopgd empties: no reference to the clean gradient
                         # is held here while it is overwritten by the ascent direction
                         start, clean_grad = [clean_loss, clean_grad], None
-                        res = autopgd(pert, f, rho, steps, pert.zeros(), norm, start)
+                        res = autopgd(
+                            pert, f, rho, steps, pert.zeros(), norm, start, not low_memory
+                        )
                     else:
                         res = autopgd(
-                            pert, f, rho, steps, _random_start(pert, gen, rho, norm), norm
+                            pert,
+                            f,
+                            rho,
+                            steps,
+                            _random_start(pert, gen, rho, norm),
+                            norm,
+                            keep_best_direction=not low_memory,
                         )
                     if res.best_loss > best:
                         best, trace = res.best_loss, res.trace
@@ -454,6 +468,7 @@ def sharpness(
         "random_init": random_init,
         "corrected_norm": corrected_norm,
         "perturb": perturb,
+        "low_memory": low_memory,
         "cached_base_point": hit_pert,
         "exact_steps": exact_steps if order == "exact" else None,
         "n_params": space.numel(),

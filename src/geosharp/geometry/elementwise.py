@@ -129,17 +129,11 @@ class ElementwiseGeometry(Geometry):
 
     def w2_parts(self) -> tuple[Tensor, ...]:
         """``w²`` per component, 0 on frozen coordinates."""
-        return tuple(
-            t.square() if f is None else t.square().masked_fill_(f == 0, 0.0)
-            for t, f in zip(self.point, self._frozen, strict=True)
-        )
+        return tuple(self._w2(k) for k in range(len(self.point)))
 
     def abs_w_parts(self) -> tuple[Tensor, ...]:
         """``|w|`` per component, 0 on frozen coordinates."""
-        return tuple(
-            t.abs() if f is None else t.abs().masked_fill_(f == 0, 0.0)
-            for t, f in zip(self.point, self._frozen, strict=True)
-        )
+        return tuple(self._abs(k) for k in range(len(self.point)))
 
     def _scaled(self, x: Tensor, k: int) -> Tensor:
         """``x / |w|`` of component ``k`` (0 on frozen coordinates), a new tensor."""
@@ -157,7 +151,17 @@ class ElementwiseGeometry(Geometry):
         """``e ⊙ w²`` written into ``egrad`` (zero on frozen coordinates)."""
         if isinstance(egrad, Tensor):
             return egrad.mul_(self.w2)
-        return tuple(e.mul_(w2) for e, w2 in zip(egrad, self.w2_parts(), strict=True))
+        return tuple(e.mul_(self._w2(k)) for k, e in enumerate(egrad))
+
+    def _w2(self, k: int) -> Tensor:
+        """``w²`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
+        t, f = self.point[k], self._frozen[k]
+        return t.square() if f is None else t.square().masked_fill_(f == 0, 0.0)
+
+    def _abs(self, k: int) -> Tensor:
+        """``|w|`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
+        t, f = self.point[k], self._frozen[k]
+        return t.abs() if f is None else t.abs().masked_fill_(f == 0, 0.0)
 
     def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
         if not isinstance(xi, (tuple, list)) or len(xi) != len(self.point):
@@ -200,7 +204,7 @@ class ElementwiseGeometry(Geometry):
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """``e ⊙ w²`` (zero on frozen coordinates)."""
         e = self._check(egrad, "egrad")
-        return tuple(t * w2 for t, w2 in zip(e, self.w2_parts(), strict=True))
+        return tuple(t * self._w2(k) for k, t in enumerate(e))
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """``Γ_w(ξ, ξ) = −ξ² / w`` (zero on frozen coordinates)."""
@@ -243,8 +247,8 @@ class ElementwiseGeometry(Geometry):
         sizes = [t.numel() for t in self.point]
         flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
         out = []
-        for z, w, a in zip(flat.split(sizes), self.point, self.abs_w_parts(), strict=True):
-            out.append(scale * z.view(w.shape) * a)
+        for k, (z, w) in enumerate(zip(flat.split(sizes), self.point, strict=True)):
+            out.append(scale * z.view(w.shape) * self._abs(k))
         return tuple(out)
 
 

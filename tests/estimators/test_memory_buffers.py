@@ -1,0 +1,78 @@
+"""How many perturbation-sized buffers Auto-PGD holds while the model runs (issue 11).
+
+Peak memory is measured in ``benchmarks/regimes.py``; here the same accounting is checked
+deterministically: at every loss evaluation the Python-visible tensors other than the model's
+own parameters are counted in units of the perturbation (one tensor per weight matrix per
+buffer). What may be alive then (``benchmarks/README.md``): the new iterate ξ_{k+1} and ξ_k
+(momentum), the best iterate when it is older, and the best iterate's direction unless
+``low_memory=True``. The base point is the model's tensors themselves, so no copy of them may
+appear, and no flat θ or 1/w² buffer either.
+"""
+
+import gc
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import geosharp as gs
+
+S = importlib.import_module("geosharp.estimators.sharpness")
+N = 96  # weight matrices N × N: the only tensors of N² elements or more
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(N, N), nn.Tanh(), nn.Linear(N, N), nn.Tanh(), nn.Linear(N, 3))
+
+
+def _units(model):
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.numel() >= N * N:
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in own:
+                seen.add(ptr)
+    return len(seen) / 2  # two N × N weights per perturbation-sized buffer
+
+
+@pytest.mark.parametrize(("low_memory", "limit"), [(False, 4), (True, 3)])
+@pytest.mark.parametrize("measure", ["adaptive", "euclidean"])
+def test_buffers_alive_at_each_loss_evaluation(monkeypatch, measure, low_memory, limit):
+    model = _model()
+    x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(32) % 3
+    counts = []
+    orig = S._Objective.__call__
+
+    def call(self, xi, need_grad, check=True):
+        counts.append(_units(model))  # before the forward: what the ascent holds
+        return orig(self, xi, need_grad, check)
+
+    monkeypatch.setattr(S._Objective, "__call__", call)
+    res = gs.sharpness(
+        model,
+        nn.functional.cross_entropy,
+        [(x, y)],
+        measure=measure,
+        rho=0.5,
+        steps=12,
+        cache=False,
+        low_memory=low_memory,
+    )
+    assert res.value > 0
+    assert max(counts) <= limit, counts
+
+
+def test_low_memory_gives_the_same_ascent():
+    model = _model()
+    x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(32) % 3
+    kw = dict(measure="adaptive", rho=0.5, steps=20, cache=False)
+    a = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], **kw)
+    b = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], low_memory=True, **kw)
+    assert a.traces == b.traces and a.value == b.value
+    assert b.n_backward >= a.n_backward  # restarts recompute the best iterate's direction
+    assert b.settings["low_memory"] and not a.settings["low_memory"]
