@@ -77,6 +77,9 @@ MEASURES: dict[str, dict[str, Any]] = {
     ),
 }
 
+#: Measured unless ``--measures`` says otherwise (the ``-lowmem`` variants are opt-in).
+DEFAULT_MEASURES = tuple(m for m in MEASURES if not m.endswith("-lowmem"))
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -830,7 +833,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"(default {DEFAULT_CONFIGS})")
     parser.add_argument(
-        "--measures", default=",".join(MEASURES), help=f"subset of {','.join(MEASURES)}"
+        "--measures",
+        default=",".join(DEFAULT_MEASURES),
+        help=f"subset of {','.join(MEASURES)} (default: the first four)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument(
