@@ -6,7 +6,7 @@ measurements of a study and writes, into one folder:
 - ``tau_table.md``: Kendall τ-a of every measure at every ρ, with a bootstrap CI and a
   permutation p-value, next to the paper's τ where the measure belongs to a family the paper
   reports (SPEC §7);
-- ``plots/<measure>.png``: sharpness against gap, one colour per ρ;
+- ``plots/<measure>.png``: the measure against the gap, one panel per ρ;
 - ``report.html``: one self-contained page (inline CSS, images embedded as base64) with the
   settings, the τ table, a plain verdict on whether our τ agrees with the paper's in sign and
   in the ordering of the families, the plots, the per-model table and notes;
