@@ -190,10 +190,11 @@ STUDIES = {
 
 
 _CURVATURE_HELP = (
-    "also measure the study's opt-in curvature part: λ_max and trace of the loss Hessian "
-    "(geodesic inv and mix, adaptive, Euclidean; no ρ), reported as their own rows beside the "
-    "sharpness measures. Recorded in the study's configuration: adding it to a folder "
-    "measured without it needs --force (its rows are kept, only the curvature rows are added)"
+    "also measure the study's opt-in curvature part: λ_max and trace of the loss Hessian in "
+    "the metrics of the study's curvature plan (geodesic, adaptive and for some studies "
+    "Euclidean; no ρ), reported as their own rows beside the sharpness measures. Recorded in "
+    "the study's configuration: adding it to a folder measured without it needs --force (its "
+    "rows are kept, only the curvature rows are added)"
 )
 
 _LIBRARY_THREADS_HELP = (
