@@ -17,8 +17,9 @@ display needed).
 
 This module only orchestrates; each concern has its own module:
 
-- :mod:`geosharp.studies.analysis`: validation, τ per (measure, ρ) cell, the comparison with the
-  paper and the paired geodesic-vs-adaptive verdicts;
+- :mod:`geosharp.studies.analysis`: validation, τ per (measure, ρ) cell and the paired
+  geodesic-vs-adaptive verdicts;
+- :mod:`geosharp.studies.paper`: the comparison with the paper's τ (sign, ordering);
 - :mod:`geosharp.studies.sections`: extra tables (:class:`Section`) and the study-folder files
   that become sections (:func:`folder_sections`, :func:`register_folder_section`);
 - :mod:`geosharp.studies.plots`: the scatter plots;
@@ -70,12 +71,11 @@ from geosharp.studies.analysis import (
     collect,
     correlate,
     default_paper_match,
-    family_of,
     geodesic_vs_adaptive,
     measure_family,
-    paper_columns,
 )
 from geosharp.studies.formatting import json_safe, rho_key, slug
+from geosharp.studies.paper import family_of, paper_columns
 from geosharp.studies.plots import plot_measure
 from geosharp.studies.render import html_page, markdown_table, method_text
 from geosharp.studies.sections import (
