@@ -97,6 +97,9 @@ class Perturbation:
         perturb: ``"all"`` (default) or ``"blocks"``: only the symmetry blocks move, every other
             coordinate is held fixed (the attention-only measures, where the effect of the
             quotient is not diluted by MLP and embedding coordinates).
+        work_dtype: Dtype of the block geometries' per-step products and tangents (``None``:
+            float64; the model's dtype halves their memory, see
+            :meth:`geosharp.geometry.GLGeometry._use_work_dtype`).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Perturbation:
         corrected_norm: bool = True,
         exact_steps: int = 10,
         perturb: str = "all",
+        work_dtype: torch.dtype | None = None,
     ) -> None:
         if perturb not in PERTURB:
             raise ValueError(f"perturb must be one of {PERTURB}, got {perturb!r}")
@@ -155,7 +159,7 @@ class Perturbation:
                 geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
                 piece_order: int | str = 1
             else:
-                geom = cls.geometry(blocks, point, metric=metric, eps=eps)
+                geom = cls.geometry(blocks, point, metric=metric, eps=eps, work_dtype=work_dtype)
                 piece_order = order
             if corrected_norm or geom.is_trivial:
                 norm_geom = geom

@@ -285,11 +285,14 @@ def sharpness(
         cache: Reuse the symmetry search and the factorized geometry of the previous call on
             the same model with unchanged weights (:mod:`geosharp.estimators.cache`): several
             radii or measures of one model pay the set-up once. ``False``: build afresh.
-        low_memory: Trade time for memory in the worst case: Auto-PGD keeps no ascent
+        low_memory: Trade time and precision for memory. (1) Auto-PGD keeps no ascent
             direction for restarts and recomputes it when it restarts from a best iterate older
-            than the current one (one extra forward and backward each time; the iterates and
-            the value are the same). Saves one ξ-sized buffer of peak memory
-            (``benchmarks/README.md``).
+            than the current one (one extra forward and backward each time; the same
+            iterates): one ξ-sized buffer less. (2) The symmetry blocks' geometry runs its
+            per-step products and keeps its tangents in the model's dtype instead of float64
+            (the factorizations stay float64): half the memory of the block coordinates, with
+            float32 roundoff in the projection (values agree with the default to about 1e-5
+            relative in float32; exactly in float64). See ``benchmarks/README.md``.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -338,15 +341,20 @@ def sharpness(
 
     hit_pert = False
     if space is None:
+        # Adaptive and Euclidean sharpness of the whole model never look at the blocks: their
+        # space is the parameters alone (no search, no block positions held).
+        blocks_needed = measure == "geodesic" or perturb == "blocks"
+
+        def find() -> ParameterSpace:
+            if blocks_needed:
+                return find_symmetries(model, key_bias=key_bias)
+            return find_symmetries(model, adapters=[], key_bias=key_bias)
+
         if cache:
-            space, _ = CACHE.get(
-                "space",
-                model,
-                ("find", key_bias),
-                lambda: find_symmetries(model, key_bias=key_bias),
-            )
+            kind = "space" if blocks_needed else "space-plain"  # both kept: measures alternate
+            space, _ = CACHE.get(kind, model, ("find", key_bias), find)
         else:
-            space = find_symmetries(model, key_bias=key_bias)
+            space = find()
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     # The base point is the model's own parameters (detached views): no flat copy of θ₀.
@@ -372,6 +380,7 @@ def sharpness(
         return Perturbation(
             space,
             base,
+            work_dtype=dtype if low_memory else None,
             eps=eps,
             corrected_norm=corrected_norm,
             exact_steps=exact_steps,
@@ -380,7 +389,15 @@ def sharpness(
         )
 
     if cache:
-        settings_key = (id(space), eps, corrected_norm, exact_steps, perturb, *pert_kw.items())
+        settings_key = (
+            id(space),
+            eps,
+            corrected_norm,
+            exact_steps,
+            perturb,
+            low_memory,
+            *pert_kw.items(),
+        )
         pert, hit_pert = CACHE.get("perturbation", model, settings_key, build)
     else:
         pert = build()

@@ -122,6 +122,9 @@ class GLGeometry(Geometry):
         metric: ``"inv"`` or ``"mix"`` (SPEC §4).
         eps: Damping ``ε ≥ 0`` added to both Gram matrices.
         name: Name of the block, used in error messages.
+        work_dtype: Dtype of the per-step products and of the tangents, after the
+            factorizations in ``compute_dtype`` (default: ``compute_dtype``). The model's dtype
+            saves memory (``gs.sharpness(low_memory=True)``); see :meth:`_use_work_dtype`.
         compute_dtype: Dtype of the internal computations. Default: float64 (the geometry costs
             ``O((n+m)h²)`` per step, negligible next to a forward pass, while the horizontal
             projection of an ill-conditioned block loses ``cond(M_G)·cond(M_H)`` relative
@@ -144,6 +147,7 @@ class GLGeometry(Geometry):
         name: str = "GL block",
         compute_dtype: torch.dtype | None = None,
         head_names: Sequence[str] | None = None,
+        work_dtype: torch.dtype | None = None,
     ) -> None:
         check_tensor("G", G)
         check_tensor("H", H)
@@ -202,6 +206,30 @@ class GLGeometry(Geometry):
             setattr(self, key, value)
         self._MG_inv_lo = self.MG_inv.to(G.dtype)
         self._MH_inv_lo = self.MH_inv.to(G.dtype)
+        self._use_work_dtype(work_dtype)
+
+    def _use_work_dtype(self, dtype: torch.dtype | None) -> None:
+        """Run every per-step product in ``dtype`` (factorizations stay as computed).
+
+        The Gram matrices, their inverses and the Sylvester factors were computed in
+        :attr:`compute_dtype` (float64); with ``dtype`` the model's (e.g. float32) they are
+        rounded once to it, the base point is the model's own ``G``, ``H`` (no float64 copy) and
+        tangents are kept in ``dtype``: half the memory of the block coordinates, at the cost
+        of float32 roundoff in the projection and the Christoffel term (relative error
+        ≈ cond(M_G)·cond(M_H)·2⁻²⁴ in the projection, SPEC §4).
+        """
+        if dtype is None or dtype == self.compute_dtype:
+            return
+        wide = self.compute_dtype
+        for key, value in list(vars(self).items()):
+            if key in ("G", "H", "point"):
+                continue
+            if isinstance(value, Tensor) and value.dtype == wide:
+                setattr(self, key, value.to(dtype))
+            elif isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value):
+                setattr(self, key, tuple(t.to(dtype) if t.dtype == wide else t for t in value))
+        self._G, self._H = self.G.to(dtype), self.H.to(dtype)  # no copy in the model's dtype
+        self.compute_dtype = dtype
 
     def _raise_singular(self, which: str, names: list[str], cond: float) -> None:
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")

@@ -162,6 +162,8 @@ class GLSubgroupGeometry(GLGeometry):
         name: Block name for error messages.
         compute_dtype: Internal dtype (default float64).
         head_names: Readable name per head for error messages.
+        work_dtype: Dtype of the per-step products and tangents (see
+            :class:`~geosharp.geometry.gl.GLGeometry`).
 
     Raises:
         ValueError: As :class:`GLGeometry`, or if ``algebra.h`` differs from ``h``.
@@ -177,6 +179,7 @@ class GLSubgroupGeometry(GLGeometry):
         name: str = "GL subgroup block",
         compute_dtype: torch.dtype | None = None,
         head_names: Sequence[str] | None = None,
+        work_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(G, H, metric, eps, name, compute_dtype, head_names)
         if algebra.h != G.shape[-1]:
@@ -209,6 +212,7 @@ class GLSubgroupGeometry(GLGeometry):
                 self._omega_l = self._solve_free(resp)  # (..., k, p, p)
                 K = K - self._free_to_pairs(self._omega_l).mT
             self._chol = torch.linalg.cholesky(0.5 * (K + K.mT))
+        self._use_work_dtype(work_dtype)
 
     # -- the gl(P) solver ---------------------------------------------------------------------
     def _setup_free(self) -> None:

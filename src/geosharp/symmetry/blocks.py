@@ -183,7 +183,13 @@ class SymmetryBlock(ABC):
     @classmethod
     @abstractmethod
     def geometry(
-        cls, blocks: Sequence[SymmetryBlock], point: tuple[Tensor, ...], *, metric: str, eps: float
+        cls,
+        blocks: Sequence[SymmetryBlock],
+        point: tuple[Tensor, ...],
+        *,
+        metric: str,
+        eps: float,
+        work_dtype: torch.dtype | None = None,
     ) -> Geometry:
         """The quotient geometry of a batch of blocks at the base point ``point``.
 
@@ -192,6 +198,8 @@ class SymmetryBlock(ABC):
             point: Their factors at the base point, ``θ₀[i]`` for ``i`` in :meth:`batch`.
             metric: ``"inv"`` or ``"mix"``.
             eps: Damping of Gram matrices.
+            work_dtype: Dtype of the per-step products and tangents, where the geometry
+                offers one (GL-type blocks; ``None``: its float64 default).
         """
 
     # -- presentation -----------------------------------------------------------------------
@@ -326,14 +334,22 @@ class GLBlock(SymmetryBlock):
 
     @classmethod
     def geometry(
-        cls, blocks: Sequence[SymmetryBlock], point: tuple[Tensor, ...], *, metric: str, eps: float
+        cls,
+        blocks: Sequence[SymmetryBlock],
+        point: tuple[Tensor, ...],
+        *,
+        metric: str,
+        eps: float,
+        work_dtype: torch.dtype | None = None,
     ) -> Geometry:
         """A batched :class:`~geosharp.geometry.GLGeometry` over every head of ``blocks``."""
         G, H = point
         b0 = blocks[0]
         name = f"{len(blocks)} GL({b0.head_dim}) block(s) n={b0.n}, m={b0.m}"
         heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
-        return GLGeometry(G, H, metric=metric, eps=eps, name=name, head_names=heads)
+        return GLGeometry(
+            G, H, metric=metric, eps=eps, name=name, head_names=heads, work_dtype=work_dtype
+        )
 
     def __repr__(self) -> str:
         return (
@@ -400,7 +416,13 @@ class RotaryBlock(GLBlock):
 
     @classmethod
     def geometry(
-        cls, blocks: Sequence[SymmetryBlock], point: tuple[Tensor, ...], *, metric: str, eps: float
+        cls,
+        blocks: Sequence[SymmetryBlock],
+        point: tuple[Tensor, ...],
+        *,
+        metric: str,
+        eps: float,
+        work_dtype: torch.dtype | None = None,
     ) -> Geometry:
         """A batched :class:`~geosharp.geometry.GLSubgroupGeometry` with the rotary algebra."""
         G, H = point
@@ -408,7 +430,14 @@ class RotaryBlock(GLBlock):
         name = f"{len(blocks)} rotary block(s) {b0.rotary.label(b0.head_dim)} n={b0.n}, m={b0.m}"
         heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
         return GLSubgroupGeometry(
-            G, H, b0.algebra, metric=metric, eps=eps, name=name, head_names=heads
+            G,
+            H,
+            b0.algebra,
+            metric=metric,
+            eps=eps,
+            name=name,
+            head_names=heads,
+            work_dtype=work_dtype,
         )
 
 
@@ -490,7 +519,13 @@ class DiagonalPair(SymmetryBlock):
 
     @classmethod
     def geometry(
-        cls, blocks: Sequence[SymmetryBlock], point: tuple[Tensor, ...], *, metric: str, eps: float
+        cls,
+        blocks: Sequence[SymmetryBlock],
+        point: tuple[Tensor, ...],
+        *,
+        metric: str,
+        eps: float,
+        work_dtype: torch.dtype | None = None,
     ) -> Geometry:
         """A :class:`~geosharp.geometry.DiagonalGeometry` of ``(u, v)``."""
         u, v = point
@@ -568,7 +603,13 @@ class TranslationBlock(SymmetryBlock):
 
     @classmethod
     def geometry(
-        cls, blocks: Sequence[SymmetryBlock], point: tuple[Tensor, ...], *, metric: str, eps: float
+        cls,
+        blocks: Sequence[SymmetryBlock],
+        point: tuple[Tensor, ...],
+        *,
+        metric: str,
+        eps: float,
+        work_dtype: torch.dtype | None = None,
     ) -> Geometry:
         """:class:`~geosharp.geometry.FixedGeometry`: the quotient by translations is a point."""
         return FixedGeometry(point, name=f"{len(blocks)} key bias(es)")
