@@ -14,6 +14,15 @@ from geosharp.studies.symmetry_test import SymmetryTestRow, _append
 FAST = {"n_boot": 50, "n_perm": 50}
 
 
+@pytest.fixture(autouse=True)
+def registry():
+    """Every test leaves the providers and result files as it found them."""
+    providers, files = list(sections.FOLDER_SECTION_PROVIDERS), list(sections.RESULT_FILES)
+    yield
+    sections.FOLDER_SECTION_PROVIDERS[:] = providers
+    sections.RESULT_FILES[:] = files
+
+
 def _models():
     return [{"model_id": f"m{i}", "gap": 0.1 * i} for i in range(5)]
 
@@ -63,8 +72,9 @@ def test_a_registered_provider_adds_its_section_in_order(tmp_path):
             return []
         return [Section("Notes file", ["text", "models"], [[path.read_text(), str(len(gaps))]], "")]
 
-    register_folder_section(notes)
+    register_folder_section(notes, files=["notes.txt"])
     register_folder_section(notes)  # twice: listed once
+    assert "notes.txt" in sections.RESULT_FILES
     try:
         assert sections.FOLDER_SECTION_PROVIDERS.count(notes) == 1
         (tmp_path / "sections.json").write_text(
@@ -90,8 +100,17 @@ def test_a_registered_provider_adds_its_section_in_order(tmp_path):
 
 
 def test_a_provider_named_by_module_path_is_imported_when_needed(tmp_path):
+    before = list(sections.FOLDER_SECTION_PROVIDERS)
     register_folder_section("geosharp.studies.sections:json_sections")  # already there: no-op
-    assert sections.FOLDER_SECTION_PROVIDERS.count(sections.json_sections) == 1
+    register_folder_section("geosharp.studies.symmetry_test:folder_sections")  # also
+    from geosharp.studies.symmetry_test import folder_sections as symmetry_sections
+
+    register_folder_section(symmetry_sections)  # the callable of a listed name: no-op
+    assert sections.FOLDER_SECTION_PROVIDERS == before
+    (tmp_path / "sections.json").write_text(
+        '[{"title": "Once", "header": ["a"], "rows": [["1"]], "caption": ""}]'
+    )
+    assert [s.title for s in folder_sections(tmp_path, {})] == ["Once"]
     register_folder_section("geosharp.stats:nosuch")
     try:
         with pytest.raises(AttributeError):

@@ -279,7 +279,7 @@ def register_folder_section(
         files: The names of the files it reads in a study folder (added to
             :data:`RESULT_FILES`, so an exported study keeps the section).
         before: Insert it before this provider (default: last). Registering a provider that is
-            already there does nothing.
+            already there (the same callable, or its ``"module:function"``) does nothing.
 
     Example:
         >>> def notes(folder, gaps):
@@ -290,10 +290,18 @@ def register_folder_section(
         >>> FOLDER_SECTION_PROVIDERS.remove(notes)
     """
     RESULT_FILES.extend(f for f in files if f not in RESULT_FILES)
-    if provider in FOLDER_SECTION_PROVIDERS:
+    if _key(provider) in {_key(p) for p in FOLDER_SECTION_PROVIDERS}:
         return
     at = len(FOLDER_SECTION_PROVIDERS) if before is None else FOLDER_SECTION_PROVIDERS.index(before)
     FOLDER_SECTION_PROVIDERS.insert(at, provider)
+
+
+def _key(provider: str | FolderSectionProvider) -> str:
+    """``"module:function"`` of a provider, so a callable and its name count as one."""
+    if isinstance(provider, str):
+        return provider
+    module = getattr(provider, "__module__", "")
+    return f"{module}:{getattr(provider, '__qualname__', repr(provider))}"
 
 
 def _resolve(provider: str | FolderSectionProvider) -> FolderSectionProvider:
