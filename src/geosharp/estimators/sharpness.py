@@ -351,8 +351,8 @@ def sharpness(
             return find_symmetries(model, adapters=[], key_bias=key_bias)
 
         if cache:
-            kind = "space" if blocks_needed else "space-plain"  # both kept: measures alternate
-            space, _ = CACHE.get(kind, model, ("find", key_bias), find)
+            entry = "space" if blocks_needed else "space-plain"  # both kept: measures alternate
+            space, _ = CACHE.get(entry, model, ("find", key_bias), find)
         else:
             space = find()
     if space.numel() == 0:
