@@ -118,3 +118,23 @@ def test_low_memory_is_exact_in_float64():
     a = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], **kw)
     b = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], low_memory=True, **kw)
     assert a.value == b.value and a.traces == b.traces
+
+
+def test_measure_cli_low_memory_flag():
+    """``geosharp measure --low-memory`` reaches gs.sharpness (settings record it)."""
+    import argparse
+
+    from geosharp.measure.cli_parser import add_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = add_parser(sub)
+    assert "--low-memory" in parser.format_help()
+    assert parser.parse_args(["model.pt", "data.csv", "--low-memory"]).low_memory is True
+    assert parser.parse_args(["model.pt", "data.csv"]).low_memory is False
+    model = _model()
+    x = torch.randn(16, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(16) % 3
+    rep = gs.measure(
+        model, [(x, y)], measures=["adaptive-l2"], rhos=[0.1], steps=3, low_memory=True
+    )
+    assert rep.settings["low_memory"] is True and rep.rows[0].value is not None

@@ -150,6 +150,7 @@ def _execute(args: argparse.Namespace) -> int:
         probes=args.probes,
         trace_method=args.trace_method,
         check=not args.no_check,
+        low_memory=args.low_memory,
         progress=False if args.no_progress else None,
         log=_say,
         warn=_warn,

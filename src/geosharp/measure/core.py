@@ -111,6 +111,7 @@ def measure(
     trace_method: str = "hutchinson",
     check: bool = True,
     space: ParameterSpace | None = None,
+    low_memory: bool = False,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
@@ -145,6 +146,8 @@ def measure(
         trace_method: ``"hutchinson"``, ``"hutch++"`` or ``"exact"`` (curvature trace).
         check: Run the invariance self-check and refuse to measure if it fails.
         space: Precomputed :func:`geosharp.find_symmetries` result.
+        low_memory: Pass ``low_memory=True`` to :func:`geosharp.sharpness` (fewer
+            parameter-sized buffers, a few extra passes, float32 block geometry).
         progress: Progress bars (default: when stderr is a terminal).
         log: Called with each informational message (summary, check) as it happens.
         warn: Called with each warning (default: :func:`warnings.warn` with
@@ -204,7 +207,20 @@ def measure(
     invariance = self_check(model, inputs0, space, seed, say) if check else None
 
     rows = _measure_cells(
-        model, loss_fn, batches, specs, rhos, steps, eps, seed, space, progress, curv, say, _warn
+        model,
+        loss_fn,
+        batches,
+        specs,
+        rhos,
+        steps,
+        eps,
+        seed,
+        space,
+        progress,
+        curv,
+        say,
+        _warn,
+        low_memory=low_memory,
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -214,6 +230,7 @@ def measure(
         "seed": seed,
         "loss": loss_name,
         "check": check,
+        **({"low_memory": True} if low_memory else {}),
         **({"curvature": curv} if any(s.measure == "curvature" for s in specs) else {}),
         **_model_settings(model, space),
     }
@@ -364,6 +381,7 @@ def _measure_cells(
     curv: Mapping[str, Any],
     say: Callable[[str], None],
     warn: Callable[..., None],
+    low_memory: bool = False,
 ) -> list[MeasureRow]:
     """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
     n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
@@ -376,8 +394,20 @@ def _measure_cells(
             for rho in rhos if spec.uses_rho else [None]:
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={rho}")
+                extra = {"low_memory": True} if low_memory else {}
                 row = _measure_one(
-                    model, loss_fn, batches, spec, rho, steps, eps, seed, space, progress, curv
+                    model,
+                    loss_fn,
+                    batches,
+                    spec,
+                    rho,
+                    steps,
+                    eps,
+                    seed,
+                    space,
+                    progress,
+                    curv,
+                    **extra,
                 )
                 rows.append(row)
                 for msg in row_warnings(row, spec, steps, eps_loss):
@@ -410,6 +440,7 @@ def _measure_one(
     space: ParameterSpace,
     progress: bool,
     curv: Mapping[str, Any],
+    low_memory: bool = False,
 ) -> MeasureRow:
     t0 = time.perf_counter()
     try:
@@ -449,6 +480,7 @@ def _measure_one(
                 eps=eps,
                 seed=seed,
                 space=space,
+                low_memory=low_memory,
                 progress=progress,
             )
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
