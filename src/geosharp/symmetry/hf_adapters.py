@@ -72,26 +72,40 @@ def _cfg(module: nn.Module) -> object:
 def _fused_claim(
     path: str,
     module: nn.Module,
-    *,
-    qkv: str,
-    out: str,
-    q: tuple[int, int],
-    k: tuple[int, int],
-    v: tuple[int, int],
-    parts: int,
+    layout: str,
     num_heads: int,
     head_dim: int,
     num_kv_heads: int,
+    *,
+    qkv: str = "query_key_value",
+    out: str = "dense",
     rotary: RotarySpec | None = None,
-    qk_note: str | None = None,
-) -> Claim:
+) -> Claim | None:
     """The claim of one fused ``nn.Linear`` QKV projection plus an output ``nn.Linear``.
 
-    With ``parts == 1``, ``q``/``k``/``v`` are ``[start, stop)`` feature ranges of the fused
-    output; otherwise the output is cut into units of ``parts × head_dim`` features and
-    ``q``/``k``/``v`` are ``[p0, p1)`` part ranges within every unit.
+    ``layout`` says how the fused output is ordered (see the module docstring):
+
+    * ``"grouped"``: per K/V group ``[q_1 … q_g, k, v]``, ``g = num_heads / num_kv_heads``
+      query heads per group (``g = 1``: per head ``[q, k, v]``, as in BLOOM);
+    * ``"stacked"``: ``[Q (all heads); K (kv heads); V (kv heads)]``.
+
+    ``None`` when the projection's width is not ``(num_heads + 2·num_kv_heads)·head_dim`` (or,
+    grouped, the query heads do not split evenly into the groups).
     """
     lin = module.get_submodule(qkv)
+    if lin.out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+        return None
+    if layout == "grouped":
+        if num_heads % num_kv_heads:
+            return None
+        # The output is cut into units of ``parts × head_dim`` features, one per group;
+        # ``q``/``k``/``v`` are ``[p0, p1)`` part ranges within every unit.
+        g = num_heads // num_kv_heads
+        parts, q, k, v = g + 2, (0, g), (g, g + 1), (g + 1, g + 2)
+    else:
+        # ``q``/``k``/``v`` are ``[start, stop)`` feature ranges of the output.
+        Q, K = num_heads * head_dim, num_kv_heads * head_dim
+        parts, q, k, v = 1, (0, Q), (Q, Q + K), (Q + K, Q + 2 * K)
     w = _join(path, f"{qkv}.weight")
     b = _join(path, f"{qkv}.bias") if getattr(lin, "bias", None) is not None else None
 
@@ -115,7 +129,6 @@ def _fused_claim(
         head_dim=head_dim,
         num_kv_heads=num_kv_heads,
         rotary=rotary,
-        qk_note=qk_note,
     )
 
 
@@ -328,21 +341,9 @@ def bloom_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     heads = _first_int(getattr(module, "num_heads", None))
     h = _first_int(getattr(module, "head_dim", None))
-    if heads is None or h is None or module.query_key_value.out_features != 3 * heads * h:
+    if heads is None or h is None:
         return None
-    return _fused_claim(
-        path,
-        module,
-        qkv="query_key_value",
-        out="dense",
-        q=(0, 1),
-        k=(1, 2),
-        v=(2, 3),
-        parts=3,
-        num_heads=heads,
-        head_dim=h,
-        num_kv_heads=heads,
-    )
+    return _fused_claim(path, module, "grouped", heads, h, heads)
 
 
 def gpt_neox_attention(path: str, module: nn.Module) -> Claim | None:
@@ -368,22 +369,10 @@ def gpt_neox_attention(path: str, module: nn.Module) -> Claim | None:
         getattr(module, "num_attention_heads", None), getattr(cfg, "num_attention_heads", None)
     )
     h = _first_int(getattr(module, "head_size", None))
-    if heads is None or h is None or module.query_key_value.out_features != 3 * heads * h:
+    if heads is None or h is None:
         return None
-    return _fused_claim(
-        path,
-        module,
-        qkv="query_key_value",
-        out="dense",
-        q=(0, 1),
-        k=(1, 2),
-        v=(2, 3),
-        parts=3,
-        num_heads=heads,
-        head_dim=h,
-        num_kv_heads=heads,
-        rotary=_rotary(getattr(module, "rotary_ndims", None), h, "half"),
-    )
+    rotary = _rotary(getattr(module, "rotary_ndims", None), h, "half")
+    return _fused_claim(path, module, "grouped", heads, h, heads, rotary=rotary)
 
 
 def falcon_attention(path: str, module: nn.Module) -> Claim | None:
@@ -418,30 +407,14 @@ def falcon_attention(path: str, module: nn.Module) -> Claim | None:
     rotary = None
     if not getattr(cfg, "alibi", False):
         rotary = RotarySpec(h, "half")  # FalconRotaryEmbedding rotates the whole head
-    width = module.query_key_value.out_features
-    common = dict(qkv="query_key_value", out="dense", num_heads=heads, head_dim=h, rotary=rotary)
     if module.new_decoder_architecture:
         kv = _first_int(getattr(module, "num_kv_heads", None), getattr(cfg, "num_kv_heads", None))
-        if kv is None or heads % kv or width != (heads + 2 * kv) * h:
+        if kv is None:
             return None
-        g = heads // kv
-        return _fused_claim(
-            path, module, q=(0, g), k=(g, g + 1), v=(g + 1, g + 2), parts=g + 2,
-            num_kv_heads=kv, **common,
-        )  # fmt: skip
-    E = heads * h
+        return _fused_claim(path, module, "grouped", heads, h, kv, rotary=rotary)
     if module.multi_query:
-        if width != E + 2 * h:
-            return None
-        return _fused_claim(
-            path, module, q=(0, E), k=(E, E + h), v=(E + h, E + 2 * h), parts=1,
-            num_kv_heads=1, **common,
-        )  # fmt: skip
-    if width != 3 * E:
-        return None
-    return _fused_claim(
-        path, module, q=(0, 1), k=(1, 2), v=(2, 3), parts=3, num_kv_heads=heads, **common
-    )
+        return _fused_claim(path, module, "stacked", heads, h, 1, rotary=rotary)
+    return _fused_claim(path, module, "grouped", heads, h, heads, rotary=rotary)
 
 
 def phi_attention(path: str, module: nn.Module) -> Claim | None:
@@ -500,22 +473,9 @@ def phi3_attention(path: str, module: nn.Module) -> Claim | None:
     )
     if heads is None or h is None or kv is None:
         return None
-    Q, K = heads * h, kv * h
-    if module.qkv_proj.out_features != Q + 2 * K:
-        return None
+    rotary = rotary_spec(module, h, "half") or RotarySpec(h, "half")
     return _fused_claim(
-        path,
-        module,
-        qkv="qkv_proj",
-        out="o_proj",
-        q=(0, Q),
-        k=(Q, Q + K),
-        v=(Q + K, Q + 2 * K),
-        parts=1,
-        num_heads=heads,
-        head_dim=h,
-        num_kv_heads=kv,
-        rotary=rotary_spec(module, h, "half") or RotarySpec(h, "half"),
+        path, module, "stacked", heads, h, kv, qkv="qkv_proj", out="o_proj", rotary=rotary
     )
 
 
