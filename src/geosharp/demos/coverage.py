@@ -200,22 +200,23 @@ def _hf(config_cls: str, model_cls: str, **kw: object) -> Callable[[], nn.Module
     return _seeded(build)
 
 
-_BERTLIKE = dict(
-    hidden_size=D,
-    num_attention_heads=HEADS,
-    num_hidden_layers=LAYERS,
-    intermediate_size=FFN,
-    vocab_size=VOCAB,
-    max_position_embeddings=16,
+#: The sizes of a BERT-style config (text, vision and audio towers alike).
+_SIZES = dict(
+    hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=LAYERS, intermediate_size=FFN
 )
-_DECODER = dict(
-    hidden_size=D,
-    num_attention_heads=HEADS,
-    num_hidden_layers=LAYERS,
-    intermediate_size=FFN,
+#: The sizes of an encoder-decoder config with BART's field names (BART, Whisper).
+_ENCODER_DECODER = dict(
     vocab_size=VOCAB,
-    max_position_embeddings=32,
+    d_model=D,
+    encoder_layers=LAYERS,
+    decoder_layers=LAYERS,
+    encoder_attention_heads=HEADS,
+    decoder_attention_heads=HEADS,
+    encoder_ffn_dim=FFN,
+    decoder_ffn_dim=FFN,
 )
+_BERTLIKE = dict(_SIZES, vocab_size=VOCAB, max_position_embeddings=16)
+_DECODER = dict(_SIZES, vocab_size=VOCAB, max_position_embeddings=32)
 _GQA = dict(_DECODER, num_key_value_heads=2)
 
 #: Reasons why a model computes part of its float64 forward in float32.
@@ -261,14 +262,7 @@ def _vision_forward(m: nn.Module, x: tuple) -> Tensor:
     return _cat(out.last_hidden_state, getattr(out, "pooler_output", None))
 
 
-_VISION = dict(
-    hidden_size=D,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS,
-    intermediate_size=FFN,
-    image_size=8,
-    patch_size=4,
-)
+_VISION = dict(_SIZES, image_size=8, patch_size=4)
 
 
 def _dual_inputs(g: torch.Generator) -> tuple:
@@ -285,14 +279,8 @@ def _dual_forward(m: nn.Module, x: tuple) -> Tensor:
 
 
 def _dual(name: str, config_cls: str, model_cls: str) -> Architecture:
-    common = dict(
-        hidden_size=D, intermediate_size=FFN, num_attention_heads=HEADS, num_hidden_layers=LAYERS
-    )
-    text = dict(common, vocab_size=VOCAB, max_position_embeddings=16, **_TOKENS)
-    kw: dict = dict(
-        text_config=text,
-        vision_config=dict(common, image_size=8, patch_size=4),
-    )
+    text = dict(_SIZES, vocab_size=VOCAB, max_position_embeddings=16, **_TOKENS)
+    kw: dict = dict(text_config=text, vision_config=dict(_VISION))
     if config_cls == "CLIPConfig":
         kw["projection_dim"] = 16
     return Architecture(name, _hf(config_cls, model_cls, **kw), _dual_inputs, _dual_forward)
@@ -311,20 +299,11 @@ def _whisper() -> Architecture:
     build = _hf(
         "WhisperConfig",
         "WhisperModel",
-        vocab_size=VOCAB,
+        **_ENCODER_DECODER,
+        **_TOKENS,
         num_mel_bins=mels,
-        d_model=D,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS,
-        decoder_attention_heads=HEADS,
-        encoder_ffn_dim=FFN,
-        decoder_ffn_dim=FFN,
         max_source_positions=frames // 2,
         max_target_positions=16,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
         decoder_start_token_id=1,
         suppress_tokens=None,
         begin_suppress_tokens=None,
@@ -342,10 +321,7 @@ def _wav2vec2() -> Architecture:
     build = _hf(
         "Wav2Vec2Config",
         "Wav2Vec2Model",
-        hidden_size=D,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=FFN,
+        **_SIZES,
         conv_dim=(16, 16),
         conv_stride=(5, 4),
         conv_kernel=(10, 4),
@@ -404,18 +380,7 @@ def _architectures() -> list[Architecture]:
         relative_attention_max_distance=16,
         decoder_start_token_id=0,
     )
-    bart = dict(
-        vocab_size=VOCAB,
-        d_model=D,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS,
-        decoder_attention_heads=HEADS,
-        encoder_ffn_dim=FFN,
-        decoder_ffn_dim=FFN,
-        max_position_embeddings=16,
-        **_TOKENS,
-    )
+    bart = dict(_ENCODER_DECODER, max_position_embeddings=16, **_TOKENS)
     return [
         _encoder("BERT", "BertConfig", "BertModel"),
         _encoder("RoBERTa", "RobertaConfig", "RobertaModel", pad_token_id=1),
