@@ -37,8 +37,11 @@ from geosharp.studies.store import Store
 
 
 @dataclass(frozen=True)
-class MeasureSpec:
+class StudyMeasure:
     """One measure of a plan, evaluated at every ρ of ``rhos``.
+
+    Not to be confused with :class:`geosharp.measure.names.MeasureSpec`, a measure as a user
+    writes it for ``geosharp measure``; this is the keyword arguments a study passes on.
 
     Attributes:
         kwargs: Keyword arguments of :func:`geosharp.sharpness` (without ``rho``), or
@@ -70,6 +73,11 @@ class MeasureSpec:
             kw.get("corrected_norm", True),
             kw.get("perturb", "all"),
         )
+
+
+MeasureSpec = StudyMeasure
+"""Deprecated alias of :class:`StudyMeasure` (its former name, easily confused with
+:class:`geosharp.measure.names.MeasureSpec`, a parsed user measure)."""
 
 
 @dataclass
@@ -150,7 +158,7 @@ class Study(ABC):
         """The loss sharpness is measured with (a scalar)."""
 
     @abstractmethod
-    def plan(self) -> list[MeasureSpec]:
+    def plan(self) -> list[StudyMeasure]:
         """Measures × ρ, fixed before looking at any τ."""
 
     def settings(self) -> dict[str, Any]:
