@@ -369,18 +369,7 @@ def _rest_positions(
     space: ParameterSpace, layout: Sequence[tuple[int, Tensor | None]], device: torch.device
 ) -> Callable[[], tuple[Tensor, ...]]:
     """Global positions of the rest components, built when asked (no index is stored)."""
-
-    def build() -> tuple[Tensor, ...]:
-        out = []
-        for j, local in layout:
-            off = space.offsets[j]
-            if local is None:
-                out.append(torch.arange(off, off + math.prod(space.shapes[j]), device=device))
-            else:
-                out.append(local.to(device) + off)
-        return tuple(out)
-
-    return build
+    return lambda: tuple(space.layout_positions(layout, device))
 
 
 def _block_positions(cls: type, blocks: list, device: torch.device) -> Callable:

@@ -164,14 +164,7 @@ class ElementwiseGeometry(Geometry):
         return t.abs() if f is None else t.abs().masked_fill_(f == 0, 0.0)
 
     def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
-        if not isinstance(xi, (tuple, list)) or len(xi) != len(self.point):
-            raise TypeError(
-                f"{name} must be a {len(self.point)}-tuple of tensors (one per component of "
-                f"{self.name})"
-            )
-        for t, w in zip(xi, self.point, strict=True):
-            check_like(name, t, "w", w)
-        return tuple(xi)
+        return _check_components(self.point, self.name, xi, name)
 
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
         """``Σ_i a_i b_i / w_i²`` over the non-frozen coordinates (a 0-dim tensor)."""
@@ -238,18 +231,8 @@ class ElementwiseGeometry(Geometry):
         the concatenated components), then split: the noise does not depend on how the
         point is cut into components.
         """
-        first = self.point[0]
-        if len(self.point) == 1:
-            z = torch.randn(
-                first.shape, generator=generator, dtype=first.dtype, device=first.device
-            )
-            return (scale * z * self.abs_w,)
-        sizes = [t.numel() for t in self.point]
-        flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
-        out = []
-        for k, (z, w) in enumerate(zip(flat.split(sizes), self.point, strict=True)):
-            out.append(scale * z.view(w.shape) * self._abs(k))
-        return tuple(out)
+        z = _normal_like(self.point, generator)
+        return tuple(scale * zk * self._abs(k) for k, zk in enumerate(z))
 
 
 class EuclideanGeometry(Geometry):
@@ -278,14 +261,7 @@ class EuclideanGeometry(Geometry):
         return self.point[0]
 
     def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
-        if not isinstance(xi, (tuple, list)) or len(xi) != len(self.point):
-            raise TypeError(
-                f"{name} must be a {len(self.point)}-tuple of tensors (one per component of "
-                f"{self.name})"
-            )
-        for t, w in zip(xi, self.point, strict=True):
-            check_like(name, t, "w", w)
-        return tuple(xi)
+        return _check_components(self.point, self.name, xi, name)
 
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
         """``Σ a_i b_i``."""
@@ -319,17 +295,36 @@ class EuclideanGeometry(Geometry):
         horizontal: bool = True,
     ) -> Tangent:
         """``scale · Z`` (one draw over all components, then split)."""
-        first = self.point[0]
-        if len(self.point) == 1:
-            z = torch.randn(
-                first.shape, generator=generator, dtype=first.dtype, device=first.device
-            )
-            return (scale * z,)
-        sizes = [t.numel() for t in self.point]
-        flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
-        return tuple(
-            scale * z.view(w.shape) for z, w in zip(flat.split(sizes), self.point, strict=True)
+        return tuple(scale * z for z in _normal_like(self.point, generator))
+
+
+def _check_components(
+    point: Sequence[Tensor], owner: str, xi: Tangent, name: str
+) -> tuple[Tensor, ...]:
+    """A tangent: one tensor per component of ``point``, each shaped like it."""
+    if not isinstance(xi, (tuple, list)) or len(xi) != len(point):
+        raise TypeError(
+            f"{name} must be a {len(point)}-tuple of tensors (one per component of {owner})"
         )
+    for t, w in zip(xi, point, strict=True):
+        check_like(name, t, "w", w)
+    return tuple(xi)
+
+
+def _normal_like(point: Sequence[Tensor], generator: torch.Generator | None) -> list[Tensor]:
+    """Standard normals shaped like every component: one draw over all of them, then split.
+
+    The numbers are those of a single draw over the concatenated components (one draw of its
+    shape for a single tensor), so they do not depend on how a point is cut into components.
+    """
+    first = point[0]
+    if len(point) == 1:
+        return [
+            torch.randn(first.shape, generator=generator, dtype=first.dtype, device=first.device)
+        ]
+    sizes = [t.numel() for t in point]
+    flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
+    return [z.view(w.shape) for z, w in zip(flat.split(sizes), point, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,14 +112,26 @@ class ParameterSpace:
     @property
     def rest_index(self) -> Tensor:
         """Sorted global positions of every coordinate in no block (built on each access)."""
-        parts = []
-        for j, local in self.rest_layout():
+        parts = self.layout_positions(self.rest_layout())
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def layout_positions(
+        self, layout: Sequence[tuple[int, Tensor | None]], device: torch.device | str | None = None
+    ) -> list[Tensor]:
+        """Global positions in ``θ`` of each ``(j, local)`` part of a :meth:`rest_layout`.
+
+        Args:
+            layout: ``(parameter index, local positions or None for all of it)`` pairs.
+            device: Device of the result (default: CPU).
+        """
+        out = []
+        for j, local in layout:
             off = self.offsets[j]
             if local is None:
-                parts.append(torch.arange(off, off + math.prod(self.shapes[j])))
+                out.append(torch.arange(off, off + math.prod(self.shapes[j]), device=device))
             else:
-                parts.append(local + off)
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+                out.append(local.to(device or "cpu") + off)
+        return out
 
     # -- coordinates --------------------------------------------------------------------------
     def numel(self) -> int:
