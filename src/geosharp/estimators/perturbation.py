@@ -29,6 +29,7 @@ from torch import Tensor
 
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
+from geosharp.geometry.elementwise import draw_like
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
@@ -309,17 +310,14 @@ class Perturbation:
         """
         out = []
         for p in self.pieces:
-            point = p.geometry.point
-            sizes = [t.numel() for t in point]
-            t0 = point[0]
-            u = torch.rand(sum(sizes), generator=generator, dtype=t0.dtype, device=t0.device)
-            u = 2 * u - 1
             scale = self._abs_w(p)
-            x = []
-            for k, (uk, t) in enumerate(zip(u.split(sizes), point, strict=True)):
-                uk = uk.view(t.shape)
-                x.append(uk * rho * (scale[k] if scale is not None else 1))
-            out.append(tuple(x))
+            u = draw_like(p.geometry.point, generator, torch.rand)
+            out.append(
+                tuple(
+                    (2 * uk - 1) * rho * (scale[k] if scale is not None else 1)
+                    for k, uk in enumerate(u)
+                )
+            )
         return out
 
     # -- the perturbed parameters -------------------------------------------------------------

@@ -31,7 +31,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -231,7 +231,7 @@ class ElementwiseGeometry(Geometry):
         the concatenated components), then split: the noise does not depend on how the
         point is cut into components.
         """
-        z = _normal_like(self.point, generator)
+        z = draw_like(self.point, generator)
         return tuple(scale * zk * self._abs(k) for k, zk in enumerate(z))
 
 
@@ -295,7 +295,7 @@ class EuclideanGeometry(Geometry):
         horizontal: bool = True,
     ) -> Tangent:
         """``scale · Z`` (one draw over all components, then split)."""
-        return tuple(scale * z for z in _normal_like(self.point, generator))
+        return tuple(scale * z for z in draw_like(self.point, generator))
 
 
 def _check_components(
@@ -311,19 +311,26 @@ def _check_components(
     return tuple(xi)
 
 
-def _normal_like(point: Sequence[Tensor], generator: torch.Generator | None) -> list[Tensor]:
-    """Standard normals shaped like every component: one draw over all of them, then split.
+def draw_like(
+    point: Sequence[Tensor], generator: torch.Generator | None, sampler: Callable = torch.randn
+) -> list[Tensor]:
+    """Random tensors shaped like every component: one draw over all of them, then split.
 
-    The numbers are those of a single draw over the concatenated components (one draw of its
-    shape for a single tensor), so they do not depend on how a point is cut into components.
+    The numbers are those of a single ``sampler`` draw over the concatenated components (one
+    draw of its shape for a single tensor), so they do not depend on how a point is cut into
+    components.
+
+    Args:
+        point: The components.
+        generator: Random generator.
+        sampler: ``torch.randn`` (default) or ``torch.rand``.
     """
     first = point[0]
+    kw = {"generator": generator, "dtype": first.dtype, "device": first.device}
     if len(point) == 1:
-        return [
-            torch.randn(first.shape, generator=generator, dtype=first.dtype, device=first.device)
-        ]
+        return [sampler(first.shape, **kw)]
     sizes = [t.numel() for t in point]
-    flat = torch.randn(sum(sizes), generator=generator, dtype=first.dtype, device=first.device)
+    flat = sampler(sum(sizes), **kw)
     return [z.view(w.shape) for z, w in zip(flat.split(sizes), point, strict=True)]
 
 
