@@ -67,6 +67,61 @@ def test_buffers_alive_at_each_loss_evaluation(monkeypatch, measure, low_memory,
     assert max(counts) <= limit, counts
 
 
+@pytest.mark.parametrize(("low_memory", "limit"), [(False, 4), (True, 3)])
+@pytest.mark.parametrize("measure", ["adaptive", "euclidean"])
+def test_no_copy_of_the_weights_during_the_forward(measure, low_memory, limit):
+    """At the end of every forward (the backward's start) the perturbed weights θ′ live in ξ's
+    own tensors: the buffers alive then are the iterates alone, with no θ′ = w + ξ beside them."""
+    model = _model()
+    x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(32) % 3
+    counts = []
+    hook = model[-1].register_forward_hook(lambda *_: counts.append(_units(model)))
+    try:
+        res = gs.sharpness(
+            model,
+            nn.functional.cross_entropy,
+            [(x, y)],
+            measure=measure,
+            rho=0.5,
+            steps=12,
+            cache=False,
+            low_memory=low_memory,
+        )
+    finally:
+        hook.remove()
+    assert res.value > 0 and len(counts) == res.n_forward
+    assert max(counts) <= limit, counts
+
+
+def test_the_iterate_is_the_displacement_the_forward_applied():
+    """``Perturbation.applied``: θ′ in ξ's tensors for one loss, then ξ ← θ′ − w (ξ rounded to
+    the point reached: within half an ulp of θ′, and exactly ξ where w + ξ is representable)."""
+    model = _model()
+    space = gs.find_symmetries(model, adapters=[])
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    pert = Perturbation(space, base, measure="adaptive")
+    g = torch.Generator().manual_seed(3)
+    xi = [
+        tuple(1e-3 * torch.randn(w.shape, generator=g) * w for w in pert.pieces[0].geometry.point)
+    ]
+    before = [t.clone() for t in xi[0]]
+    with pert.applied(xi) as moved:
+        assert moved is xi
+        theta = [t.clone() for t in xi[0]]
+        params = pert.endpoint_params(moved, applied=True)
+        assert all(params[n] is not base[n] for n in base)
+    for t, b, th, w in zip(xi[0], before, theta, pert.pieces[0].geometry.point, strict=True):
+        assert torch.equal(th, w + b)  # the forward saw exactly w + ξ
+        assert torch.equal(t, th - w)  # and ξ is now the displacement it applied
+        ulp = torch.finfo(th.dtype).eps * th.abs()
+        assert float(((t - b).abs() - 0.5 * ulp).max()) <= 0
+    zero = pert.zeros()
+    with pert.applied(zero):
+        pass
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in zero[0])
+
+
 def test_low_memory_gives_the_same_ascent():
     model = _model()
     x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))

@@ -493,18 +493,8 @@ def _objective(model: nn.Module, loss_fn: Any, pert: Perturbation, inputs: Any, 
         return loss_fn(call_model(model, params, inputs), targets).reshape(())
 
     def f(xi: Xi, need_grad: bool) -> tuple[float, Xi | None]:
-        if not need_grad:
-            with torch.no_grad():
-                return float(evaluate(pert.endpoint_params(xi))), None
-        leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in xi]
-        with torch.enable_grad():
-            loss = evaluate(pert.endpoint_params(leaves))
-            flat = [t for x in leaves for t in x]
-            grads = torch.autograd.grad(loss, flat, allow_unused=True)
-        it = iter(
-            g if g is not None else torch.zeros_like(t) for g, t in zip(grads, flat, strict=True)
-        )
-        return float(loss.detach()), [tuple(next(it) for _ in x) for x in leaves]
+        loss, grad = pert.loss_and_grad(evaluate, xi, need_grad)
+        return float(loss), grad
 
     return f
 

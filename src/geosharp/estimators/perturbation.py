@@ -21,8 +21,9 @@ base-point work (Gram matrices and their factorizations) happens once, in the co
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -321,25 +322,116 @@ class Perturbation:
         return out
 
     # -- the perturbed parameters -------------------------------------------------------------
-    def _moved(self, xi: Xi) -> list[tuple[Tensor, ...]]:
-        """Every piece moved along its geodesic (or straight line) from the base point."""
+    def _moved(self, xi: Xi, skip: int | None = None) -> list[tuple[Tensor, ...]]:
+        """Every piece moved along its geodesic (or straight line) from the base point.
+
+        The piece ``skip`` is taken as it is (it holds its moved value already).
+        """
         out = []
-        for p, x in zip(self.pieces, xi, strict=True):
-            out.append(p.geometry.iterate_endpoint(x, order=p.order, steps=self.exact_steps))
+        for k, (p, x) in enumerate(zip(self.pieces, xi, strict=True)):
+            if k == skip:
+                out.append(tuple(x))
+            else:
+                out.append(p.geometry.iterate_endpoint(x, order=p.order, steps=self.exact_steps))
         return out
 
     def endpoint(self, xi: Xi) -> Tensor:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
         return self.space.flatten(self.endpoint_params(xi))
 
-    def endpoint_params(self, xi: Xi) -> dict[str, Tensor]:
+    def endpoint_params(self, xi: Xi, applied: bool = False) -> dict[str, Tensor]:
         """The perturbed parameters by name, ready for :func:`torch.func.functional_call`.
 
         Differentiable in ``ξ``. Parameters with no coordinate in a symmetry block are their
         moved component itself (no gather, no copy, and their gradient is the model's own);
         only the parameters that hold block coordinates are gathered (see :class:`_Assembly`).
+
+        Args:
+            xi: The perturbation, or (``applied=True``) one whose straight-line piece holds
+                ``θ′`` already (inside :meth:`applied`).
+            applied: Take the rest piece's tensors as the perturbed values themselves.
         """
-        return self._assembly(self._moved(xi))
+        moved = self._moved(xi, skip=self._rest_piece if applied and self.straight_rest else None)
+        return self._assembly(moved)
+
+    def loss_and_grad(
+        self, evaluate: Callable[[dict[str, Tensor]], Tensor], xi: Xi, need_grad: bool
+    ) -> tuple[Tensor, Xi | None]:
+        """The loss at ``θ′(ξ)`` and (``need_grad``) its Euclidean gradient with respect to ``ξ``.
+
+        One forward (and one backward) of ``evaluate``, a function of the perturbed parameters
+        by name. ``θ′`` of the coordinates outside blocks lives in ``ξ``'s own tensors during
+        the loss (:meth:`applied`: no separate copy of those weights), so on return ``ξ`` is
+        the displacement the forward applied.
+
+        Returns:
+            The loss (detached) and the gradient, one tuple per piece (zeros where the loss
+            does not depend on a component), or ``None``.
+        """
+        if not need_grad:
+            with torch.no_grad(), self.applied(xi) as moved:
+                return evaluate(self.endpoint_params(moved, applied=True)).detach(), None
+        with self.applied(xi) as moved:
+            leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
+            with torch.enable_grad():
+                loss = evaluate(self.endpoint_params(leaves, applied=True))
+                flat = [t for x in leaves for t in x]
+                grads = torch.autograd.grad(loss, flat, allow_unused=True)
+        it = iter(
+            g if g is not None else torch.zeros_like(t) for g, t in zip(grads, flat, strict=True)
+        )
+        return loss.detach(), [tuple(next(it) for _ in x) for x in leaves]
+
+    @property
+    def straight_rest(self) -> bool:
+        """Whether the coordinates outside blocks move along the straight line ``w + ξ``.
+
+        True for adaptive and Euclidean sharpness and the adaptive rest of geodesic sharpness;
+        then :meth:`applied` can hold ``θ′`` of those coordinates in ``ξ``'s own tensors.
+        """
+        k = self._rest_piece
+        if k is None:
+            return False
+        piece = self.pieces[k]
+        g = piece.geometry
+        if isinstance(g, ElementwiseGeometry):
+            return piece.order == 1
+        return isinstance(g, EuclideanGeometry)
+
+    @contextlib.contextmanager
+    def applied(self, xi: Xi) -> Iterator[Xi]:
+        """``ξ`` with its straight-line piece turned into ``θ′ = w + ξ`` in place, for one loss.
+
+        The forward at a perturbed point needs ``θ′`` of every weight outside blocks, and the
+        backward keeps the weights a layer saved (``F.linear`` keeps its weight): a separate
+        ``θ′`` would be one parameter-sized buffer above a plain step. Here ``ξ``'s own tensors
+        hold ``θ′`` for the loss (pass ``applied=True`` to :meth:`endpoint_params`; their
+        gradient is the gradient with respect to ``ξ``), and on exit they hold ``θ′ − w``: the
+        displacement the forward applied. That is ``ξ`` rounded to the point it reached (each
+        coordinate moves by at most half an ulp of ``θ′``; exactly ``ξ`` whenever ``w + ξ`` is
+        representable, e.g. ``ξ = 0``), so an ascent carries the perturbation of the point it
+        evaluated. Pieces that do not move on straight lines are left as they are.
+        """
+        k = self._rest_piece
+        if not self.straight_rest or k is None:
+            yield xi
+            return
+        pairs = list(zip(xi[k], self.pieces[k].geometry.point, strict=True))
+        for t, w in pairs:
+            if t.dtype != w.dtype or t.shape != w.shape:
+                raise ValueError(
+                    f"the perturbation of {self.pieces[k].name} has dtype {t.dtype} and shape "
+                    f"{tuple(t.shape)}, its point {w.dtype}, {tuple(w.shape)}"
+                )
+        with torch.no_grad():
+            for t, w in pairs:
+                t.add_(w)
+        try:
+            yield xi
+        finally:
+            with torch.no_grad():
+                for t, w in pairs:
+                    t.sub_(w)
 
 
 def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -> dict[str, Tensor]:

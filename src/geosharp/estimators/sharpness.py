@@ -185,24 +185,13 @@ class _Objective:
         return loss.reshape(())
 
     def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
-        if not need_grad:
-            with torch.no_grad():
-                value = float(self.evaluate(self.pert.endpoint_params(xi)))
-            if check:
-                self._check(value, xi)
-            return value, None
-        leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in xi]
-        with torch.enable_grad():
-            loss = self.evaluate(self.pert.endpoint_params(leaves))
-            flat = [t for x in leaves for t in x]
-            grads = torch.autograd.grad(loss, flat, allow_unused=True)
-        self.counter["backward"] += 1
-        value = float(loss.detach())
+        loss, grad = self.pert.loss_and_grad(self.evaluate, xi, need_grad)
+        if need_grad:
+            self.counter["backward"] += 1
+        value = float(loss)
         if check:
             self._check(value, xi)
-        pairs = zip(grads, flat, strict=True)
-        it = iter(g if g is not None else torch.zeros_like(t) for g, t in pairs)
-        return value, [tuple(next(it) for _ in x) for x in leaves]
+        return value, grad
 
     def _check(self, value: float, xi: Xi) -> None:
         if not math.isfinite(value):
