@@ -1,0 +1,123 @@
+"""The fused order-2 endpoint and the Gram-matrix norms of GLGeometry equal their definitions."""
+
+import pytest
+import torch
+
+from geosharp.geometry import GLSubgroupGeometry
+from geosharp.geometry.gl import GLGeometry, _christoffel, _order2_endpoint
+from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra
+
+DT = torch.float64
+
+
+def _block(seed, lead=(3,), n=7, m=6, h=4):
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn(*lead, n, h, dtype=DT, generator=g)
+    H = torch.randn(*lead, m, h, dtype=DT, generator=g)
+    xi = (0.1 * torch.randn_like(G), 0.1 * torch.randn_like(H))
+    return G, H, xi
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+def test_fused_order2_endpoint_is_point_plus_xi_minus_half_christoffel(metric, lead):
+    G, H, (xG, xH) = _block(0, lead)
+    geom = GLGeometry(G, H, metric=metric)
+    gG, gH = _christoffel(G, H, xG, xH, geom.MG_inv, geom.MH_inv, metric)
+    Gp, Hp = _order2_endpoint(G, H, xG, xH, geom.MG_inv, geom.MH_inv, metric)
+    assert _rel(Gp, G + xG - 0.5 * gG) < 1e-14
+    assert _rel(Hp, H + xH - 0.5 * gH) < 1e-14
+    # the geometry's order-2 geodesic is that endpoint, and so is its gradient in ξ
+    Gq, Hq = geom.geodesic((xG, xH), order=2)
+    assert torch.equal(Gq, Gp) and torch.equal(Hq, Hp)
+    a = tuple(t.clone().requires_grad_(True) for t in (xG, xH))
+    b = tuple(t.clone().requires_grad_(True) for t in (xG, xH))
+    w = (torch.randn_like(G), torch.randn_like(H))
+    fused = geom.geodesic(a, order=2)
+    c = _christoffel(G, H, *b, geom.MG_inv, geom.MH_inv, metric)
+    plain = (G + b[0] - 0.5 * c[0], H + b[1] - 0.5 * c[1])
+    ga = torch.autograd.grad(sum((p * q).sum() for p, q in zip(fused, w, strict=True)), a)
+    gb = torch.autograd.grad(sum((p * q).sum() for p, q in zip(plain, w, strict=True)), b)
+    for u, v in zip(ga, gb, strict=True):
+        assert _rel(u, v) < 1e-13
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_float32_order2_endpoint_within_rounding_of_the_float64_one(metric):
+    G, H, xi = _block(1, (5,), n=33, m=32, h=8)
+    wide = GLGeometry(G, H, metric=metric)
+    lo = GLGeometry(G.float(), H.float(), metric=metric)  # float64 tangents, float32 endpoint
+    ref = wide.geodesic(xi, order=2)
+    got = lo.geodesic(xi, order=2)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == torch.float32
+        assert _rel(a.double(), b) < 1e-6
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_norm_and_inner_from_gram_matrices_equal_the_trace_definition(metric):
+    G, H, xi = _block(2, (4,))
+    _, _, eta = _block(3, (4,))
+    geom = GLGeometry(G, H, metric=metric)
+    MG, MH = G.mT @ G, H.mT @ H
+    if metric == "inv":
+        MG, MH = torch.linalg.inv(MG), torch.linalg.inv(MH)
+    else:
+        MG, MH = MH, MG
+
+    def tr(a, b, M):
+        return torch.einsum("...ij,...ij->...", a @ M, b)  # tr(M aᵀ b) = Σ (a M) ⊙ b
+
+    ref = tr(xi[0], eta[0], MG) + tr(xi[1], eta[1], MH)
+    assert _rel(geom.inner(xi, eta), ref) < 1e-13
+    ref_sq = tr(xi[0], xi[0], MG) + tr(xi[1], xi[1], MH)
+    assert _rel(geom.norm_sq(xi), ref_sq) < 1e-13
+    assert torch.equal(geom.norm_sq(xi), geom.inner(xi, xi))
+    assert (geom.norm_sq(xi) > 0).all()
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_subgroup_projection_with_fused_update_is_horizontal(metric):
+    G, H, xi = _block(4, (3,), n=7, m=8, h=6)
+    alg = BlockDiagonalAlgebra(6, planes=((0, 2), (1, 3)), free=(4, 5))
+    geom = GLSubgroupGeometry(G, H, alg, metric=metric)
+    p = geom.project(xi)
+    assert float(geom.horizontal_residual(p).abs().max()) < 1e-10
+    q = geom.project(p)
+    assert _rel(q[0], p[0]) < 1e-12 and _rel(q[1], p[1]) < 1e-12
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_hand_written_backward_passes_gradcheck_and_gradgradcheck(metric):
+    G, H, xi = _block(5, (2,), n=5, m=4, h=3)
+    geom = GLGeometry(G, H, metric=metric)
+    a = tuple(t.clone().requires_grad_(True) for t in xi)
+    out = geom.geodesic(a, order=2)
+    assert type(out[0].grad_fn).__name__ == "_Order2EndpointBackward"
+
+    def endpoint(u, v):
+        return geom.geodesic((u, v), order=2)
+
+    assert torch.autograd.gradcheck(endpoint, a)
+    assert torch.autograd.gradgradcheck(endpoint, a)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_forward_mode_and_torch_func_use_plain_autograd(metric):
+    G, H, xi = _block(6, (2,), n=5, m=4, h=3)
+    geom = GLGeometry(G, H, metric=metric)
+    v = (torch.randn_like(xi[0]), torch.randn_like(xi[1]))
+    _, jv = torch.func.jvp(lambda u, w: geom.geodesic((u, w), order=2), xi, v)
+    eps = 1e-6
+    plus = geom.geodesic((xi[0] + eps * v[0], xi[1] + eps * v[1]), order=2)
+    minus = geom.geodesic((xi[0] - eps * v[0], xi[1] - eps * v[1]), order=2)
+    for j, p, m in zip(jv, plus, minus, strict=True):
+        assert _rel(j, (p - m) / (2 * eps)) < 1e-7
+    g = torch.func.grad(lambda u: geom.geodesic((u, xi[1]), order=2)[0].sum())(xi[0])
+    u = xi[0].clone().requires_grad_(True)
+    ref = torch.autograd.grad(geom.geodesic((u, xi[1]), order=2)[0].sum(), u)[0]
+    assert _rel(g, ref) < 1e-13
