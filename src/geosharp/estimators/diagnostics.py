@@ -63,6 +63,7 @@ from torch import Tensor, nn
 
 from geosharp.estimators.apgd import autopgd
 from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.rows import BatchRows
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import (
@@ -573,13 +574,16 @@ def ascent_diagnostics(
         for batch in batches:
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
             f = _objective(model, loss_fn, pert, inputs, targets)
-            zero = pert.zeros()
-            clean, grad = f(zero, True)
-            res = autopgd(pert, f, rho, steps, zero, "l2", (clean, grad))
+            with BatchRows(model, pert) as reached:  # as gs.sharpness: the rows reached
+                clean, grad = f(pert.zeros(), True)
+            cut, grad = reached.restrict(grad)
+            fc = f if cut is pert else _objective(model, loss_fn, cut, inputs, targets)
+            zero = cut.zeros()
+            res = autopgd(cut, fc, rho, steps, zero, "l2", (clean, grad))
             best = max(res.best_loss, clean)
             xi = res.best_xi if res.best_loss > clean else zero
-            split = budget_split(pert, xi)
-            disp = order2_displacement(pert, xi)
+            split = budget_split(cut, xi)
+            disp = order2_displacement(cut, xi)
             rows.append({"value": best - clean, "budget": split, **disp})
     if not rows:
         raise ValueError("batches is empty")

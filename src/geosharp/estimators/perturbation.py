@@ -22,6 +22,7 @@ base-point work (Gram matrices and their factorizations) happens once, in the co
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -382,6 +383,73 @@ class Perturbation:
         )
         return loss.detach(), [tuple(next(it) for _ in x) for x in leaves]
 
+    def row_tables(self) -> dict[str, int]:
+        """The parameters :meth:`on_rows` can cut: name → component of the rest piece.
+
+        Whole 2-D (or higher) parameters of a straight-line rest piece, e.g. embedding tables.
+        """
+        k = self._rest_piece
+        if k is None or not self.straight_rest:
+            return {}
+        a = self._assembly
+        point = self.pieces[k].geometry.point
+        return {
+            a.names[j]: c
+            for c, (j, whole) in enumerate(a.layout)
+            if whole and point[c].dim() >= 2 and c not in a.rows
+        }
+
+    def on_rows(self, rows: Mapping[str, Tensor]) -> Perturbation:
+        """This perturbation with some tables restricted to the rows a batch reaches.
+
+        An embedding table's rows that no input of a batch looks up get no gradient at any
+        perturbation, so an ascent that starts at ``ξ = 0`` never moves them: they stay exactly
+        ``w``. Their part of every per-step pass over ``ξ`` (norms, the Riemannian gradient,
+        momentum, ``θ′``) is work with a known result, and their part of every ξ-sized buffer
+        memory with a known content. The restricted perturbation holds, for each table, only
+        the rows given (its component of the rest piece is ``w[rows]``); its perturbed table is
+        ``w`` with those rows replaced. Its norms equal the full ones wherever the other rows
+        of ``ξ`` are zero.
+
+        Args:
+            rows: Parameter name (one of :meth:`row_tables`) → the rows kept (indices along
+                dimension 0).
+
+        Returns:
+            A new :class:`Perturbation` sharing the symmetry pieces (or ``self`` when ``rows``
+            is empty).
+        """
+        if not rows:
+            return self
+        tables = self.row_tables()
+        k = self._rest_piece
+        assert k is not None or not tables
+        cut: dict[int, Tensor] = {}
+        for name, r in rows.items():
+            if name not in tables:
+                raise ValueError(
+                    f"{name!r} is not a whole table of the straight-line rest piece; "
+                    f"the tables are {sorted(tables)}"
+                )
+            c = tables[name]
+            cut[c] = r.to(device=self.pieces[k].geometry.point[c].device, dtype=torch.long)
+        piece = self.pieces[k]
+        g = piece.geometry
+        full = g.point
+        new_g = g.with_rows(cut)
+        new = copy.copy(self)
+        new.pieces = list(self.pieces)
+        new.pieces[k] = Piece(
+            piece.name,
+            _row_positions(piece, cut, full),
+            new_g,
+            new_g,
+            piece.order,
+        )
+        new._assembly = copy.copy(self._assembly)
+        new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
+        return new
+
     @property
     def straight_rest(self) -> bool:
         """Whether the coordinates outside blocks move along the straight line ``w + ξ``.
@@ -462,6 +530,20 @@ def _rest_positions(
     return lambda: tuple(space.layout_positions(layout, device))
 
 
+def _row_positions(piece: Piece, cut: Mapping[int, Tensor], full: Sequence[Tensor]) -> Callable:
+    """Global positions of a rest piece some of whose components are cut to rows."""
+
+    def positions() -> tuple[Tensor, ...]:
+        out = list(piece.index)
+        for c, r in cut.items():
+            row = full[c][0].numel()
+            per_row = out[c].reshape(full[c].shape[0], row)
+            out[c] = per_row.index_select(0, r.to(per_row.device)).reshape(-1)
+        return tuple(out)
+
+    return positions
+
+
 def _block_positions(cls: type, blocks: list, device: torch.device) -> Callable:
     """Global positions of a batched block piece, built when asked (the blocks hold them)."""
     return lambda: tuple(i.to(device) for i in cls.batch(blocks))
@@ -500,6 +582,8 @@ class _Assembly:
         self.names, self.shapes = list(space.param_names), list(space.shapes)
         sizes = [math.prod(s) for s in self.shapes]
         self.rest_piece = rest_piece
+        #: rest component → (rows kept, the whole table at the base point): see on_rows
+        self.rows: dict[int, tuple[Tensor, Tensor]] = {}
         self.sym_pieces = [i for i in range(len(pieces)) if i != rest_piece]
         #: rest component k → (parameter j, whole?) ; whole parameters are used as they are
         self.layout = [(j, local is None) for j, local in layout]
@@ -544,8 +628,11 @@ class _Assembly:
     def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         rest = moved[self.rest_piece] if self.rest_piece is not None else ()
-        for (j, whole), value in zip(self.layout, rest, strict=True):
+        for c, ((j, whole), value) in enumerate(zip(self.layout, rest, strict=True)):
             if whole:
+                if c in self.rows:  # a table cut to the rows a batch reaches: w, those replaced
+                    r, table = self.rows[c]
+                    value = table.index_put((r,), value)
                 out[self.names[j]] = value.view(self.shapes[j])
         if self.gathered:
             parts = [v.reshape(-1) for k in self.sym_pieces for v in moved[k]]

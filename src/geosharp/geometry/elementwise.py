@@ -31,13 +31,31 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+
+
+def _frozen_of(t: Tensor) -> Tensor | None:
+    """Where ``t`` is frozen (``w = 0`` or ``1/w²`` not finite).
+
+    ``None`` if nowhere; else the flat positions when at most one coordinate in 16 is frozen
+    (an embedding's padding row), or a boolean mask.
+    """
+    inv_w2 = t.reciprocal().square_()
+    frozen = (t == 0) | ~torch.isfinite(inv_w2)
+    del inv_w2
+    n = int(frozen.sum())
+    if n == 0:
+        return None
+    if 16 * n <= t.numel():
+        return frozen.reshape(-1).nonzero().reshape(-1)
+    return frozen
 
 
 class ElementwiseGeometry(Geometry):
@@ -70,14 +88,44 @@ class ElementwiseGeometry(Geometry):
         self.name = name
         # Frozen: exact zeros, and weights so small that 1/w² overflows the dtype (a ball of
         # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM). Only the
-        # components that have such coordinates keep a masked 1/w² (0 where frozen).
-        self._frozen: list[Tensor | None] = []
-        for t in parts:
-            inv_w2 = t.reciprocal().square_()
-            mask = (t != 0) & torch.isfinite(inv_w2)
-            self._frozen.append(None if bool(mask.all()) else inv_w2.masked_fill_(~mask, 0.0))
-            del inv_w2, mask
+        # components that have such coordinates keep where they are: their flat positions when
+        # few (an embedding's padding row), else a boolean mask; nothing parameter-sized.
+        self._frozen: list[Tensor | None] = [_frozen_of(t) for t in parts]
         self.has_frozen = any(f is not None for f in self._frozen)
+
+    def with_rows(self, rows: Mapping[int, Tensor]) -> ElementwiseGeometry:
+        """The same geometry with some components cut down to some of their rows.
+
+        Args:
+            rows: Component → row indices (``long``, along dimension 0); the new component is
+                ``point[c][rows]`` (a copy of those rows), the others are shared as they are.
+
+        Returns:
+            A new geometry (the frozen coordinates of the untouched components are shared).
+        """
+        new = copy.copy(self)
+        new.point = tuple(
+            t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(self.point)
+        )
+        new._frozen = [
+            _frozen_of(new.point[c]) if c in rows else f for c, f in enumerate(self._frozen)
+        ]
+        new.has_frozen = any(f is not None for f in new._frozen)
+        return new
+
+    def _zero_frozen_(self, t: Tensor, k: int, value: float | bool = 0.0) -> Tensor:
+        """``t`` (shaped like component ``k``) with its frozen coordinates set to ``value``."""
+        f = self._frozen[k]
+        if f is None:
+            return t
+        if f.dtype == torch.bool:
+            return t.masked_fill_(f, value)
+        if t.is_contiguous():
+            t.view(-1).index_fill_(0, f, value)
+            return t
+        mask = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
+        mask[f] = True
+        return t.masked_fill_(mask.view(t.shape), value)
 
     # -- single-tensor conveniences (the point has one component) ----------------------------
     @property
@@ -116,15 +164,14 @@ class ElementwiseGeometry(Geometry):
     def inv_w2_parts(self) -> tuple[Tensor, ...]:
         """``1/w²`` per component, 0 on frozen coordinates."""
         return tuple(
-            t.reciprocal().square_() if f is None else f
-            for t, f in zip(self.point, self._frozen, strict=True)
+            self._zero_frozen_(t.reciprocal().square_(), k) for k, t in enumerate(self.point)
         )
 
     def mask_parts(self) -> tuple[Tensor, ...]:
         """Per component, ``True`` on the coordinates that can move."""
         return tuple(
-            torch.ones_like(t, dtype=torch.bool) if f is None else f != 0
-            for t, f in zip(self.point, self._frozen, strict=True)
+            self._zero_frozen_(torch.ones_like(t, dtype=torch.bool), k, False)
+            for k, t in enumerate(self.point)
         )
 
     def w2_parts(self) -> tuple[Tensor, ...]:
@@ -137,10 +184,7 @@ class ElementwiseGeometry(Geometry):
 
     def _scaled(self, x: Tensor, k: int) -> Tensor:
         """``x / |w|`` of component ``k`` (0 on frozen coordinates), a new tensor."""
-        f = self._frozen[k]
-        if f is None:
-            return x / self.point[k]
-        return x * f.sqrt()
+        return self._zero_frozen_(x / self.point[k], k)
 
     def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...]:
         """``ξ_i² / w_i²`` per coordinate (0 on frozen ones), one tensor per component."""
@@ -155,13 +199,11 @@ class ElementwiseGeometry(Geometry):
 
     def _w2(self, k: int) -> Tensor:
         """``w²`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
-        t, f = self.point[k], self._frozen[k]
-        return t.square() if f is None else t.square().masked_fill_(f == 0, 0.0)
+        return self._zero_frozen_(self.point[k].square(), k)
 
     def _abs(self, k: int) -> Tensor:
         """``|w|`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
-        t, f = self.point[k], self._frozen[k]
-        return t.abs() if f is None else t.abs().masked_fill_(f == 0, 0.0)
+        return self._zero_frozen_(self.point[k].abs(), k)
 
     def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
         return _check_components(self.point, self.name, xi, name)
@@ -190,8 +232,8 @@ class ElementwiseGeometry(Geometry):
         if not self.has_frozen:
             return x
         return tuple(
-            t if f is None else torch.where(f != 0, t, torch.zeros_like(t))
-            for t, f in zip(x, self._frozen, strict=True)
+            t if f is None else self._zero_frozen_(t.clone(), k)
+            for k, (t, f) in enumerate(zip(x, self._frozen, strict=True))
         )
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
@@ -252,6 +294,17 @@ class EuclideanGeometry(Geometry):
             check_tensor("w", t)
         self.name = name
         self.point: Point = parts
+
+    def with_rows(self, rows: Mapping[int, Tensor]) -> EuclideanGeometry:
+        """The same geometry with some components cut down to some of their rows.
+
+        See :meth:`ElementwiseGeometry.with_rows`.
+        """
+        new = copy.copy(self)
+        new.point = tuple(
+            t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(self.point)
+        )
+        return new
 
     @property
     def w(self) -> Tensor:
