@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from geosharp.estimators.apgd import autopgd
 from geosharp.estimators.cache import CACHE
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, GLGeometry
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
@@ -414,7 +415,10 @@ def sharpness(
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
             f = _Objective(model, loss_fn, space, pert, inputs, targets, counter, bar)
             need_grad = kind == "worst" and not random_init
-            clean_loss, clean_grad = f(pert.zeros(), True, False) if need_grad else _clean(f)
+            if need_grad and not _pulls_back(pert):
+                clean_loss, clean_grad = f(pert.zeros(), True, False)
+            else:
+                clean_loss, clean_grad = _clean(f, need_grad)
             if not math.isfinite(clean_loss):
                 raise ValueError(
                     f"the clean loss of batch {b} is {clean_loss}: sharpness is undefined; "
@@ -500,9 +504,92 @@ def sharpness(
     )
 
 
-def _clean(f: _Objective) -> tuple[float, None]:
-    with torch.no_grad():
-        return float(f.evaluate(dict(f.model.named_parameters()))), None
+def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
+    """The loss at ``ξ = 0`` and, with ``need_grad``, its Euclidean gradient w.r.t. ``ξ``.
+
+    Evaluated at the model's own parameters: one plain forward (and backward), with no endpoint
+    built at ``ξ = 0`` and none of its backward. The gradient w.r.t. ``ξ`` is the parameters'
+    gradient laid out as the pieces (:func:`_grad_at_zero`); the same numbers as the gradient
+    through the endpoint at ``ξ = 0`` when :func:`_pulls_back` holds.
+    """
+    named = dict(f.model.named_parameters())
+    if not need_grad:
+        with torch.no_grad():
+            return float(f.evaluate(named)), None
+    names = f.pert.space.param_names
+    leaves = [named[n].detach().requires_grad_(True) for n in names]
+    with torch.enable_grad():
+        loss = f.evaluate(dict(zip(names, leaves, strict=True)))
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    f.counter["backward"] += 1
+    value = float(loss.detach())
+    del loss, leaves
+    pairs = zip(grads, names, strict=True)
+    grads = [g if g is not None else torch.zeros_like(named[n]) for g, n in pairs]
+    return value, _grad_at_zero(f.pert, grads)
+
+
+def _pulls_back(pert: Perturbation) -> bool:
+    """Whether every piece's endpoint has the identity as its derivative at ``ξ = 0``, exactly.
+
+    Then ``∂L/∂ξ`` at ``ξ = 0`` *is* ``∂L/∂θ`` (a held piece's is zero): the order-1 and order-2
+    endpoints ``θ₀ + ξ − ½Γ(ξ, ξ)`` of the GL, element-wise and Euclidean geometries
+    (``Γ`` is quadratic, so its backward at ``ξ = 0`` adds exact zeros) and the fixed points.
+    RK4 (``order="exact"``) and the closed forms of diagonal pairs are left to autograd: their
+    derivative at 0 is the identity only up to rounding.
+    """
+    for p in pert.pieces:
+        g = p.geometry
+        if isinstance(g, FixedGeometry):
+            continue
+        if isinstance(g, GLGeometry):
+            same = (
+                type(g).geodesic is GLGeometry.geodesic
+                and type(g).iterate_endpoint is GLGeometry.iterate_endpoint
+            )
+            if same and p.order in (1, 2):
+                continue
+        elif type(g) in (ElementwiseGeometry, EuclideanGeometry) and p.order == 1:
+            continue
+        return False
+    asm = getattr(pert, "_assembly", None)
+    return asm is not None and asm.index.numel() == sum(asm.gathered_sizes)
+
+
+def _grad_at_zero(pert: Perturbation, grads: list[Tensor]) -> Xi:
+    """``∂L/∂ξ`` at ``ξ = 0`` from ``∂L/∂θ`` (one tensor per parameter of the space).
+
+    The adjoint of :meth:`Perturbation.endpoint_params` at ``ξ = 0`` when :func:`_pulls_back`
+    holds: a whole parameter of the rest piece gets its gradient itself; the parameters holding
+    symmetry coordinates are concatenated and scattered back by the assembly's gather index
+    (a bijection between them and the source vector of the pieces' values), then split into
+    the pieces' components, in each piece's tangent dtype; held pieces get zeros.
+    """
+    asm = pert._assembly
+    pieces = pert.pieces
+    out: list[list[Tensor | None]] = [[None] * len(p.geometry.point) for p in pieces]
+    if asm.gathered:
+        gathered = torch.cat([grads[j].reshape(-1) for j in asm.gathered])
+        source = torch.empty_like(gathered)
+        source[asm.index] = gathered
+        del gathered
+        slots = [(k, c) for k in asm.sym_pieces for c in range(len(pieces[k].geometry.point))]
+        slots += [(asm.rest_piece, c) for c in asm.mixed]
+        sizes = [pieces[k].geometry.point[c].numel() for k, c in slots]
+        for (k, c), part in zip(slots, torch.split(source, sizes), strict=True):
+            out[k][c] = part.view(pieces[k].geometry.point[c].shape)
+    if asm.rest_piece is not None:
+        for c, (j, whole) in enumerate(asm.layout):
+            if whole:
+                out[asm.rest_piece][c] = grads[j]
+    xi: Xi = []
+    for p, comps in zip(pieces, out, strict=True):
+        dtype = p.geometry.tangent_dtype
+        if isinstance(p.geometry, FixedGeometry):
+            xi.append(p.geometry.zeros())
+        else:
+            xi.append(tuple(t.to(dtype) for t in comps))
+    return xi
 
 
 def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
