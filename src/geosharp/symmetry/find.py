@@ -84,7 +84,7 @@ class _Resolver:
             name = self.name(piece.param, owner)
             local = slice_positions(self.shapes[name], piece, heads, head_dim)
             parts.append(local + self.offsets[name])
-        return torch.cat(parts, dim=1)
+        return _compact(torch.cat(parts, dim=1), self.numel)
 
     def resolve(self, spec: BlockSpec | PairSpec | TranslationSpec) -> SymmetryBlock:
         """The block a spec describes, with global indices (the one place spec kinds meet)."""
@@ -125,9 +125,19 @@ class _Resolver:
 
         def positions(name: str) -> Tensor:
             n = self.shapes[name].numel()
-            return torch.arange(n, dtype=torch.long).view(self.shapes[name]) + self.offsets[name]
+            index = torch.arange(n, dtype=torch.long).view(self.shapes[name]) + self.offsets[name]
+            return _compact(index, self.numel)
 
         return DiagonalPair(spec.name, spec.module, positions(u), positions(v))
+
+
+def _compact(index: Tensor, numel: int) -> Tensor:
+    """Block positions as int32 when ``θ`` has fewer than 2³¹ coordinates.
+
+    The space keeps them (cached across calls); they index as int64 ones do, in half the
+    memory.
+    """
+    return index.to(torch.int32) if numel < 2**31 else index
 
 
 def _as_pair_spec(pair: PairSpec | tuple[str, str]) -> PairSpec:
