@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from geosharp.estimators.apgd import autopgd
 from geosharp.estimators.cache import CACHE
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
+from geosharp.estimators.rows import BatchRows
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, GLGeometry
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, eval_mode
@@ -184,6 +185,19 @@ class _Objective:
         if self.bar is not None:
             self.bar.update()
         return loss.reshape(())
+
+    def on(self, pert: Perturbation) -> _Objective:
+        """The same objective for another perturbation of the same parameters (e.g. cut rows)."""
+        return _Objective(
+            self.model,
+            self.loss_fn,
+            self.space,
+            pert,
+            self.inputs,
+            self.targets,
+            self.counter,
+            self.bar,
+        )
 
     def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
         loss, grad = self.pert.loss_and_grad(self.evaluate, xi, need_grad)
@@ -415,10 +429,13 @@ def sharpness(
             inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
             f = _Objective(model, loss_fn, space, pert, inputs, targets, counter, bar)
             need_grad = kind == "worst" and not random_init
-            if need_grad and not _pulls_back(pert):
-                clean_loss, clean_grad = f(pert.zeros(), True, False)
-            else:
-                clean_loss, clean_grad = _clean(f, need_grad)
+            # the embedding rows the clean forward reaches: the ascent from ξ = 0 moves no other
+            rows = BatchRows(model, pert, enabled=need_grad)
+            with rows:
+                if need_grad and not _pulls_back(pert):
+                    clean_loss, clean_grad = f(pert.zeros(), True, False)
+                else:
+                    clean_loss, clean_grad = _clean(f, need_grad)
             if not math.isfinite(clean_loss):
                 raise ValueError(
                     f"the clean loss of batch {b} is {clean_loss}: sharpness is undefined; "
@@ -436,10 +453,11 @@ def sharpness(
                     if r == 0 and not random_init:
                         # a list, which autopgd empties: no reference to the clean gradient
                         # is held here while it is overwritten by the ascent direction
-                        start, clean_grad = [clean_loss, clean_grad], None
-                        res = autopgd(
-                            pert, f, rho, steps, pert.zeros(), norm, start, not low_memory
-                        )
+                        cut, grad0 = rows.restrict(clean_grad)
+                        start, clean_grad, grad0 = [clean_loss, grad0], None, None
+                        fc = f if cut is pert else f.on(cut)
+                        res = autopgd(cut, fc, rho, steps, cut.zeros(), norm, start, not low_memory)
+                        del cut, fc
                     else:
                         res = autopgd(
                             pert,
