@@ -14,10 +14,11 @@ geodesic measure share one. An entry of a model whose weights changed, or of a m
 longer exists, is dropped at the next look-up. Memory: a geodesic ``Perturbation`` holds the
 block coordinates of the base point twice (the model's dtype and float64) and an int32 index
 of the parameters that hold them — about ``P_b·(d + 12)`` bytes for ``P_b`` block coordinates
-of itemsize ``d`` (55 MB, 1.3 parameter-sized buffers, on MiniLM-L6 with its 3.5 M block
-coordinates); an adaptive or Euclidean one holds no parameter-sized buffer (only masks of the
-parameters with frozen coordinates). The search result (``"space"``) holds the int64 block
-positions, ``P_b·8`` bytes. :func:`clear_cache` releases everything, ``max_entries = 1`` keeps
+of itemsize ``d`` — plus a few ``h × h`` float64 factors per head: 65–69 MB, 1.5–1.6
+parameter-sized buffers, on MiniLM-L6 (3.5 M block coordinates, 144 heads; measured). An
+adaptive or Euclidean one holds no parameter-sized buffer (only the frozen coordinates of
+the parameters that have some). The search result (``"space"``) holds the int32 block
+positions, ``P_b·4`` bytes. :func:`clear_cache` releases everything, ``max_entries = 1`` keeps
 only the last result of each kind, and ``cache=False`` in :func:`geosharp.sharpness` bypasses
 the cache.
 
