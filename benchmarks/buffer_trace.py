@@ -18,6 +18,7 @@ Run: ``python benchmarks/buffer_trace.py --config minilm-small --measure geodesi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections import Counter
@@ -30,7 +31,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import regimes  # noqa: E402
+import regimes
+
+TRACK_RSS = False
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
 
 
 def _where() -> str:
@@ -56,6 +65,8 @@ class LiveTensors(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.peak_set: list[tuple[int, str, str]] = []
+        #: (largest RSS seen after an op, live bytes then, op, where) with ``--rss``
+        self.rss: tuple[int, int, str, str] | None = (0, 0, "", "") if TRACK_RSS else None
 
     def _sweep(self) -> None:
         dead = [k for k, (ref, *_rest) in self.records.items() if ref.expired()]
@@ -78,6 +89,10 @@ class LiveTensors(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
             self.peak_set = [(n, op, w) for (_r, n, op, w) in self.records.values()]
+        if self.rss is not None:
+            rss = _rss_bytes()
+            if rss > self.rss[0]:
+                self.rss = (rss, self.live, str(func.__name__), _where())
         return out
 
 
@@ -92,7 +107,13 @@ def trace(case: regimes.Case, measure: str, steps: int, min_bytes: int) -> dict[
     probe = regimes.Probe(torch.device("cpu"))
     with LiveTensors(min_bytes, params) as call:
         regimes.sharpness_call(case, measure, steps, probe, 0.0)
-    return {"plain": plain.peak, "call": call.peak, "peak_set": call.peak_set}
+    return {
+        "plain": plain.peak,
+        "call": call.peak,
+        "peak_set": call.peak_set,
+        "rss_plain": plain.rss,
+        "rss_call": call.rss,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--min-mb", type=float, default=0.5, help="smallest storage followed")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--rss",
+        action="store_true",
+        help="also follow the process's RSS after every op (run with MALLOC_MMAP_THRESHOLD_="
+        "65536 so that RSS follows the allocations) and say where it peaked",
+    )
     args = parser.parse_args(argv)
+    global TRACK_RSS
+    TRACK_RSS = args.rss
     torch.set_num_threads(1)
     case = regimes.build(args.config, torch.device("cpu"), regimes.DTYPES[args.dtype])
     trainable = [p for p in case.model.parameters() if p.requires_grad]
@@ -114,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['call'] / unit:.2f}, peak above plain {(r['call'] - r['plain']) / unit:.2f} "
             f"(units of P·itemsize = {unit / 2**20:.1f} MiB)"
         )
+        if r["rss_call"] is not None:
+            (pr, pl, *_), (cr, cl, op, where) = r["rss_plain"], r["rss_call"]
+            print(
+                f"  RSS: plain peak {pr / unit:.2f} (traced then {pl / unit:.2f}), call peak "
+                f"{cr / unit:.2f} (traced then {cl / unit:.2f}) after {op} at {where}; RSS above "
+                f"plain {(cr - pr) / unit:.2f}"
+            )
         groups: Counter = Counter()
         for n, op, where in r["peak_set"]:
             groups[(where, op)] += n

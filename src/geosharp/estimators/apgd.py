@@ -90,7 +90,7 @@ def autopgd(
     loss: LossFn,
     rho: float,
     steps: int,
-    xi0: Xi,
+    xi0: Xi | None,
     norm: str = "l2",
     start: tuple[float, Xi | None] | list | None = None,
     keep_best_direction: bool = True,
@@ -103,7 +103,9 @@ def autopgd(
             forward (and one backward when ``need_grad``) of the model.
         rho: Radius.
         steps: Number of iterations ``N`` (gradient evaluations).
-        xi0: Starting point (inside the ball).
+        xi0: Starting point (inside the ball); ``None`` for ``ξ = 0``, made here (a caller
+            that passed a zero perturbation would hold it through the whole ascent, while
+            Auto-PGD needs it only until its second step).
         norm: ``"l2"`` (metric ball, normalized Riemannian-gradient steps) or ``"linf"`` (box,
             sign steps).
         start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
@@ -117,6 +119,8 @@ def autopgd(
         An :class:`AscentResult`.
     """
     eta = 2.0 * rho
+    if xi0 is None:
+        xi0 = pert.zeros()
     xi, xi_prev = xi0, xi0
     del xi0  # held as the first ξ_{k−1} and best iterate only: freed once both move on
     value, egrad = start if start is not None else loss(xi, True)

@@ -456,7 +456,7 @@ def sharpness(
                         cut, grad0 = rows.restrict(clean_grad)
                         start, clean_grad, grad0 = [clean_loss, grad0], None, None
                         fc = f if cut is pert else f.on(cut)
-                        res = autopgd(cut, fc, rho, steps, cut.zeros(), norm, start, not low_memory)
+                        res = autopgd(cut, fc, rho, steps, None, norm, start, not low_memory)
                         del cut, fc
                     else:
                         res = autopgd(
