@@ -215,6 +215,11 @@ def test_frozen_coordinates_are_held_compactly():
     assert float(g.norm_sq((xi,))) == pytest.approx(ref, rel=1e-14)
     assert torch.equal(g.project((xi,))[0] == 0, ~moving | (xi == 0))
     assert torch.equal(g.mask_parts()[0], moving)
+    # differentiable with no 0/0 at the frozen coordinates (the curvature's HVPs go through it)
+    leaf = xi.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(g.norm_sq((leaf,)), leaf)
+    assert bool(torch.isfinite(grad).all()) and bool((grad[~moving] == 0).all())
+    assert torch.allclose(grad[moving], (2 * xi / w**2)[moving], rtol=1e-13)
     dense = torch.zeros(40, 3, dtype=torch.float64)  # mostly frozen: a boolean mask
     dense[0] = 1.0
     assert ElementwiseGeometry(dense)._frozen[0].dtype == torch.bool

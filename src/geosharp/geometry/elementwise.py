@@ -184,7 +184,10 @@ class ElementwiseGeometry(Geometry):
 
     def _scaled(self, x: Tensor, k: int) -> Tensor:
         """``x / |w|`` of component ``k`` (0 on frozen coordinates), a new tensor."""
-        return self._zero_frozen_(x / self.point[k], k)
+        if self._frozen[k] is None:
+            return x / self.point[k]
+        # a product with 1/w (0 where frozen): differentiable everywhere, no 0/0 in a backward
+        return x * self._zero_frozen_(self.point[k].reciprocal(), k)
 
     def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...]:
         """``ξ_i² / w_i²`` per coordinate (0 on frozen ones), one tensor per component."""
