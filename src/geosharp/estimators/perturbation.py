@@ -639,7 +639,9 @@ class _Assembly:
             parts += [rest[k].reshape(-1) for k in self.mixed]
             source = torch.cat(parts) if len(parts) > 1 else parts[0]
             for j, value in zip(
-                self.gathered, torch.split(source[self.index], self.gathered_sizes), strict=True
+                self.gathered,
+                torch.split(torch.index_select(source, 0, self.index), self.gathered_sizes),
+                strict=True,
             ):
                 out[self.names[j]] = value.view(self.shapes[j])
         return {name: out[name] for name in self.names}
