@@ -53,7 +53,13 @@ def test_buffers_alive_at_each_loss_evaluation(monkeypatch, measure, low_memory,
         return orig(self, xi, need_grad, check)
 
     monkeypatch.setattr(S._Objective, "__call__", call)
-    res = gs.sharpness(
+    res = _ascent(model, x, y, measure, low_memory)
+    assert res.value > 0
+    assert max(counts) <= limit, counts
+
+
+def _ascent(model, x, y, measure, low_memory):
+    return gs.sharpness(
         model,
         nn.functional.cross_entropy,
         [(x, y)],
@@ -63,8 +69,6 @@ def test_buffers_alive_at_each_loss_evaluation(monkeypatch, measure, low_memory,
         cache=False,
         low_memory=low_memory,
     )
-    assert res.value > 0
-    assert max(counts) <= limit, counts
 
 
 @pytest.mark.parametrize(("low_memory", "limit"), [(False, 4), (True, 3)])
@@ -78,16 +82,7 @@ def test_no_copy_of_the_weights_during_the_forward(measure, low_memory, limit):
     counts = []
     hook = model[-1].register_forward_hook(lambda *_: counts.append(_units(model)))
     try:
-        res = gs.sharpness(
-            model,
-            nn.functional.cross_entropy,
-            [(x, y)],
-            measure=measure,
-            rho=0.5,
-            steps=12,
-            cache=False,
-            low_memory=low_memory,
-        )
+        res = _ascent(model, x, y, measure, low_memory)
     finally:
         hook.remove()
     assert res.value > 0 and len(counts) == res.n_forward
