@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from geosharp.estimators.assembly import _Assembly
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.elementwise import draw_like
@@ -450,6 +450,23 @@ class Perturbation:
         new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
         return new
 
+    def grad_at_zero(self, grads: Sequence[Tensor]) -> Xi:
+        """``∂L/∂ξ`` at ``ξ = 0`` from ``∂L/∂θ`` (one tensor per parameter of the space).
+
+        The adjoint of :meth:`endpoint_params` at ``ξ = 0`` wherever every piece's endpoint has
+        the identity as its derivative there (orders 1 and 2, held pieces): the parameter
+        gradient laid out as the pieces (:meth:`_Assembly.pull_back`), in each piece's tangent
+        dtype; held pieces get zeros.
+        """
+        out = self._assembly.pull_back(self.pieces, grads)
+        xi: Xi = []
+        for p, comps in zip(self.pieces, out, strict=True):
+            if isinstance(p.geometry, FixedGeometry):
+                xi.append(p.geometry.zeros())
+            else:
+                xi.append(tuple(t.to(p.geometry.tangent_dtype) for t in comps))
+        return xi
+
     @property
     def straight_rest(self) -> bool:
         """Whether the coordinates outside blocks move along the straight line ``w + ξ``.
@@ -558,90 +575,3 @@ def _group_blocks(space: ParameterSpace) -> list[list]:
     for b in space.blocks:
         groups.setdefault(b.batch_key(), []).append(b)
     return list(groups.values())
-
-
-class _Assembly:
-    """Builds the perturbed parameters by name from the moved pieces.
-
-    A parameter with no coordinate in a symmetry block is one component of the rest piece, in
-    its own shape: its moved value *is* the perturbed parameter (no copy; its gradient flows
-    back unchanged). The parameters with block coordinates (the Q, K, V, O projections) are
-    gathered by one index from a *source* vector: the symmetry pieces' values followed by the
-    rest coordinates of such parameters. Nothing here is parameter-sized but that index, over
-    the gathered parameters only (on MiniLM-L6 3.5 M of 22.7 M coordinates).
-    """
-
-    def __init__(
-        self,
-        space: ParameterSpace,
-        pieces: Sequence[Piece],
-        rest_piece: int | None,
-        layout: Sequence[tuple[int, Tensor | None]],
-        device: torch.device,
-    ) -> None:
-        self.names, self.shapes = list(space.param_names), list(space.shapes)
-        sizes = [math.prod(s) for s in self.shapes]
-        self.rest_piece = rest_piece
-        #: rest component → (rows kept, the whole table at the base point): see on_rows
-        self.rows: dict[int, tuple[Tensor, Tensor]] = {}
-        self.sym_pieces = [i for i in range(len(pieces)) if i != rest_piece]
-        #: rest component k → (parameter j, whole?) ; whole parameters are used as they are
-        self.layout = [(j, local is None) for j, local in layout]
-        whole = {j for j, w in self.layout if w}
-        #: Parameters with symmetry coordinates, gathered from the source.
-        self.gathered = [j for j in range(len(sizes)) if j not in whole and sizes[j]]
-        #: Rest components (positions in the rest piece) appended to the source.
-        self.mixed = [k for k, (j, w) in enumerate(self.layout) if not w]
-        self.gathered_sizes = [sizes[j] for j in self.gathered]
-        n_gathered = sum(self.gathered_sizes)
-        self.index = torch.full((n_gathered,), -1, dtype=torch.long, device=device)
-        if not self.gathered:
-            return
-        # global position → position in the concatenated gathered parameters
-        shift = torch.zeros(len(sizes), dtype=torch.long, device=device)
-        start = 0
-        for j in self.gathered:
-            shift[j] = start - space.offsets[j]
-            start += sizes[j]
-        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
-        n_src = 0
-        for k in self.sym_pieces:
-            for comp in pieces[k].index:
-                glob = comp.reshape(-1).to(device)
-                owner = torch.searchsorted(starts, glob, right=True) - 1
-                self.index[glob + shift[owner]] = torch.arange(
-                    n_src, n_src + glob.numel(), device=device
-                )
-                n_src += glob.numel()
-                del glob, owner
-        for j, local in layout:
-            if local is None:
-                continue
-            pos = local.to(device) + (shift[j] + space.offsets[j])
-            self.index[pos] = torch.arange(n_src, n_src + pos.numel(), device=device)
-            n_src += pos.numel()
-        if n_gathered and int(self.index.min()) < 0:
-            raise ValueError("the symmetry blocks and the rest do not cover every parameter")
-        if n_src < 2**31:  # int32 positions: half the memory of the one index kept per call
-            self.index = self.index.to(torch.int32)
-
-    def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        rest = moved[self.rest_piece] if self.rest_piece is not None else ()
-        for c, ((j, whole), value) in enumerate(zip(self.layout, rest, strict=True)):
-            if whole:
-                if c in self.rows:  # a table cut to the rows a batch reaches: w, those replaced
-                    r, table = self.rows[c]
-                    value = table.index_put((r,), value)
-                out[self.names[j]] = value.view(self.shapes[j])
-        if self.gathered:
-            parts = [v.reshape(-1) for k in self.sym_pieces for v in moved[k]]
-            parts += [rest[k].reshape(-1) for k in self.mixed]
-            source = torch.cat(parts) if len(parts) > 1 else parts[0]
-            for j, value in zip(
-                self.gathered,
-                torch.split(torch.index_select(source, 0, self.index), self.gathered_sizes),
-                strict=True,
-            ):
-                out[self.names[j]] = value.view(self.shapes[j])
-        return {name: out[name] for name in self.names}

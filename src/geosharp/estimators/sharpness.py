@@ -527,8 +527,8 @@ def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
 
     Evaluated at the model's own parameters: one plain forward (and backward), with no endpoint
     built at ``ξ = 0`` and none of its backward. The gradient w.r.t. ``ξ`` is the parameters'
-    gradient laid out as the pieces (:func:`_grad_at_zero`); the same numbers as the gradient
-    through the endpoint at ``ξ = 0`` when :func:`_pulls_back` holds.
+    gradient laid out as the pieces (:meth:`Perturbation.grad_at_zero`); the same numbers as
+    the gradient through the endpoint at ``ξ = 0`` when :func:`_pulls_back` holds.
     """
     named = dict(f.model.named_parameters())
     if not need_grad:
@@ -544,7 +544,7 @@ def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
     del loss, leaves
     pairs = zip(grads, names, strict=True)
     grads = [g if g is not None else torch.zeros_like(named[n]) for g, n in pairs]
-    return value, _grad_at_zero(f.pert, grads)
+    return value, f.pert.grad_at_zero(grads)
 
 
 def _pulls_back(pert: Perturbation) -> bool:
@@ -572,42 +572,6 @@ def _pulls_back(pert: Perturbation) -> bool:
         return False
     asm = getattr(pert, "_assembly", None)
     return asm is not None and asm.index.numel() == sum(asm.gathered_sizes)
-
-
-def _grad_at_zero(pert: Perturbation, grads: list[Tensor]) -> Xi:
-    """``∂L/∂ξ`` at ``ξ = 0`` from ``∂L/∂θ`` (one tensor per parameter of the space).
-
-    The adjoint of :meth:`Perturbation.endpoint_params` at ``ξ = 0`` when :func:`_pulls_back`
-    holds: a whole parameter of the rest piece gets its gradient itself; the parameters holding
-    symmetry coordinates are concatenated and scattered back by the assembly's gather index
-    (a bijection between them and the source vector of the pieces' values), then split into
-    the pieces' components, in each piece's tangent dtype; held pieces get zeros.
-    """
-    asm = pert._assembly
-    pieces = pert.pieces
-    out: list[list[Tensor | None]] = [[None] * len(p.geometry.point) for p in pieces]
-    if asm.gathered:
-        gathered = torch.cat([grads[j].reshape(-1) for j in asm.gathered])
-        source = torch.empty_like(gathered)
-        source[asm.index] = gathered
-        del gathered
-        slots = [(k, c) for k in asm.sym_pieces for c in range(len(pieces[k].geometry.point))]
-        slots += [(asm.rest_piece, c) for c in asm.mixed]
-        sizes = [pieces[k].geometry.point[c].numel() for k, c in slots]
-        for (k, c), part in zip(slots, torch.split(source, sizes), strict=True):
-            out[k][c] = part.view(pieces[k].geometry.point[c].shape)
-    if asm.rest_piece is not None:
-        for c, (j, whole) in enumerate(asm.layout):
-            if whole:
-                out[asm.rest_piece][c] = grads[j]
-    xi: Xi = []
-    for p, comps in zip(pieces, out, strict=True):
-        dtype = p.geometry.tangent_dtype
-        if isinstance(p.geometry, FixedGeometry):
-            xi.append(p.geometry.zeros())
-        else:
-            xi.append(tuple(t.to(dtype) for t in comps))
-    return xi
 
 
 def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
