@@ -41,6 +41,11 @@ from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 
 
+def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
+    """The components ``c`` in ``rows`` cut to ``point[c][rows[c]]``, the others as they are."""
+    return tuple(t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(point))
+
+
 def _frozen_of(t: Tensor) -> Tensor | None:
     """Where ``t`` is frozen (``w = 0`` or ``1/w²`` not finite).
 
@@ -104,9 +109,7 @@ class ElementwiseGeometry(Geometry):
             A new geometry (the frozen coordinates of the untouched components are shared).
         """
         new = copy.copy(self)
-        new.point = tuple(
-            t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(self.point)
-        )
+        new.point = _cut_rows(self.point, rows)
         new._frozen = [
             _frozen_of(new.point[c]) if c in rows else f for c, f in enumerate(self._frozen)
         ]
@@ -304,9 +307,7 @@ class EuclideanGeometry(Geometry):
         See :meth:`ElementwiseGeometry.with_rows`.
         """
         new = copy.copy(self)
-        new.point = tuple(
-            t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(self.point)
-        )
+        new.point = _cut_rows(self.point, rows)
         return new
 
     @property
