@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--checkpoints", default=str(ROOT / "runs/curvature-vit-mnist/checkpoints"))
     ap.add_argument("--model", default="vit-000")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--low-memory", action="store_true", help="measure with gs.sharpness(low_memory=True)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     study = ViTMNISTStudy(ViTMNISTConfig())
@@ -60,6 +63,7 @@ def main() -> None:
                 rho=rho,
                 progress=False,
                 key_bias=study.key_bias,
+                low_memory=args.low_memory,
                 **kw,
             )
             old = stored[(spec.name, rho)]

@@ -35,7 +35,7 @@ def test_float32_products_match_the_float64_geometry(metric, subgroup):
     else:
         ref = GLGeometry(G, H, metric=metric, eps=0.0)
         lo = GLGeometry(G, H, metric=metric, eps=0.0, work_dtype=torch.float32)
-    assert ref.tangent_dtype == torch.float64 and lo.tangent_dtype == torch.float32
+    assert ref.tangent_dtype == lo.tangent_dtype == torch.float32  # the model's dtype
     assert lo._G.data_ptr() == G.data_ptr()  # the model's own G: no copy
     xi = (torch.randn(G.shape, generator=g), torch.randn(H.shape, generator=g))
     p_ref, p_lo = ref.project(xi), lo.project(xi)
@@ -51,3 +51,56 @@ def test_float32_products_match_the_float64_geometry(metric, subgroup):
     assert _rel(lo.norm_sq(p_lo), ref.norm_sq(p_ref)) < 1e-5
     for a, b in zip(lo.geodesic(p_lo, order=2), ref.geodesic(p_ref, order=2), strict=True):
         assert _rel(a, b) < 1e-6
+
+
+def _ill_conditioned(seed=3, batch=(4,), n=24, m=20, h=4, cond=1e4):
+    """A float32 point whose Gram matrices have condition numbers ≈ ``cond``."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(0, 0.5 * torch.log10(torch.tensor(cond)).item(), h)
+    G = (torch.randn(*batch, n, h, generator=g, dtype=torch.float64) * scale).float()
+    H = (torch.randn(*batch, m, h, generator=g, dtype=torch.float64) / scale).float()
+    return G, H, g
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("subgroup", [False, True])
+def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup):
+    """The default: tangents kept in the model's float32, every product in float64.
+
+    Each method widens its float32 tangents, computes what the float64-tangent geometry
+    computes on the same (widened) tangent and rounds once: its results are *exactly* the
+    float64 results rounded to float32, however ill conditioned the block, and no float64 copy
+    of the base point is held.
+    """
+
+    def build(**kw):
+        if subgroup:
+            alg = BlockDiagonalAlgebra(4, planes=((0, 2),), free=(1, 3))
+            return GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0, **kw)
+        return GLGeometry(G, H, metric=metric, eps=0.0, **kw)
+
+    G, H, g = _ill_conditioned()
+    wide = build(tangent_dtype=torch.float64)  # float64 tangents, the float64 point held
+    lean = build()
+    assert wide.tangent_dtype == torch.float64 and lean.tangent_dtype == torch.float32
+    assert lean.compute_dtype == torch.float64
+    assert lean.__dict__.get("_G_wide") is None and lean.__dict__.get("_H_wide") is None
+    assert wide.__dict__["_G_wide"].dtype == torch.float64
+    assert torch.linalg.cond(wide.MG).max() > 1e4
+    xi = (torch.randn(G.shape, generator=g), torch.randn(H.shape, generator=g))
+    xi64 = tuple(t.double() for t in xi)
+    assert lean.zeros()[0].dtype == torch.float32 and wide.zeros()[0].dtype == torch.float64
+    for name in ("project", "riemannian_grad", "christoffel"):
+        ref = getattr(wide, name)(xi64)
+        out = getattr(lean, name)(xi)
+        assert all(t.dtype == torch.float32 for t in out), name
+        assert all(t.dtype == torch.float64 for t in ref), name
+        for a, b in zip(out, ref, strict=True):
+            assert torch.equal(a, b.float()), name
+    p = lean.project(xi)
+    p64 = tuple(t.double() for t in p)
+    assert torch.equal(lean.norm_sq(p), wide.norm_sq(p64).float())
+    assert torch.equal(lean.inner(p, xi), wide.inner(p64, xi64).float())
+    # the stored (rounded) projection is horizontal to float32 rounding in the float64 metric
+    res = float(wide.horizontal_residual(p64).norm())
+    assert res < 1e-6 * float(wide.horizontal_residual(xi64).norm())

@@ -268,6 +268,16 @@ class GLGeometry(Geometry):
             accuracy). Inputs and outputs keep the dtype of ``G``.
         head_names: Optional readable name of every element of the (flattened) leading batch,
             e.g. ``"encoder.layer.3.attention[QK] head 5"``, used in error messages.
+        tangent_dtype: Dtype in which tangents are kept between calls (:attr:`tangent_dtype`;
+            default: the dtype of ``G``). Each method widens its tangents to
+            :attr:`compute_dtype` for its products and rounds its result back once, so a
+            float32 model's tangents cost float32 memory while the projection, the metric and
+            the Riemannian gradient keep float64 accuracy; the only extra error is the rounding
+            of each stored tangent to float32.
+        hold_wide_point: Keep a copy of the base point in :attr:`compute_dtype` for the
+            per-step products (``None``: only when ``tangent_dtype`` is the compute dtype, i.e.
+            when memory was not asked to be saved); otherwise it is widened again by every
+            product that needs it (a cast of ``G``, ``H`` per projection).
 
     Raises:
         TypeError: If ``G`` or ``H`` is not a floating tensor, or their dtypes differ.
@@ -285,6 +295,8 @@ class GLGeometry(Geometry):
         compute_dtype: torch.dtype | None = None,
         head_names: Sequence[str] | None = None,
         work_dtype: torch.dtype | None = None,
+        tangent_dtype: torch.dtype | None = None,
+        hold_wide_point: bool | None = None,
     ) -> None:
         check_tensor("G", G)
         check_tensor("H", H)
@@ -312,6 +324,9 @@ class GLGeometry(Geometry):
 
         self.dtype = G.dtype
         self.compute_dtype = compute_dtype or torch.promote_types(G.dtype, torch.float64)
+        self._tangent_dtype = tangent_dtype or G.dtype
+        if hold_wide_point is None:
+            hold_wide_point = self._tangent_dtype == self.compute_dtype
         self._G, self._H = G.to(self.compute_dtype), H.to(self.compute_dtype)
         MG = _gram(self._G, self.eps)
         MH = _gram(self._H, self.eps)
@@ -343,7 +358,30 @@ class GLGeometry(Geometry):
             setattr(self, key, value)
         self._MG_inv_lo = self.MG_inv.to(G.dtype)
         self._MH_inv_lo = self.MH_inv.to(G.dtype)
+        self._hold_wide = bool(hold_wide_point)
+        if not self._hold_wide:
+            self._G = self._H = None  # widened on demand (see the properties below)
         self._use_work_dtype(work_dtype)
+
+    @property
+    def _G(self) -> Tensor:
+        """``G`` in :attr:`compute_dtype`: the held copy, or a fresh cast (``hold_wide_point``)."""
+        held = self.__dict__.get("_G_wide")
+        return held if held is not None else self.G.to(self.compute_dtype)
+
+    @_G.setter
+    def _G(self, value: Tensor | None) -> None:
+        self.__dict__["_G_wide"] = value
+
+    @property
+    def _H(self) -> Tensor:
+        """``H`` in :attr:`compute_dtype` (see :attr:`_G`)."""
+        held = self.__dict__.get("_H_wide")
+        return held if held is not None else self.H.to(self.compute_dtype)
+
+    @_H.setter
+    def _H(self, value: Tensor | None) -> None:
+        self.__dict__["_H_wide"] = value
 
     def _use_work_dtype(self, dtype: torch.dtype | None) -> None:
         """Run every per-step product in ``dtype`` (factorizations stay as computed).
@@ -359,7 +397,7 @@ class GLGeometry(Geometry):
             return
         wide = self.compute_dtype
         for key, value in list(vars(self).items()):
-            if key in ("G", "H", "point"):
+            if key in ("G", "H", "point", "_G_wide", "_H_wide"):
                 continue
             if isinstance(value, Tensor) and value.dtype == wide:
                 setattr(self, key, value.to(dtype))
@@ -367,6 +405,7 @@ class GLGeometry(Geometry):
                 setattr(self, key, tuple(t.to(dtype) if t.dtype == wide else t for t in value))
         self._G, self._H = self.G.to(dtype), self.H.to(dtype)  # no copy in the model's dtype
         self.compute_dtype = dtype
+        self._tangent_dtype = dtype
 
     def _raise_singular(self, which: str, names: list[str], cond: float) -> None:
         shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
@@ -403,8 +442,8 @@ class GLGeometry(Geometry):
     # -- validation -----------------------------------------------------------------------------
     @property
     def tangent_dtype(self) -> torch.dtype:
-        """Tangent vectors may be kept in the compute dtype across calls (no casts)."""
-        return self.compute_dtype
+        """The dtype tangents are kept in between calls (the ``tangent_dtype`` argument)."""
+        return self._tangent_dtype
 
     def _check_tangent(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, Tensor]:
         """Validate a tangent pair (dtype of ``G`` or the compute dtype); return it widened."""
@@ -534,6 +573,9 @@ class GLGeometry(Geometry):
             return _order2_endpoint(
                 self.G, self.H, xG, xH, self._MG_inv_lo, self._MH_inv_lo, self.metric
             )
+        if order == 1 and xi[0].dtype == xi[1].dtype == self.dtype:
+            self._check_tangent(xi)  # tangents in the model's dtype: G + ξ is one rounding
+            return self.G + xi[0], self.H + xi[1]
         xG, xH = self._check_tangent(xi)
         if order == 1:
             return self._down(self._G + xG, self._H + xH)

@@ -164,6 +164,10 @@ class GLSubgroupGeometry(GLGeometry):
         head_names: Readable name per head for error messages.
         work_dtype: Dtype of the per-step products and tangents (see
             :class:`~geosharp.geometry.gl.GLGeometry`).
+        tangent_dtype: Dtype tangents are kept in (default: the dtype of ``G``; see
+            :class:`~geosharp.geometry.gl.GLGeometry`).
+        hold_wide_point: Keep the base point in ``compute_dtype`` (see
+            :class:`~geosharp.geometry.gl.GLGeometry`).
 
     Raises:
         ValueError: As :class:`GLGeometry`, or if ``algebra.h`` differs from ``h``.
@@ -180,8 +184,20 @@ class GLSubgroupGeometry(GLGeometry):
         compute_dtype: torch.dtype | None = None,
         head_names: Sequence[str] | None = None,
         work_dtype: torch.dtype | None = None,
+        tangent_dtype: torch.dtype | None = None,
+        hold_wide_point: bool | None = None,
     ) -> None:
-        super().__init__(G, H, metric, eps, name, compute_dtype, head_names)
+        super().__init__(
+            G,
+            H,
+            metric,
+            eps,
+            name,
+            compute_dtype,
+            head_names,
+            tangent_dtype=tangent_dtype,
+            hold_wide_point=hold_wide_point,
+        )
         if algebra.h != G.shape[-1]:
             raise ValueError(f"the algebra acts on h={algebra.h} but the block has h={G.shape[-1]}")
         self.algebra = algebra
