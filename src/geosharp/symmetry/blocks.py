@@ -32,6 +32,7 @@ The groups (block → group → geometry):
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from torch import Tensor
 from geosharp.geometry import DiagonalGeometry, FixedGeometry, Geometry, GLGeometry
 from geosharp.geometry import gl as gl_math
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra, GLSubgroupGeometry
+from geosharp.symmetry.positions import as_tensor
 from geosharp.symmetry.specs import RotarySpec
 
 __all__ = [
@@ -81,13 +83,23 @@ class SymmetryBlock(ABC):
     # -- coordinates ------------------------------------------------------------------------
     @property
     def indices(self) -> tuple[Tensor, ...]:
-        """Global flat positions into ``θ``, one tensor per factor."""
-        return tuple(getattr(self, f) for f in self.index_fields)
+        """Global flat positions into ``θ``, one tensor per factor.
+
+        A field may hold a :class:`~geosharp.symmetry.positions.Positions` (what
+        :func:`~geosharp.symmetry.find_symmetries` stores: no tensor held between uses); the
+        tensors returned here are then built for the caller.
+        """
+        return tuple(as_tensor(getattr(self, f)) for f in self.index_fields)
+
+    @property
+    def index_shapes(self) -> tuple[torch.Size, ...]:
+        """The shapes of :attr:`indices`, without building them."""
+        return tuple(torch.Size(getattr(self, f).shape) for f in self.index_fields)
 
     @property
     def numel(self) -> int:
         """Number of coordinates of ``θ`` in this block."""
-        return sum(int(i.numel()) for i in self.indices)
+        return sum(math.prod(s) for s in self.index_shapes)
 
     def positions(self) -> Tensor:
         """All positions of the block, flattened."""
@@ -173,7 +185,7 @@ class SymmetryBlock(ABC):
     # -- the geometry -----------------------------------------------------------------------
     def batch_key(self) -> Hashable:
         """Blocks with equal keys are batched into one geometry (see :meth:`batch`)."""
-        return (type(self).__name__, *(tuple(i.shape[1:]) for i in self.indices))
+        return (type(self).__name__, *(tuple(s[1:]) for s in self.index_shapes))
 
     @classmethod
     def batch(cls, blocks: Sequence[SymmetryBlock]) -> tuple[Tensor, ...]:
@@ -198,15 +210,16 @@ class SymmetryBlock(ABC):
             point: Their factors at the base point, ``θ₀[i]`` for ``i`` in :meth:`batch`.
             metric: ``"inv"`` or ``"mix"``.
             eps: Damping of Gram matrices.
-            work_dtype: Dtype of the per-step products and tangents, where the geometry
-                offers one (GL-type blocks; ``None``: its float64 default).
+            work_dtype: Dtype of the per-step products, where the geometry offers one
+                (GL-type blocks; ``None``: its float64 default). Tangents are kept in the
+                point's dtype either way.
         """
 
     # -- presentation -----------------------------------------------------------------------
     @property
     def shape_label(self) -> str:
         """The factors' shapes for summaries, e.g. ``"G 33×8, H 32×8"``."""
-        return " × ".join(str(tuple(i.shape[1:])) for i in self.indices)
+        return " × ".join(str(tuple(s[1:])) for s in self.index_shapes)
 
     #: Label of this block class in the "parameters per geometry" table.
     family: ClassVar[str] = "symmetry blocks"

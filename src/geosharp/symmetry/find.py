@@ -25,8 +25,9 @@ from geosharp.symmetry.blocks import (
     SymmetryBlock,
     TranslationBlock,
 )
+from geosharp.symmetry.positions import Positions
 from geosharp.symmetry.space import ParameterSpace
-from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, TranslationSpec, slice_positions
+from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, TranslationSpec
 
 __all__ = ["find_symmetries"]
 
@@ -77,14 +78,17 @@ class _Resolver:
             )
         return name
 
-    def positions(self, pieces: Sequence, heads: int, head_dim: int, owner: str) -> Tensor:
-        """Global positions of slices cut into ``heads`` blocks of ``head_dim``, row-stacked."""
+    def positions(self, pieces: Sequence, heads: int, head_dim: int, owner: str) -> Positions:
+        """Global positions of slices cut into ``heads`` blocks of ``head_dim``, row-stacked.
+
+        Kept as a recipe (:class:`~geosharp.symmetry.positions.Positions`): built once here to
+        check the slices, then again whenever a caller reads them.
+        """
         parts = []
         for piece in pieces:
             name = self.name(piece.param, owner)
-            local = slice_positions(self.shapes[name], piece, heads, head_dim)
-            parts.append(local + self.offsets[name])
-        return _compact(torch.cat(parts, dim=1), self.numel)
+            parts.append((self.shapes[name], piece, self.offsets[name]))
+        return Positions.slices(parts, heads, head_dim, self.numel)
 
     def resolve(self, spec: BlockSpec | PairSpec | TranslationSpec) -> SymmetryBlock:
         """The block a spec describes, with global indices (the one place spec kinds meet)."""
@@ -123,21 +127,10 @@ class _Resolver:
                 f"{v!r} has shape {tuple(self.shapes[v])}; u and v must match"
             )
 
-        def positions(name: str) -> Tensor:
-            n = self.shapes[name].numel()
-            index = torch.arange(n, dtype=torch.long).view(self.shapes[name]) + self.offsets[name]
-            return _compact(index, self.numel)
+        def positions(name: str) -> Positions:
+            return Positions.arange(self.offsets[name], self.shapes[name], self.numel)
 
         return DiagonalPair(spec.name, spec.module, positions(u), positions(v))
-
-
-def _compact(index: Tensor, numel: int) -> Tensor:
-    """Block positions as int32 when ``θ`` has fewer than 2³¹ coordinates.
-
-    The space keeps them (cached across calls); they index as int64 ones do, in half the
-    memory.
-    """
-    return index.to(torch.int32) if numel < 2**31 else index
 
 
 def _as_pair_spec(pair: PairSpec | tuple[str, str]) -> PairSpec:

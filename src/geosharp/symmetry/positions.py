@@ -1,0 +1,166 @@
+"""Where a block factor's coordinates are in ``θ``, kept as a recipe instead of a tensor.
+
+A :class:`~geosharp.symmetry.SymmetryBlock` names its coordinates by global flat positions into
+``θ``, one integer tensor per factor. A :class:`~geosharp.symmetry.ParameterSpace` lives as long
+as its model is measured (``gs.sharpness`` caches it across calls), but its positions are read
+only while something is built from them: a perturbation's gather index, a reparametrized copy,
+an invariance check. Held as tensors they would cost one int32 per block coordinate for the
+whole session (a third of the model's float32 size on MiniLM-L6, where the attention
+projections are a third of the coordinates), alive through every ascent step.
+
+:class:`Positions` holds how to make them instead: the parameter slices and their offsets
+(:func:`~geosharp.symmetry.specs.slice_positions`), or a contiguous range. Each use builds the
+tensor afresh (a few vectorized ``arange``/``reshape`` passes, far below the cost of the
+factorizations it feeds) and drops it with the caller. It answers ``shape``, ``numel`` and
+``to`` without building anything, and anything else (``reshape``, ``torch.equal``) on the
+tensor it builds, so code written for position tensors keeps working; to index with it, build
+it (:func:`as_tensor`, as :attr:`SymmetryBlock.indices` does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from geosharp.symmetry.specs import ParamSlice, slice_positions
+
+__all__ = ["Positions", "as_tensor"]
+
+
+class Positions:
+    """Global flat positions of one block factor, built each time they are asked for.
+
+    Use :meth:`slices` or :meth:`arange`; :meth:`tensor` builds the positions.
+
+    Attributes:
+        shape: Shape of the position tensor, e.g. ``(heads, n, h)``.
+        dtype: Its dtype: int32 when ``θ`` has fewer than 2³¹ coordinates, else int64.
+        device: The device it is built on.
+    """
+
+    __slots__ = ("_head_dim", "_heads", "_parts", "device", "dtype", "shape")
+
+    def __init__(
+        self,
+        parts: tuple[tuple[tuple[int, ...], ParamSlice | None, int], ...],
+        heads: int,
+        head_dim: int,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._parts, self._heads, self._head_dim = parts, heads, head_dim
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device(device)
+
+    @classmethod
+    def slices(
+        cls,
+        parts: Sequence[tuple[Sequence[int], ParamSlice, int]],
+        heads: int,
+        head_dim: int,
+        numel: int,
+    ) -> Positions:
+        """Slices of parameters, each cut into ``heads`` blocks of ``head_dim``, row-stacked.
+
+        Args:
+            parts: ``(parameter shape, slice, offset of the parameter in θ)`` per slice.
+            heads: Number of blocks ``B``.
+            head_dim: Group dimension ``h``.
+            numel: Number of coordinates of ``θ`` (chooses int32 or int64).
+
+        Raises:
+            ValueError: From :func:`~geosharp.symmetry.specs.slice_positions`, here and now
+                (the positions are built once to check them and learn their shape).
+        """
+        frozen = tuple((tuple(int(s) for s in shape), p, int(off)) for shape, p, off in parts)
+        dtype = torch.int32 if numel < 2**31 else torch.long
+        probe = cls(frozen, heads, head_dim, torch.Size(), dtype, torch.device("cpu"))
+        shape = probe._build().shape
+        return cls(frozen, heads, head_dim, shape, dtype, torch.device("cpu"))
+
+    @classmethod
+    def arange(cls, offset: int, shape: Sequence[int], numel: int) -> Positions:
+        """The positions ``offset, offset + 1, …`` of a whole parameter, shaped like it."""
+        dtype = torch.int32 if numel < 2**31 else torch.long
+        shape = torch.Size(int(s) for s in shape)
+        return cls(((tuple(shape), None, int(offset)),), 0, 0, shape, dtype, torch.device("cpu"))
+
+    # -- building ---------------------------------------------------------------------------
+    def _build(self) -> Tensor:
+        if len(self._parts) == 1 and self._parts[0][1] is None:  # a whole parameter
+            shape, _, offset = self._parts[0]
+            n = math.prod(shape)
+            out = torch.arange(offset, offset + n, dtype=torch.long).view(shape)
+        else:
+            out = torch.cat(
+                [
+                    slice_positions(shape, piece, self._heads, self._head_dim) + offset
+                    for shape, piece, offset in self._parts
+                ],
+                dim=1,
+            )
+        return out.to(self.dtype)
+
+    def tensor(self) -> Tensor:
+        """The positions, built now on :attr:`device` (the caller owns the tensor)."""
+        out = self._build()
+        return out if self.device.type == "cpu" else out.to(self.device)
+
+    # -- what a position tensor answers without being built ---------------------------------
+    def numel(self) -> int:
+        """Number of positions."""
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        """Number of dimensions of the position tensor."""
+        return len(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions of the position tensor."""
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        """``tensor().size(dim)``, from the shape alone."""
+        return self.shape if dim is None else self.shape[dim]
+
+    def to(self, device: torch.device | str | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The same recipe building on ``device``; other conversions build the tensor."""
+        if isinstance(device, (torch.device, str)) and not args and not kwargs:
+            return Positions(
+                self._parts, self._heads, self._head_dim, self.shape, self.dtype, device
+            )
+        return self.tensor().to(device, *args, **kwargs)
+
+    # -- anything else is asked of the built tensor -------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in Positions.__slots__:
+            raise AttributeError(name)
+        return getattr(self.tensor(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        return func(*_built(args), **_built(kwargs))
+
+    def __repr__(self) -> str:
+        return f"Positions(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+def _built(x: Any) -> Any:
+    if isinstance(x, Positions):
+        return x.tensor()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_built(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _built(v) for k, v in x.items()}
+    return x
+
+
+def as_tensor(index: Tensor | Positions) -> Tensor:
+    """A position tensor: ``index`` itself, or the one a :class:`Positions` builds."""
+    return index.tensor() if isinstance(index, Positions) else index
