@@ -173,6 +173,20 @@ def test_projection_is_idempotent_and_orthogonal_to_the_vertical_space(c, metric
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
+def test_horizontal_grad_is_the_projected_riemannian_gradient(c, metric):
+    """The ascent direction ``P(g⁻¹ e)``, fused or not, is the same vector (float64)."""
+    geom, point = geometry(c, metric)
+    e = rand_like(point, 11)
+    fused = geom.horizontal_grad(e)
+    ref = geom.project(geom.riemannian_grad(e))
+    scale = max(float(t.abs().max()) for t in ref)
+    for a, b in zip(fused, ref, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-13 * scale
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
 def test_metric_is_invariant_under_the_group(c, metric):
     geom, point = geometry(c, metric)
     xi, eta = rand_like(point, 11), rand_like(point, 12)

@@ -100,8 +100,8 @@ class Perturbation:
         perturb: ``"all"`` (default) or ``"blocks"``: only the symmetry blocks move, every other
             coordinate is held fixed (the attention-only measures, where the effect of the
             quotient is not diluted by MLP and embedding coordinates).
-        work_dtype: Dtype of the block geometries' per-step products and tangents (``None``:
-            float64; the model's dtype halves their memory, see
+        work_dtype: Dtype of the block geometries' per-step products (``None``: float64, on
+            tangents kept in the model's dtype; the model's dtype runs them in float32, see
             :meth:`geosharp.geometry.GLGeometry._use_work_dtype`).
     """
 
@@ -238,7 +238,7 @@ class Perturbation:
             elif isinstance(g, EuclideanGeometry):
                 out.append(tuple(e))
             else:
-                out.append(g.project(g.riemannian_grad(e)))
+                out.append(g.horizontal_grad(e))
         return out
 
     def ball(self, xi: Xi, rho: float, inplace: bool = False, project: bool = True) -> Xi:

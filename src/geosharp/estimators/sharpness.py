@@ -293,10 +293,11 @@ def sharpness(
             direction for restarts and recomputes it when it restarts from a best iterate older
             than the current one (one extra forward and backward each time; the same
             iterates): one ξ-sized buffer less. (2) The symmetry blocks' geometry runs its
-            per-step products and keeps its tangents in the model's dtype instead of float64
-            (the factorizations stay float64): half the memory of the block coordinates, with
-            float32 roundoff in the projection (values agree with the default to about 1e-5
-            relative in float32; exactly in float64). See ``benchmarks/README.md``.
+            per-step products in the model's dtype instead of float64 (the factorizations
+            stay float64; tangents are kept in the model's dtype either way): faster, no
+            float64 temporaries, with float32 roundoff in the projection (values agree with
+            the default to about 1e-5 relative in float32; exactly in float64). See
+            ``benchmarks/README.md``.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group

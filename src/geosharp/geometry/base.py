@@ -61,6 +61,13 @@ class Geometry(ABC):
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """Riemannian gradient ``g⁻¹ e`` of a Euclidean gradient ``e``."""
 
+    def horizontal_grad(self, egrad: Tangent) -> Tangent:
+        """``P(g⁻¹ e)``: the Riemannian gradient projected horizontally (the ascent direction).
+
+        Geometries that can do both in one pass (no rounding in between) override it.
+        """
+        return self.project(self.riemannian_grad(egrad))
+
     # -- geodesics --------------------------------------------------------------------------
     @abstractmethod
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:

@@ -39,7 +39,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -261,7 +262,8 @@ class GLGeometry(Geometry):
         name: Name of the block, used in error messages.
         work_dtype: Dtype of the per-step products and of the tangents, after the
             factorizations in ``compute_dtype`` (default: ``compute_dtype``). The model's dtype
-            saves memory (``gs.sharpness(low_memory=True)``); see :meth:`_use_work_dtype`.
+            runs them without float64 temporaries (``gs.sharpness(low_memory=True)``); see
+            :meth:`_use_work_dtype`.
         compute_dtype: Dtype of the internal computations. Default: float64 (the geometry costs
             ``O((n+m)h²)`` per step, negligible next to a forward pass, while the horizontal
             projection of an ill-conditioned block loses ``cond(M_G)·cond(M_H)`` relative
@@ -388,10 +390,10 @@ class GLGeometry(Geometry):
 
         The Gram matrices, their inverses and the Sylvester factors were computed in
         :attr:`compute_dtype` (float64); with ``dtype`` the model's (e.g. float32) they are
-        rounded once to it, the base point is the model's own ``G``, ``H`` (no float64 copy) and
-        tangents are kept in ``dtype``: half the memory of the block coordinates, at the cost
-        of float32 roundoff in the projection and the Christoffel term (relative error
-        ≈ cond(M_G)·cond(M_H)·2⁻²⁴ in the projection, SPEC §4).
+        rounded once to it, the base point is the model's own ``G``, ``H`` (no float64 cast)
+        and tangents are kept in ``dtype``: no float64 temporaries and faster products, at the
+        cost of float32 roundoff in the projection and the Christoffel term (relative error
+        up to ≈ cond(M_G)·cond(M_H)·2⁻²⁴ in the projection, SPEC §4).
         """
         if dtype is None or dtype == self.compute_dtype:
             return
@@ -515,11 +517,45 @@ class GLGeometry(Geometry):
 
         Exactly the metric-orthogonal projection onto the horizontal space at ``eps = 0``.
         """
-        L = self.lam(xi)
-        xG, xH = self._check_tangent(xi)
-        return self._down(
-            _add_mm(xG, self._G, L), _add_mm(xH, self._H, L.mT, alpha=-1.0), like=xi[0]
-        )
+        wide = self._check_tangent(xi)
+        return self._down(*self._project_wide(wide), like=xi[0])
+
+    def horizontal_grad(self, egrad: Tangent) -> Tangent:
+        """The horizontal projection of the Riemannian gradient (the ascent direction).
+
+        ``P(g⁻¹ e)`` in one pass in :attr:`compute_dtype`: the tangent is widened once and the
+        result rounded once (``project(riemannian_grad(e))`` would round in between).
+        """
+        eG, eH = self._check_tangent(egrad, "egrad")
+        if self.metric == "inv":
+            rg = (eG @ self.MG, eH @ self.MH)
+        else:
+            rg = (eG @ self.MH_inv, eH @ self.MG_inv)
+        del eG, eH
+        return self._down(*self._project_wide(rg), like=egrad[0])
+
+    def _project_wide(self, xi: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """:meth:`project` of a tangent already in :attr:`compute_dtype`, left in it."""
+        with self._wide_point():
+            L = self.lam(xi)
+            return _add_mm(xi[0], self._G, L), _add_mm(xi[1], self._H, L.mT, alpha=-1.0)
+
+    @contextlib.contextmanager
+    def _wide_point(self) -> Iterator[None]:
+        """Hold ``G``, ``H`` in :attr:`compute_dtype` for the products of one method call.
+
+        Without a held copy (``hold_wide_point=False``) every read of :attr:`_G` casts ``G``
+        afresh; a projection reads it twice or more. Inside this block it is cast once, and the
+        copy is dropped on leaving.
+        """
+        if self.__dict__.get("_G_wide") is not None:
+            yield
+            return
+        self._G, self._H = self.G.to(self.compute_dtype), self.H.to(self.compute_dtype)
+        try:
+            yield
+        finally:
+            self._G = self._H = None
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (at ``eps=0``).

@@ -292,8 +292,8 @@ class GLSubgroupGeometry(GLGeometry):
     def _embed(self, c: Tensor | None, omega_free: Tensor | None) -> Tensor:
         """``Σ_l c_l E_l + emb_P(Ω_P)`` as dense ``(..., h, h)`` matrices."""
         h = self.algebra.h
-        batch = self._G.shape[:-2]
-        out = torch.zeros(*batch, h, h, dtype=self.compute_dtype, device=self._G.device)
+        batch = self.G.shape[:-2]
+        out = torch.zeros(*batch, h, h, dtype=self.compute_dtype, device=self.G.device)
         if c is not None:
             flat = (self._rows * h + self._cols).reshape(-1)
             vals = (c.unsqueeze(-1) * self._vals).reshape(*batch, -1)
