@@ -61,7 +61,7 @@ def test_clean_gradient_from_the_parameters_is_the_gradient_through_the_endpoint
     )
     named = dict(layer.named_parameters())
     pert = Perturbation(space, {n: named[n].detach() for n in space.param_names}, **kw)
-    assert S._pulls_back(pert)
+    assert pert.pulls_back
     f, counter = _objective(layer, batches, space, pert)
     ref_loss, ref = f(pert.zeros(), True, False)
     loss, got = S._clean(f, True)
@@ -86,14 +86,14 @@ def test_exact_order_and_diagonal_pairs_keep_the_gradient_through_the_endpoint()
     space = gs.find_symmetries(layer)
     named = dict(layer.named_parameters())
     base = {n: named[n].detach() for n in space.param_names}
-    assert not S._pulls_back(Perturbation(space, base, metric="inv", order="exact"))
+    assert not Perturbation(space, base, metric="inv", order="exact").pulls_back
     from geosharp.models import DiagonalNet
 
     net = DiagonalNet(5).double()
     dspace = gs.find_symmetries(net)
     dnamed = dict(net.named_parameters())
     dbase = {n: dnamed[n].detach() for n in dspace.param_names}
-    assert not S._pulls_back(Perturbation(dspace, dbase, metric="inv", order=2))
+    assert not Perturbation(dspace, dbase, metric="inv", order=2).pulls_back
 
 
 @pytest.mark.parametrize("measure", ["geodesic", "adaptive"])
@@ -105,7 +105,7 @@ def test_sharpness_unchanged_by_the_clean_shortcut(measure, monkeypatch):
     x, y = torch.randn(4, 1, 8, 8, dtype=DT, generator=g), torch.tensor([0, 1, 2, 0])
     kw = dict(measure=measure, rho=0.05, steps=6, cache=False)
     fast = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], **kw)
-    monkeypatch.setattr(S, "_pulls_back", lambda pert: False)
+    monkeypatch.setattr(Perturbation, "pulls_back", property(lambda self: False))
     slow = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], **kw)
     assert fast.value == slow.value and fast.traces == slow.traces
     assert (fast.n_forward, fast.n_backward) == (slow.n_forward, slow.n_backward) == (7, 6)

@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from geosharp.estimators.assembly import _Assembly
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
+from geosharp.geometry import (
+    ElementwiseGeometry,
+    EuclideanGeometry,
+    FixedGeometry,
+    Geometry,
+    GLGeometry,
+)
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.elementwise import draw_like
 from geosharp.symmetry import ParameterSpace
@@ -449,6 +455,40 @@ class Perturbation:
         new._assembly = copy.copy(self._assembly)
         new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
         return new
+
+    @property
+    def pulls_back(self) -> bool:
+        """Whether every piece's endpoint has the identity as its derivative at ``ξ = 0``, exactly.
+
+        Then ``∂L/∂ξ`` at ``ξ = 0`` *is* ``∂L/∂θ`` laid out as the pieces
+        (:meth:`grad_at_zero`; a held piece's is zero), so the clean gradient is one plain
+        forward and backward: the order-1 and order-2 endpoints ``θ₀ + ξ − ½Γ(ξ, ξ)`` of the GL,
+        element-wise and Euclidean geometries (``Γ`` is quadratic, so its backward at ``ξ = 0``
+        adds exact zeros) and the fixed points. RK4 (``order="exact"``) and the closed forms of
+        diagonal pairs are left to autograd: their derivative at 0 is the identity only up to
+        rounding.
+        """
+        for p in self.pieces:
+            g = p.geometry
+            if isinstance(g, FixedGeometry):
+                continue
+            if isinstance(g, GLGeometry):
+                same = (
+                    type(g).geodesic is GLGeometry.geodesic
+                    and type(g).iterate_endpoint is GLGeometry.iterate_endpoint
+                )
+                if same and p.order in (1, 2):
+                    continue
+            elif type(g) in (ElementwiseGeometry, EuclideanGeometry) and p.order == 1:
+                continue
+            return False
+        asm = self._assembly
+        return asm.index.numel() == sum(asm.gathered_sizes)
+
+    @property
+    def rest_index(self) -> int | None:
+        """Position in :attr:`pieces` of the piece of the coordinates in no block (or None)."""
+        return self._rest_piece
 
     def grad_at_zero(self, grads: Sequence[Tensor]) -> Xi:
         """``∂L/∂ξ`` at ``ξ = 0`` from ``∂L/∂θ`` (one tensor per parameter of the space).

@@ -123,7 +123,7 @@ class BatchRows:
             table is cut.
         """
         tables = self.pert.row_tables()
-        k = self.pert._rest_piece
+        k = self.pert.rest_index
         keep: dict[str, Tensor] = {}
         for name, r in self.rows().items():
             g = egrad[k][tables[name]]

@@ -30,7 +30,6 @@ from geosharp.estimators.apgd import autopgd
 from geosharp.estimators.cache import CACHE
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, GLGeometry
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
@@ -433,7 +432,7 @@ def sharpness(
             # the embedding rows the clean forward reaches: the ascent from ξ = 0 moves no other
             rows = BatchRows(model, pert, enabled=need_grad)
             with rows:
-                if need_grad and not _pulls_back(pert):
+                if need_grad and not pert.pulls_back:
                     clean_loss, clean_grad = f(pert.zeros(), True, False)
                 else:
                     clean_loss, clean_grad = _clean(f, need_grad)
@@ -529,7 +528,7 @@ def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
     Evaluated at the model's own parameters: one plain forward (and backward), with no endpoint
     built at ``ξ = 0`` and none of its backward. The gradient w.r.t. ``ξ`` is the parameters'
     gradient laid out as the pieces (:meth:`Perturbation.grad_at_zero`); the same numbers as
-    the gradient through the endpoint at ``ξ = 0`` when :func:`_pulls_back` holds.
+    the gradient through the endpoint at ``ξ = 0`` when :attr:`Perturbation.pulls_back` holds.
     """
     named = dict(f.model.named_parameters())
     if not need_grad:
@@ -546,33 +545,6 @@ def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
     pairs = zip(grads, names, strict=True)
     grads = [g if g is not None else torch.zeros_like(named[n]) for g, n in pairs]
     return value, f.pert.grad_at_zero(grads)
-
-
-def _pulls_back(pert: Perturbation) -> bool:
-    """Whether every piece's endpoint has the identity as its derivative at ``ξ = 0``, exactly.
-
-    Then ``∂L/∂ξ`` at ``ξ = 0`` *is* ``∂L/∂θ`` (a held piece's is zero): the order-1 and order-2
-    endpoints ``θ₀ + ξ − ½Γ(ξ, ξ)`` of the GL, element-wise and Euclidean geometries
-    (``Γ`` is quadratic, so its backward at ``ξ = 0`` adds exact zeros) and the fixed points.
-    RK4 (``order="exact"``) and the closed forms of diagonal pairs are left to autograd: their
-    derivative at 0 is the identity only up to rounding.
-    """
-    for p in pert.pieces:
-        g = p.geometry
-        if isinstance(g, FixedGeometry):
-            continue
-        if isinstance(g, GLGeometry):
-            same = (
-                type(g).geodesic is GLGeometry.geodesic
-                and type(g).iterate_endpoint is GLGeometry.iterate_endpoint
-            )
-            if same and p.order in (1, 2):
-                continue
-        elif type(g) in (ElementwiseGeometry, EuclideanGeometry) and p.order == 1:
-            continue
-        return False
-    asm = getattr(pert, "_assembly", None)
-    return asm is not None and asm.index.numel() == sum(asm.gathered_sizes)
 
 
 def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
