@@ -104,3 +104,35 @@ def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup)
     # the stored (rounded) projection is horizontal to float32 rounding in the float64 metric
     res = float(wide.horizontal_residual(p64).norm())
     assert res < 1e-6 * float(wide.horizontal_residual(xi64).norm())
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_products_equal_one_pass(metric, dtype, monkeypatch):
+    """Heads in cache-sized chunks (CPU): the same numbers as one batched pass."""
+    from geosharp.geometry import gl
+
+    G, H, g = _ill_conditioned(batch=(2, 5))
+    G, H = G.to(dtype), H.to(dtype)
+    whole = GLGeometry(G, H, metric=metric, eps=0.0)
+    monkeypatch.setattr(gl, "CHUNK_ELEMENTS", 2 * 24 * 4)  # 2 heads per chunk
+    parts = GLGeometry(G, H, metric=metric, eps=0.0)
+    assert whole._chunks is None and len(parts._chunks) == 5
+    xi = (
+        torch.randn(G.shape, generator=g, dtype=dtype),
+        torch.randn(H.shape, generator=g, dtype=dtype),
+    )
+    eta = (
+        torch.randn(G.shape, generator=g, dtype=dtype),
+        torch.randn(H.shape, generator=g, dtype=dtype),
+    )
+    for name in ("project", "horizontal_grad"):
+        for a, b in zip(getattr(parts, name)(xi), getattr(whole, name)(xi), strict=True):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-12 if dtype == torch.float64 else 0, atol=0)
+    for got, ref in (
+        (parts.norm_sq(xi), whole.norm_sq(xi)),
+        (parts.inner(xi, eta), whole.inner(xi, eta)),
+    ):
+        assert got.shape == ref.shape == (2, 5)
+        torch.testing.assert_close(got, ref, rtol=1e-12 if dtype == torch.float64 else 0, atol=0)

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -55,14 +56,16 @@ from geosharp.geometry._validate import (
     singular_threshold,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+from geosharp.geometry.gl_endpoint import _add_mm, _christoffel, _eye_like, _order2_endpoint
 
 #: Default damping of the Gram matrices. ``0`` keeps the metrics exactly GL(h)-invariant;
 #: a rank-deficient block then raises an error that suggests ``eps > 0``.
 DEFAULT_EPS = 0.0
-
-
-def _eye_like(M: Tensor) -> Tensor:
-    return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+#: Float64 elements of one chunk of heads in the per-step products on a CPU. Widening a whole
+#: group of heads to float64 and multiplying it streams both through memory; in chunks of
+#: about 2 MB they stay in cache (the Gram of 5.3 M float32 coordinates, h = 32: 46 ms in one
+#: pass, 14 ms in chunks of 8–32 heads, on the CI machine).
+CHUNK_ELEMENTS = 2**18
 
 
 def _gram(X: Tensor, eps: float) -> Tensor:
@@ -82,169 +85,6 @@ def _spd_funcs(M: Tensor) -> tuple[Tensor, Tensor]:
 def _apply_spectral(lam: Tensor, U: Tensor, f: Tensor) -> Tensor:
     """``U diag(f) Uᵀ`` where ``f`` is a function of the eigenvalues ``lam``."""
     return (U * f.unsqueeze(-2)) @ U.mT
-
-
-def _christoffel(
-    G: Tensor,
-    H: Tensor,
-    xG: Tensor,
-    xH: Tensor,
-    MG_inv: Tensor,
-    MH_inv: Tensor,
-    metric: str,
-) -> tuple[Tensor, Tensor]:
-    """SPEC §4 Christoffel quadratic form with given inverse Gram matrices."""
-    if metric == "inv":
-        # Γ_G = −ξ_G M_G⁻¹ (ξ_Gᵀ G + Gᵀ ξ_G) + G M_G⁻¹ ξ_Gᵀ ξ_G, and the same with G → H.
-        XG = xG.mT @ G
-        XH = xH.mT @ H
-        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ (xG.mT @ xG))
-        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ (xH.mT @ xH))
-        return gG, gH
-    # mix: Γ_G = ξ_G (ξ_Hᵀ H + Hᵀ ξ_H) M_H⁻¹ − G ξ_Hᵀ ξ_H M_H⁻¹,
-    #      Γ_H = ξ_H (ξ_Gᵀ G + Gᵀ ξ_G) M_G⁻¹ − H ξ_Gᵀ ξ_G M_G⁻¹.
-    XG = xG.mT @ G
-    XH = xH.mT @ H
-    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ ((xH.mT @ xH) @ MH_inv)
-    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ ((xG.mT @ xG) @ MG_inv)
-    return gG, gH
-
-
-def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0) -> Tensor:
-    """``X + α·A @ B`` in one batched pass (``baddbmm``) over any leading dimensions."""
-    batch = torch.broadcast_shapes(X.shape[:-2], A.shape[:-2], B.shape[:-2])
-    if len(batch) == 1 and X.shape[:-2] == A.shape[:-2] == B.shape[:-2]:
-        return torch.baddbmm(X, A, B, alpha=alpha)
-    return X + alpha * (A @ B)
-
-
-def _order2_matrices(
-    G: Tensor,
-    H: Tensor,
-    xG: Tensor,
-    xH: Tensor,
-    MG_inv: Tensor,
-    MH_inv: Tensor,
-    metric: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-    """The ``h × h`` factors ``(C_G, B_G, C_H, B_H, s)`` of ``G′ = G + ξ_G C_G + s·G B_G``.
-
-    See :func:`_order2_endpoint`.
-    """
-    XG = xG.mT @ G
-    XH = xH.mT @ H
-    eye = _eye_like(XG)
-    if metric == "inv":
-        cG = eye + 0.5 * (MG_inv @ (XG + XG.mT))
-        cH = eye + 0.5 * (MH_inv @ (XH + XH.mT))
-        return cG, MG_inv @ (xG.mT @ xG), cH, MH_inv @ (xH.mT @ xH), -0.5
-    cG = eye - 0.5 * ((XH + XH.mT) @ MH_inv)
-    cH = eye - 0.5 * ((XG + XG.mT) @ MG_inv)
-    return cG, (xH.mT @ xH) @ MH_inv, cH, (xG.mT @ xG) @ MG_inv, 0.5
-
-
-def _order2_endpoint(
-    G: Tensor,
-    H: Tensor,
-    xG: Tensor,
-    xH: Tensor,
-    MG_inv: Tensor,
-    MH_inv: Tensor,
-    metric: str,
-) -> tuple[Tensor, Tensor]:
-    """``(G, H) + ξ − ½Γ(ξ, ξ)`` of :func:`_christoffel`, factored through ``h × h`` matrices.
-
-    Every term of ``Γ`` is ``ξ_X A`` or ``X B`` with ``h × h`` matrices ``A``, ``B`` (SPEC §4):
-
-    .. code-block:: text
-
-        inv:  G′ = G + ξ_G (I + ½ M_G⁻¹ S_G) − G (½ M_G⁻¹ ξ_Gᵀ ξ_G),   S_G = ξ_Gᵀ G + Gᵀ ξ_G
-        mix:  G′ = G + ξ_G (I − ½ S_H M_H⁻¹) + G (½ ξ_Hᵀ ξ_H M_H⁻¹),   S_H = ξ_Hᵀ H + Hᵀ ξ_H
-
-    (and the same with ``G ↔ H``), so that the ``n × h`` work is two fused multiply-adds per
-    factor instead of four products, a negation and three additions. The same values as
-    ``point + ξ − ½Γ`` up to rounding. When only ``ξ`` needs a gradient (the ascent: the base
-    point and its factorizations are constants), the backward is :class:`_Order2Endpoint`'s:
-    three fused products per factor, ``∂ξ_X = g_X C_Xᵀ + X P_X + ξ_X Q_X``, where autograd
-    would form four products and accumulate them one by one.
-    """
-    if _hand_backward(xG, xH) and not any(t.requires_grad for t in (G, H, MG_inv, MH_inv)):
-        return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric)
-    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)[:2]
-
-
-def _order2_forward(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-    """``(G′, H′, C_G, C_H, s)``: the endpoint and the factors its backward needs."""
-    cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
-    Gp = _add_mm(_add_mm(G, xG, cG), G, bG, alpha=s)
-    Hp = _add_mm(_add_mm(H, xH, cH), H, bH, alpha=s)
-    return Gp, Hp, cG, cH, s
-
-
-def _hand_backward(xG: Tensor, xH: Tensor) -> bool:
-    """Whether :class:`_Order2Endpoint` may serve: a reverse-mode gradient in ``ξ``.
-
-    Not under a ``torch.func`` transform, nor with forward-mode dual tensors: it has no ``jvp``
-    or ``vmap`` rule, and plain autograd serves those.
-    """
-    if not (torch.is_grad_enabled() and (xG.requires_grad or xH.requires_grad)):
-        return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    fwd = torch.autograd.forward_ad
-    return fwd.unpack_dual(xG).tangent is None and fwd.unpack_dual(xH).tangent is None
-
-
-def _sym(X: Tensor) -> Tensor:
-    return X + X.mT
-
-
-class _Order2Endpoint(torch.autograd.Function):
-    """The order-2 endpoint of :func:`_order2_endpoint` with a hand-written backward in ``ξ``.
-
-    With ``G′ = G + ξ_G C_G + s·G B_G`` and ``g_G = ∂L/∂G′``: ``∂C_G = ξ_Gᵀ g_G``,
-    ``∂B_G = s·Gᵀ g_G``; ``C`` depends on ``ξ`` through ``ξ_Xᵀ X`` and ``B`` through ``ξ_Xᵀ ξ_X``
-    (inv: ``X`` the same factor; mix: the other one), so
-
-    .. code-block:: text
-
-        ∂ξ_G = g_G C_Gᵀ + G·sym(∂S_G) + ξ_G·sym(∂T_G),   sym(A) = A + Aᵀ,
-        inv:  ∂S_G = ½ M_G⁻ᵀ ∂C_G,      ∂T_G = M_G⁻ᵀ ∂B_G
-        mix:  ∂S_G = −½ ∂C_H M_G⁻ᵀ,     ∂T_G = ∂B_H M_G⁻ᵀ
-
-    (and ``G ↔ H``). The backward is made of differentiable operations on the inputs (``C`` is
-    recomputed from ``ξ`` when a graph of the backward is asked for), so Hessian-vector
-    products through the endpoint (:func:`geosharp.curvature`) are exact.
-    """
-
-    @staticmethod
-    def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric):
-        Gp, Hp, cG, cH, s = _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)
-        ctx.save_for_backward(xG, xH, G, H, MG_inv, MH_inv, cG, cH)
-        ctx.metric, ctx.s = metric, s
-        return Gp, Hp
-
-    @staticmethod
-    def backward(ctx, gG, gH):
-        xG, xH, G, H, MG_inv, MH_inv, cG, cH = ctx.saved_tensors
-        metric, s = ctx.metric, ctx.s
-        if torch.is_grad_enabled():  # create_graph: C as a function of ξ, not a constant
-            cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
-        gG = torch.zeros_like(G) if gG is None else gG
-        gH = torch.zeros_like(H) if gH is None else gH
-        dCG, dBG = xG.mT @ gG, s * (G.mT @ gG)
-        dCH, dBH = xH.mT @ gH, s * (H.mT @ gH)
-        if metric == "inv":
-            dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
-            dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
-        else:
-            dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
-            dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
-        dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG)), xG, _sym(dTG))
-        dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH)), xH, _sym(dTH))
-        return dxG, dxH, None, None, None, None, None
 
 
 class GLGeometry(Geometry):
@@ -364,6 +204,12 @@ class GLGeometry(Geometry):
         if not self._hold_wide:
             self._G = self._H = None  # widened on demand (see the properties below)
         self._use_work_dtype(work_dtype)
+        n_heads = math.prod(G.shape[:-2])
+        per = max(1, CHUNK_ELEMENTS // (max(G.shape[-2], H.shape[-2]) * h))
+        #: Slices of the flattened heads for the per-step products (None: one pass).
+        self._chunks: list[slice] | None = None
+        if G.device.type == "cpu" and per < n_heads:
+            self._chunks = [slice(i, min(i + per, n_heads)) for i in range(0, n_heads, per)]
 
     @property
     def _G(self) -> Tensor:
@@ -449,6 +295,11 @@ class GLGeometry(Geometry):
 
     def _check_tangent(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, Tensor]:
         """Validate a tangent pair (dtype of ``G`` or the compute dtype); return it widened."""
+        self._validate_tangent(xi, name)
+        return xi[0].to(self.compute_dtype), xi[1].to(self.compute_dtype)
+
+    def _validate_tangent(self, xi: Tangent, name: str = "xi") -> None:
+        """Check a tangent pair's type, dtype (``G``'s or the compute dtype), shape, device."""
         if not isinstance(xi, (tuple, list)) or len(xi) != 2:
             raise TypeError(f"{name} must be a pair (xi_G, xi_H) of tensors")
         for part, t, ref, ref_name in (
@@ -460,7 +311,17 @@ class GLGeometry(Geometry):
                 raise TypeError(f"{part} has dtype {t.dtype} but {ref_name} has {self.dtype}")
             # shape and device only (no cast: tangents kept in float64 are checked as they are)
             check_like(part, t, ref_name, ref, dtype=False)
-        return xi[0].to(self.compute_dtype), xi[1].to(self.compute_dtype)
+
+    # -- chunks of heads ----------------------------------------------------------------------
+    @staticmethod
+    def _rows(t: Tensor) -> Tensor:
+        """``t`` with its leading batch dimensions flattened into one (a view)."""
+        return t.reshape(-1, *t.shape[-2:])
+
+    def _fac(self, name: str, sl: slice | None) -> Tensor:
+        """A per-head factor (``MG_inv``, ``_S``, …), or its chunk ``sl`` of the flat heads."""
+        t = getattr(self, name)
+        return t if sl is None else self._rows(t)[sl]
 
     def _down(self, *ts: Tensor, like: Tensor | None = None) -> tuple[Tensor, ...]:
         """Cast results to the dtype of ``like`` (the caller's tangent) or of ``G``."""
@@ -474,24 +335,38 @@ class GLGeometry(Geometry):
         Uses ``tr(M aᵀ b) = Σ (aᵀ b) ⊙ M`` for symmetric ``M``: one ``h × h`` product per
         factor, no ``n × h`` temporary.
         """
-        aG, aH = self._check_tangent(a, "a")
-        bG, bH = self._check_tangent(b, "b")
-        return self._trace_form(aG.mT @ bG, aH.mT @ bH).to(a[0].dtype)
+        self._validate_tangent(a, "a")
+        self._validate_tangent(b, "b")
+        return self._pair_form(a, b)
 
     def norm_sq(self, xi: Tangent) -> Tensor:
         """Squared norm ``⟨ξ, ξ⟩`` from the ``h × h`` Gram matrices ``ξ_Gᵀ ξ_G``, ``ξ_Hᵀ ξ_H``."""
-        xG, xH = self._check_tangent(xi)
-        return self._trace_form(xG.mT @ xG, xH.mT @ xH).to(xi[0].dtype)
+        self._validate_tangent(xi)
+        return self._pair_form(xi, None)
 
-    def _trace_form(self, XG: Tensor, XH: Tensor) -> Tensor:
+    def _pair_form(self, a: Tangent, b: Tangent | None) -> Tensor:
+        """``⟨a, b⟩`` (``b = None``: ``⟨a, a⟩``) per head, widened and multiplied chunk by chunk."""
+        cd = self.compute_dtype
+        if self._chunks is None:
+            aG, aH = a[0].to(cd), a[1].to(cd)
+            bG, bH = (aG, aH) if b is None else (b[0].to(cd), b[1].to(cd))
+            return self._trace_form(aG.mT @ bG, aH.mT @ bH).to(a[0].dtype)
+        rows = [self._rows(t) for t in (*a, *(a if b is None else b))]
+        out = torch.empty(rows[0].shape[0], dtype=cd, device=rows[0].device)
+        for sl in self._chunks:
+            aG, aH = rows[0][sl].to(cd), rows[1][sl].to(cd)
+            bG, bH = (aG, aH) if b is None else (rows[2][sl].to(cd), rows[3][sl].to(cd))
+            out[sl] = self._trace_form(aG.mT @ bG, aH.mT @ bH, sl)
+        return out.reshape(self.G.shape[:-2]).to(a[0].dtype)
+
+    def _trace_form(self, XG: Tensor, XH: Tensor, sl: slice | None = None) -> Tensor:
         """``tr(M_a XG) + tr(M_b XH)`` with the metric's pair ``(M_a, M_b)``.
 
         inv: ``(M_G⁻¹, M_H⁻¹)``; mix: ``(M_H, M_G)`` (symmetric, so each trace is an
-        element-wise sum).
+        element-wise sum). ``sl``: the chunk of heads ``XG``, ``XH`` belong to.
         """
-        if self.metric == "inv":
-            return (XG * self.MG_inv).sum((-2, -1)) + (XH * self.MH_inv).sum((-2, -1))
-        return (XG * self.MH).sum((-2, -1)) + (XH * self.MG).sum((-2, -1))
+        a, b = ("MG_inv", "MH_inv") if self.metric == "inv" else ("MH", "MG")
+        return (XG * self._fac(a, sl)).sum((-2, -1)) + (XH * self._fac(b, sl)).sum((-2, -1))
 
     # -- quotient structure -----------------------------------------------------------------------
     def vertical(self, omega: Tensor) -> Tangent:
@@ -506,17 +381,29 @@ class GLGeometry(Geometry):
         ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``.
         """
         xG, xH = self._check_tangent(xi)
+        with self._wide_point():
+            return self._lam_of(xG, xH, self._G, self._H)
+
+    def _lam_of(
+        self, xG: Tensor, xH: Tensor, G: Tensor, H: Tensor, sl: slice | None = None
+    ) -> Tensor:
+        """:meth:`lam` of widened tangents at the widened point ``(G, H)`` (chunk ``sl``)."""
+        f = self._fac
         if self.metric == "mix":
-            return 0.5 * ((xH.mT @ self._H) @ self.MH_inv - self.MG_inv @ (self._G.mT @ xG))
-        B = (xH.mT @ self._H) @ self.MG - self.MH @ (self._G.mT @ xG)
-        Y = (self._S_inv @ B @ self._S) / self._denom
-        return self._S @ Y @ self._S_inv
+            return 0.5 * ((xH.mT @ H) @ f("MH_inv", sl) - f("MG_inv", sl) @ (G.mT @ xG))
+        B = (xH.mT @ H) @ f("MG", sl) - f("MH", sl) @ (G.mT @ xG)
+        S = f("_S", sl)
+        Y = (f("_S_inv", sl) @ B @ S) / f("_denom", sl)
+        return S @ Y @ f("_S_inv", sl)
 
     def project(self, xi: Tangent) -> Tangent:
         """Horizontal projection ``P(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (SPEC §4).
 
         Exactly the metric-orthogonal projection onto the horizontal space at ``eps = 0``.
         """
+        if self._chunked_projection:
+            self._validate_tangent(xi)
+            return self._project_chunks(xi, grad=False)
         wide = self._check_tangent(xi)
         return self._down(*self._project_wide(wide), like=xi[0])
 
@@ -526,13 +413,48 @@ class GLGeometry(Geometry):
         ``P(g⁻¹ e)`` in one pass in :attr:`compute_dtype`: the tangent is widened once and the
         result rounded once (``project(riemannian_grad(e))`` would round in between).
         """
+        if self._chunked_projection:
+            self._validate_tangent(egrad, "egrad")
+            return self._project_chunks(egrad, grad=True)
         eG, eH = self._check_tangent(egrad, "egrad")
-        if self.metric == "inv":
-            rg = (eG @ self.MG, eH @ self.MH)
-        else:
-            rg = (eG @ self.MH_inv, eH @ self.MG_inv)
+        rg = self._rg_of(eG, eH)
         del eG, eH
         return self._down(*self._project_wide(rg), like=egrad[0])
+
+    def _rg_of(self, eG: Tensor, eH: Tensor, sl: slice | None = None) -> tuple[Tensor, Tensor]:
+        """The Riemannian gradient of widened ``e`` (chunk ``sl``): inv ``e M``, mix ``e M⁻¹``."""
+        if self.metric == "inv":
+            return eG @ self._fac("MG", sl), eH @ self._fac("MH", sl)
+        return eG @ self._fac("MH_inv", sl), eH @ self._fac("MG_inv", sl)
+
+    @property
+    def _chunked_projection(self) -> bool:
+        """Whether projections run chunk by chunk (this class's Λ; a subclass's runs whole)."""
+        return self._chunks is not None and type(self).lam is GLGeometry.lam
+
+    def _project_chunks(self, xi: Tangent, grad: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`project` (or, with ``grad``, :meth:`horizontal_grad`) chunk by chunk.
+
+        Each chunk of heads is widened, projected in :attr:`compute_dtype` and written into the
+        result in the tangent's dtype: the same products as one pass, head by head.
+        """
+        cd = self.compute_dtype
+        held = self.__dict__.get("_G_wide")
+        Gs = self._rows(held if held is not None else self.G)
+        Hs = self._rows(self.__dict__["_H_wide"] if held is not None else self.H)
+        xG, xH = self._rows(xi[0]), self._rows(xi[1])
+        outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
+        outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
+        oG, oH = self._rows(outG), self._rows(outH)
+        for sl in self._chunks:
+            g, h = xG[sl].to(cd), xH[sl].to(cd)
+            if grad:
+                g, h = self._rg_of(g, h, sl)
+            G, H = Gs[sl].to(cd), Hs[sl].to(cd)
+            L = self._lam_of(g, h, G, H, sl)
+            oG[sl] = _add_mm(g, G, L)
+            oH[sl] = _add_mm(h, H, L.mT, alpha=-1.0)
+        return outG, outH
 
     def _project_wide(self, xi: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """:meth:`project` of a tangent already in :attr:`compute_dtype`, left in it."""
@@ -572,9 +494,7 @@ class GLGeometry(Geometry):
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """Riemannian gradient: inv ``(e_G M_G, e_H M_H)``; mix ``(e_G M_H⁻¹, e_H M_G⁻¹)``."""
         eG, eH = self._check_tangent(egrad, "egrad")
-        if self.metric == "inv":
-            return self._down(eG @ self.MG, eH @ self.MH, like=egrad[0])
-        return self._down(eG @ self.MH_inv, eH @ self.MG_inv, like=egrad[0])
+        return self._down(*self._rg_of(eG, eH), like=egrad[0])
 
     # -- geodesics --------------------------------------------------------------------------------
     def christoffel(self, xi: Tangent) -> Tangent:

@@ -1,0 +1,182 @@
+"""The order-2 GL(h) endpoint and its hand-written backward, and the Christoffel form (SPEC §4).
+
+The per-step work of a geodesic ascent through a GL(h) block is the endpoint
+``(G, H) + ξ − ½Γ(ξ, ξ)`` in the forward and its adjoint in the backward. Both are written here
+through ``h × h`` factors (:func:`_order2_endpoint`, :class:`_Order2Endpoint`), so that the
+``n × h`` work is a few fused multiply-adds; :class:`~geosharp.geometry.gl.GLGeometry` calls
+them. :func:`_christoffel` is the plain form the tests compare them with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+def _eye_like(M: Tensor) -> Tensor:
+    return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+
+
+def _christoffel(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+) -> tuple[Tensor, Tensor]:
+    """SPEC §4 Christoffel quadratic form with given inverse Gram matrices."""
+    if metric == "inv":
+        # Γ_G = −ξ_G M_G⁻¹ (ξ_Gᵀ G + Gᵀ ξ_G) + G M_G⁻¹ ξ_Gᵀ ξ_G, and the same with G → H.
+        XG = xG.mT @ G
+        XH = xH.mT @ H
+        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ (xG.mT @ xG))
+        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ (xH.mT @ xH))
+        return gG, gH
+    # mix: Γ_G = ξ_G (ξ_Hᵀ H + Hᵀ ξ_H) M_H⁻¹ − G ξ_Hᵀ ξ_H M_H⁻¹,
+    #      Γ_H = ξ_H (ξ_Gᵀ G + Gᵀ ξ_G) M_G⁻¹ − H ξ_Gᵀ ξ_G M_G⁻¹.
+    XG = xG.mT @ G
+    XH = xH.mT @ H
+    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ ((xH.mT @ xH) @ MH_inv)
+    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ ((xG.mT @ xG) @ MG_inv)
+    return gG, gH
+
+
+def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0) -> Tensor:
+    """``X + α·A @ B`` in one batched pass (``baddbmm``) over any leading dimensions."""
+    batch = torch.broadcast_shapes(X.shape[:-2], A.shape[:-2], B.shape[:-2])
+    if len(batch) == 1 and X.shape[:-2] == A.shape[:-2] == B.shape[:-2]:
+        return torch.baddbmm(X, A, B, alpha=alpha)
+    return X + alpha * (A @ B)
+
+
+def _order2_matrices(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """The ``h × h`` factors ``(C_G, B_G, C_H, B_H, s)`` of ``G′ = G + ξ_G C_G + s·G B_G``.
+
+    See :func:`_order2_endpoint`.
+    """
+    XG = xG.mT @ G
+    XH = xH.mT @ H
+    eye = _eye_like(XG)
+    if metric == "inv":
+        cG = eye + 0.5 * (MG_inv @ (XG + XG.mT))
+        cH = eye + 0.5 * (MH_inv @ (XH + XH.mT))
+        return cG, MG_inv @ (xG.mT @ xG), cH, MH_inv @ (xH.mT @ xH), -0.5
+    cG = eye - 0.5 * ((XH + XH.mT) @ MH_inv)
+    cH = eye - 0.5 * ((XG + XG.mT) @ MG_inv)
+    return cG, (xH.mT @ xH) @ MH_inv, cH, (xG.mT @ xG) @ MG_inv, 0.5
+
+
+def _order2_endpoint(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+) -> tuple[Tensor, Tensor]:
+    """``(G, H) + ξ − ½Γ(ξ, ξ)`` of :func:`_christoffel`, factored through ``h × h`` matrices.
+
+    Every term of ``Γ`` is ``ξ_X A`` or ``X B`` with ``h × h`` matrices ``A``, ``B`` (SPEC §4):
+
+    .. code-block:: text
+
+        inv:  G′ = G + ξ_G (I + ½ M_G⁻¹ S_G) − G (½ M_G⁻¹ ξ_Gᵀ ξ_G),   S_G = ξ_Gᵀ G + Gᵀ ξ_G
+        mix:  G′ = G + ξ_G (I − ½ S_H M_H⁻¹) + G (½ ξ_Hᵀ ξ_H M_H⁻¹),   S_H = ξ_Hᵀ H + Hᵀ ξ_H
+
+    (and the same with ``G ↔ H``), so that the ``n × h`` work is two fused multiply-adds per
+    factor instead of four products, a negation and three additions. The same values as
+    ``point + ξ − ½Γ`` up to rounding. When only ``ξ`` needs a gradient (the ascent: the base
+    point and its factorizations are constants), the backward is :class:`_Order2Endpoint`'s:
+    three fused products per factor, ``∂ξ_X = g_X C_Xᵀ + X P_X + ξ_X Q_X``, where autograd
+    would form four products and accumulate them one by one.
+    """
+    if _hand_backward(xG, xH) and not any(t.requires_grad for t in (G, H, MG_inv, MH_inv)):
+        return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric)
+    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)[:2]
+
+
+def _order2_forward(
+    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """``(G′, H′, C_G, C_H, s)``: the endpoint and the factors its backward needs."""
+    cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
+    Gp = _add_mm(_add_mm(G, xG, cG), G, bG, alpha=s)
+    Hp = _add_mm(_add_mm(H, xH, cH), H, bH, alpha=s)
+    return Gp, Hp, cG, cH, s
+
+
+def _hand_backward(xG: Tensor, xH: Tensor) -> bool:
+    """Whether :class:`_Order2Endpoint` may serve: a reverse-mode gradient in ``ξ``.
+
+    Not under a ``torch.func`` transform, nor with forward-mode dual tensors: it has no ``jvp``
+    or ``vmap`` rule, and plain autograd serves those.
+    """
+    if not (torch.is_grad_enabled() and (xG.requires_grad or xH.requires_grad)):
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    fwd = torch.autograd.forward_ad
+    return fwd.unpack_dual(xG).tangent is None and fwd.unpack_dual(xH).tangent is None
+
+
+def _sym(X: Tensor) -> Tensor:
+    return X + X.mT
+
+
+class _Order2Endpoint(torch.autograd.Function):
+    """The order-2 endpoint of :func:`_order2_endpoint` with a hand-written backward in ``ξ``.
+
+    With ``G′ = G + ξ_G C_G + s·G B_G`` and ``g_G = ∂L/∂G′``: ``∂C_G = ξ_Gᵀ g_G``,
+    ``∂B_G = s·Gᵀ g_G``; ``C`` depends on ``ξ`` through ``ξ_Xᵀ X`` and ``B`` through ``ξ_Xᵀ ξ_X``
+    (inv: ``X`` the same factor; mix: the other one), so
+
+    .. code-block:: text
+
+        ∂ξ_G = g_G C_Gᵀ + G·sym(∂S_G) + ξ_G·sym(∂T_G),   sym(A) = A + Aᵀ,
+        inv:  ∂S_G = ½ M_G⁻ᵀ ∂C_G,      ∂T_G = M_G⁻ᵀ ∂B_G
+        mix:  ∂S_G = −½ ∂C_H M_G⁻ᵀ,     ∂T_G = ∂B_H M_G⁻ᵀ
+
+    (and ``G ↔ H``). The backward is made of differentiable operations on the inputs (``C`` is
+    recomputed from ``ξ`` when a graph of the backward is asked for), so Hessian-vector
+    products through the endpoint (:func:`geosharp.curvature`) are exact.
+    """
+
+    @staticmethod
+    def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric):
+        Gp, Hp, cG, cH, s = _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)
+        ctx.save_for_backward(xG, xH, G, H, MG_inv, MH_inv, cG, cH)
+        ctx.metric, ctx.s = metric, s
+        return Gp, Hp
+
+    @staticmethod
+    def backward(ctx, gG, gH):
+        xG, xH, G, H, MG_inv, MH_inv, cG, cH = ctx.saved_tensors
+        metric, s = ctx.metric, ctx.s
+        if torch.is_grad_enabled():  # create_graph: C as a function of ξ, not a constant
+            cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
+        gG = torch.zeros_like(G) if gG is None else gG
+        gH = torch.zeros_like(H) if gH is None else gH
+        dCG, dBG = xG.mT @ gG, s * (G.mT @ gG)
+        dCH, dBH = xH.mT @ gH, s * (H.mT @ gH)
+        if metric == "inv":
+            dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
+            dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
+        else:
+            dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
+            dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
+        dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG)), xG, _sym(dTG))
+        dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH)), xH, _sym(dTH))
+        return dxG, dxH, None, None, None, None, None
