@@ -117,9 +117,9 @@ class GLGeometry(Geometry):
             the Riemannian gradient keep float64 accuracy; the only extra error is the rounding
             of each stored tangent to float32.
         hold_wide_point: Keep a copy of the base point in :attr:`compute_dtype` for the
-            per-step products (``None``: only when ``tangent_dtype`` is the compute dtype, i.e.
-            when memory was not asked to be saved); otherwise it is widened again by every
-            product that needs it (a cast of ``G``, ``H`` per projection).
+            per-step products (``None``: only when tangents are kept in the compute dtype, e.g.
+            for a float64 model, where the copy is the point itself); otherwise each projection
+            widens ``G``, ``H`` once, chunk by chunk of heads on a CPU.
 
     Raises:
         TypeError: If ``G`` or ``H`` is not a floating tensor, or their dtypes differ.
@@ -200,8 +200,7 @@ class GLGeometry(Geometry):
             setattr(self, key, value)
         self._MG_inv_lo = self.MG_inv.to(G.dtype)
         self._MH_inv_lo = self.MH_inv.to(G.dtype)
-        self._hold_wide = bool(hold_wide_point)
-        if not self._hold_wide:
+        if not hold_wide_point:
             self._G = self._H = None  # widened on demand (see the properties below)
         self._use_work_dtype(work_dtype)
         n_heads = math.prod(G.shape[:-2])

@@ -5,8 +5,8 @@ A :class:`~geosharp.symmetry.SymmetryBlock` names its coordinates by global flat
 as its model is measured (``gs.sharpness`` caches it across calls), but its positions are read
 only while something is built from them: a perturbation's gather index, a reparametrized copy,
 an invariance check. Held as tensors they would cost one int32 per block coordinate for the
-whole session (a third of the model's float32 size on MiniLM-L6, where the attention
-projections are a third of the coordinates), alive through every ascent step.
+whole session, alive through every ascent step: 0.33 parameter-sized buffers on MiniLM-L6 with
+its embeddings frozen, where the attention projections hold a third of the perturbed weights.
 
 :class:`Positions` holds how to make them instead: the parameter slices and their offsets
 (:func:`~geosharp.symmetry.specs.slice_positions`), or a contiguous range. Each use builds the
