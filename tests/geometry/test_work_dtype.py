@@ -108,31 +108,37 @@ def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup)
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_chunked_products_equal_one_pass(metric, dtype, monkeypatch):
-    """Heads in cache-sized chunks (CPU): the same numbers as one batched pass."""
+@pytest.mark.parametrize("subgroup", [False, True])
+def test_chunked_products_equal_one_pass(metric, dtype, subgroup, monkeypatch):
+    """Heads in cache-sized chunks (CPU): the same numbers as one batched pass.
+
+    The rotary subgroup geometry is included: its own per-head tensors must not be mistaken
+    for the chunk helpers (it names an algebra index ``_rows``).
+    """
     from geosharp.geometry import gl
 
     G, H, g = _ill_conditioned(batch=(2, 5))
     G, H = G.to(dtype), H.to(dtype)
-    whole = GLGeometry(G, H, metric=metric, eps=0.0)
+
+    def build():
+        if subgroup:
+            alg = BlockDiagonalAlgebra(4, planes=((0, 2),), free=(1, 3))
+            return GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0)
+        return GLGeometry(G, H, metric=metric, eps=0.0)
+
+    whole = build()
     monkeypatch.setattr(gl, "CHUNK_ELEMENTS", 2 * 24 * 4)  # 2 heads per chunk
-    parts = GLGeometry(G, H, metric=metric, eps=0.0)
+    parts = build()
     assert whole._chunks is None and len(parts._chunks) == 5
-    xi = (
-        torch.randn(G.shape, generator=g, dtype=dtype),
-        torch.randn(H.shape, generator=g, dtype=dtype),
-    )
-    eta = (
-        torch.randn(G.shape, generator=g, dtype=dtype),
-        torch.randn(H.shape, generator=g, dtype=dtype),
-    )
+    shape = dict(generator=g, dtype=dtype)
+    xi = (torch.randn(G.shape, **shape), torch.randn(H.shape, **shape))
+    eta = (torch.randn(G.shape, **shape), torch.randn(H.shape, **shape))
+    tol = dict(rtol=1e-12 if dtype == torch.float64 else 0, atol=0)
     for name in ("project", "horizontal_grad"):
         for a, b in zip(getattr(parts, name)(xi), getattr(whole, name)(xi), strict=True):
             assert a.dtype == b.dtype == dtype and a.shape == b.shape
-            torch.testing.assert_close(a, b, rtol=1e-12 if dtype == torch.float64 else 0, atol=0)
-    for got, ref in (
-        (parts.norm_sq(xi), whole.norm_sq(xi)),
-        (parts.inner(xi, eta), whole.inner(xi, eta)),
-    ):
+            torch.testing.assert_close(a, b, **tol)
+    pairs = ((parts.norm_sq(xi), whole.norm_sq(xi)), (parts.inner(xi, eta), whole.inner(xi, eta)))
+    for got, ref in pairs:
         assert got.shape == ref.shape == (2, 5)
-        torch.testing.assert_close(got, ref, rtol=1e-12 if dtype == torch.float64 else 0, atol=0)
+        torch.testing.assert_close(got, ref, **tol)

@@ -312,15 +312,14 @@ class GLGeometry(Geometry):
             check_like(part, t, ref_name, ref, dtype=False)
 
     # -- chunks of heads ----------------------------------------------------------------------
-    @staticmethod
-    def _rows(t: Tensor) -> Tensor:
-        """``t`` with its leading batch dimensions flattened into one (a view)."""
-        return t.reshape(-1, *t.shape[-2:])
+    def _by_head(self, t: Tensor) -> Tensor:
+        """``t`` (a tangent, the point or a per-head factor) with the heads' dims flattened."""
+        return t.reshape(-1, *t.shape[self.G.dim() - 2 :])
 
     def _fac(self, name: str, sl: slice | None) -> Tensor:
         """A per-head factor (``MG_inv``, ``_S``, …), or its chunk ``sl`` of the flat heads."""
         t = getattr(self, name)
-        return t if sl is None else self._rows(t)[sl]
+        return t if sl is None else self._by_head(t)[sl]
 
     def _down(self, *ts: Tensor, like: Tensor | None = None) -> tuple[Tensor, ...]:
         """Cast results to the dtype of ``like`` (the caller's tangent) or of ``G``."""
@@ -350,7 +349,7 @@ class GLGeometry(Geometry):
             aG, aH = a[0].to(cd), a[1].to(cd)
             bG, bH = (aG, aH) if b is None else (b[0].to(cd), b[1].to(cd))
             return self._trace_form(aG.mT @ bG, aH.mT @ bH).to(a[0].dtype)
-        rows = [self._rows(t) for t in (*a, *(a if b is None else b))]
+        rows = [self._by_head(t) for t in (*a, *(a if b is None else b))]
         out = torch.empty(rows[0].shape[0], dtype=cd, device=rows[0].device)
         for sl in self._chunks:
             aG, aH = rows[0][sl].to(cd), rows[1][sl].to(cd)
@@ -439,12 +438,12 @@ class GLGeometry(Geometry):
         """
         cd = self.compute_dtype
         held = self.__dict__.get("_G_wide")
-        Gs = self._rows(held if held is not None else self.G)
-        Hs = self._rows(self.__dict__["_H_wide"] if held is not None else self.H)
-        xG, xH = self._rows(xi[0]), self._rows(xi[1])
+        Gs = self._by_head(held if held is not None else self.G)
+        Hs = self._by_head(self.__dict__["_H_wide"] if held is not None else self.H)
+        xG, xH = self._by_head(xi[0]), self._by_head(xi[1])
         outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
         outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
-        oG, oH = self._rows(outG), self._rows(outH)
+        oG, oH = self._by_head(outG), self._by_head(outH)
         for sl in self._chunks:
             g, h = xG[sl].to(cd), xH[sl].to(cd)
             if grad:
