@@ -108,7 +108,11 @@ def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup)
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("subgroup", [False, True])
+@pytest.mark.parametrize(
+    "subgroup",
+    [None, dict(planes=((0, 2),), free=(1, 3)), dict(planes=((0, 1), (2, 3)), free=())],
+    ids=["gl", "rotary-plane-and-free", "rotary-planes"],
+)
 def test_chunked_products_equal_one_pass(metric, dtype, subgroup, monkeypatch):
     """Heads in cache-sized chunks (CPU): the same numbers as one batched pass.
 
@@ -122,7 +126,7 @@ def test_chunked_products_equal_one_pass(metric, dtype, subgroup, monkeypatch):
 
     def build():
         if subgroup:
-            alg = BlockDiagonalAlgebra(4, planes=((0, 2),), free=(1, 3))
+            alg = BlockDiagonalAlgebra(4, **subgroup)
             return GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0)
         return GLGeometry(G, H, metric=metric, eps=0.0)
 

@@ -40,8 +40,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -427,8 +429,39 @@ class GLGeometry(Geometry):
 
     @property
     def _chunked_projection(self) -> bool:
-        """Whether projections run chunk by chunk (this class's Λ; a subclass's runs whole)."""
-        return self._chunks is not None and type(self).lam is GLGeometry.lam
+        """Whether projections run chunk by chunk of heads (on a CPU, for many heads)."""
+        return self._chunks is not None
+
+    #: Per-head tensors (their leading dims are the heads'), sliced by :meth:`_chunk_view`; a
+    #: subclass whose :meth:`lam` reads more of them lists those too.
+    _PER_HEAD: ClassVar[tuple[str, ...]] = (
+        "MG",
+        "MH",
+        "MG_inv",
+        "MH_inv",
+        "_S",
+        "_S_inv",
+        "_denom",
+    )
+
+    def _chunk_view(self, sl: slice, G: Tensor, H: Tensor) -> GLGeometry:
+        """A shallow copy restricted to the heads ``sl``, at their widened point ``(G, H)``.
+
+        Serves a subclass's own :meth:`lam` chunk by chunk: every tensor of :attr:`_PER_HEAD`
+        is sliced (a view), the rest (an algebra's indices, the metric) is shared.
+        """
+        view = copy.copy(self)
+        d = view.__dict__
+        for name in self._PER_HEAD:
+            v = d.get(name)
+            if isinstance(v, Tensor):
+                d[name] = self._by_head(v)[sl]
+            elif isinstance(v, tuple):
+                d[name] = tuple(self._by_head(t)[sl] for t in v)
+        d["G"], d["H"], d["point"] = G, H, (G, H)
+        d["_G_wide"], d["_H_wide"] = G, H
+        d["_chunks"] = None
+        return view
 
     def _project_chunks(self, xi: Tangent, grad: bool) -> tuple[Tensor, Tensor]:
         """:meth:`project` (or, with ``grad``, :meth:`horizontal_grad`) chunk by chunk.
@@ -449,7 +482,10 @@ class GLGeometry(Geometry):
             if grad:
                 g, h = self._rg_of(g, h, sl)
             G, H = Gs[sl].to(cd), Hs[sl].to(cd)
-            L = self._lam_of(g, h, G, H, sl)
+            if type(self).lam is GLGeometry.lam:
+                L = self._lam_of(g, h, G, H, sl)
+            else:  # a subgroup's Λ, on the chunk's own factors
+                L = self._chunk_view(sl, G, H).lam((g, h))
             oG[sl] = _add_mm(g, G, L)
             oH[sl] = _add_mm(h, H, L.mT, alpha=-1.0)
         return outG, outH

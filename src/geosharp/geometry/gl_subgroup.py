@@ -173,6 +173,18 @@ class GLSubgroupGeometry(GLGeometry):
         ValueError: As :class:`GLGeometry`, or if ``algebra.h`` differs from ``h``.
     """
 
+    _PER_HEAD = (
+        *GLGeometry._PER_HEAD,
+        "_PQ",
+        "_Lx",
+        "_Rx",
+        "_Ly",
+        "_Ry",
+        "_den",
+        "_omega_l",
+        "_chol",
+    )
+
     def __init__(
         self,
         G: Tensor,
