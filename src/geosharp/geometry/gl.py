@@ -347,19 +347,15 @@ class GLGeometry(Geometry):
     def _pair_form(self, a: Tangent, b: Tangent | None) -> Tensor:
         """``⟨a, b⟩`` (``b = None``: ``⟨a, a⟩``) per head, widened and multiplied chunk by chunk."""
         cd = self.compute_dtype
-        if self._chunks is None:
-            aG, aH = a[0].to(cd), a[1].to(cd)
-            bG, bH = (aG, aH) if b is None else (b[0].to(cd), b[1].to(cd))
-            return self._trace_form(aG.mT @ bG, aH.mT @ bH).to(a[0].dtype)
         rows = [self._by_head(t) for t in (*a, *(a if b is None else b))]
         out = torch.empty(rows[0].shape[0], dtype=cd, device=rows[0].device)
-        for sl in self._chunks:
+        for sl in self._head_slices():
             aG, aH = rows[0][sl].to(cd), rows[1][sl].to(cd)
             bG, bH = (aG, aH) if b is None else (rows[2][sl].to(cd), rows[3][sl].to(cd))
             out[sl] = self._trace_form(aG.mT @ bG, aH.mT @ bH, sl)
         return out.reshape(self.G.shape[:-2]).to(a[0].dtype)
 
-    def _trace_form(self, XG: Tensor, XH: Tensor, sl: slice | None = None) -> Tensor:
+    def _trace_form(self, XG: Tensor, XH: Tensor, sl: slice) -> Tensor:
         """``tr(M_a XG) + tr(M_b XH)`` with the metric's pair ``(M_a, M_b)``.
 
         inv: ``(M_G⁻¹, M_H⁻¹)``; mix: ``(M_H, M_G)`` (symmetric, so each trace is an
@@ -401,11 +397,8 @@ class GLGeometry(Geometry):
 
         Exactly the metric-orthogonal projection onto the horizontal space at ``eps = 0``.
         """
-        if self._chunked_projection:
-            self._validate_tangent(xi)
-            return self._project_chunks(xi, grad=False)
-        wide = self._check_tangent(xi)
-        return self._down(*self._project_wide(wide), like=xi[0])
+        self._validate_tangent(xi)
+        return self._project_chunks(xi, grad=False)
 
     def horizontal_grad(self, egrad: Tangent) -> Tangent:
         """The horizontal projection of the Riemannian gradient (the ascent direction).
@@ -413,13 +406,8 @@ class GLGeometry(Geometry):
         ``P(g⁻¹ e)`` in one pass in :attr:`compute_dtype`: the tangent is widened once and the
         result rounded once (``project(riemannian_grad(e))`` would round in between).
         """
-        if self._chunked_projection:
-            self._validate_tangent(egrad, "egrad")
-            return self._project_chunks(egrad, grad=True)
-        eG, eH = self._check_tangent(egrad, "egrad")
-        rg = self._rg_of(eG, eH)
-        del eG, eH
-        return self._down(*self._project_wide(rg), like=egrad[0])
+        self._validate_tangent(egrad, "egrad")
+        return self._project_chunks(egrad, grad=True)
 
     def _rg_of(self, eG: Tensor, eH: Tensor, sl: slice | None = None) -> tuple[Tensor, Tensor]:
         """The Riemannian gradient of widened ``e`` (chunk ``sl``): inv ``e M``, mix ``e M⁻¹``."""
@@ -427,10 +415,9 @@ class GLGeometry(Geometry):
             return eG @ self._fac("MG", sl), eH @ self._fac("MH", sl)
         return eG @ self._fac("MH_inv", sl), eH @ self._fac("MG_inv", sl)
 
-    @property
-    def _chunked_projection(self) -> bool:
-        """Whether projections run chunk by chunk of heads (on a CPU, for many heads)."""
-        return self._chunks is not None
+    def _head_slices(self) -> list[slice]:
+        """The chunks of the flattened heads the per-step products run over (one: all)."""
+        return self._chunks if self._chunks is not None else [slice(None)]
 
     #: Per-head tensors (their leading dims are the heads'), sliced by :meth:`_chunk_view`; a
     #: subclass whose :meth:`lam` reads more of them lists those too.
@@ -466,8 +453,9 @@ class GLGeometry(Geometry):
     def _project_chunks(self, xi: Tangent, grad: bool) -> tuple[Tensor, Tensor]:
         """:meth:`project` (or, with ``grad``, :meth:`horizontal_grad`) chunk by chunk.
 
-        Each chunk of heads is widened, projected in :attr:`compute_dtype` and written into the
-        result in the tangent's dtype: the same products as one pass, head by head.
+        Each chunk of heads (all of them in one, off a CPU or for few heads) is widened,
+        projected in :attr:`compute_dtype` and written into the result in the tangent's dtype:
+        the same products as one pass, head by head.
         """
         cd = self.compute_dtype
         held = self.__dict__.get("_G_wide")
@@ -477,7 +465,7 @@ class GLGeometry(Geometry):
         outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
         outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
         oG, oH = self._by_head(outG), self._by_head(outH)
-        for sl in self._chunks:
+        for sl in self._head_slices():
             g, h = xG[sl].to(cd), xH[sl].to(cd)
             if grad:
                 g, h = self._rg_of(g, h, sl)
@@ -489,12 +477,6 @@ class GLGeometry(Geometry):
             oG[sl] = _add_mm(g, G, L)
             oH[sl] = _add_mm(h, H, L.mT, alpha=-1.0)
         return outG, outH
-
-    def _project_wide(self, xi: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """:meth:`project` of a tangent already in :attr:`compute_dtype`, left in it."""
-        with self._wide_point():
-            L = self.lam(xi)
-            return _add_mm(xi[0], self._G, L), _add_mm(xi[1], self._H, L.mT, alpha=-1.0)
 
     @contextlib.contextmanager
     def _wide_point(self) -> Iterator[None]:

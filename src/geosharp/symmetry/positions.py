@@ -78,9 +78,9 @@ class Positions:
         """
         frozen = tuple((tuple(int(s) for s in shape), p, int(off)) for shape, p, off in parts)
         dtype = torch.int32 if numel < 2**31 else torch.long
-        probe = cls(frozen, heads, head_dim, torch.Size(), dtype, torch.device("cpu"))
-        shape = probe._build().shape
-        return cls(frozen, heads, head_dim, shape, dtype, torch.device("cpu"))
+        out = cls(frozen, heads, head_dim, torch.Size(), dtype, torch.device("cpu"))
+        out.shape = out._build().shape
+        return out
 
     @classmethod
     def arange(cls, offset: int, shape: Sequence[int], numel: int) -> Positions:
