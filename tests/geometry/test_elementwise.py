@@ -140,3 +140,20 @@ def test_weights_whose_inverse_square_overflows_are_frozen_not_nan():
     assert math.isclose(float(geom.norm_sq(geom.project((xi,)))), 0.01 + 0.0025, rel_tol=1e-6)
     assert float(geom.project((xi,))[0][1]) == 0.0
     assert float(geom.riemannian_grad((xi,))[0][1]) == 0.0
+
+
+def test_ascent_direction_in_place_with_frozen_coordinates():
+    """``d = e ⊙ w²`` written into ``e`` (frozen coordinates zero) and ``‖d‖² = Σ (e w)²``."""
+    w, g = weights()
+    geom = ElementwiseGeometry((w, 2 * w))
+    e = (torch.randn(w.shape, generator=g, dtype=DT), torch.randn(w.shape, generator=g, dtype=DT))
+    ref = geom.riemannian_grad(e)
+    d, dd = geom.ascent_direction(e)  # a copy
+    buf = tuple(t.clone() for t in e)
+    d_, dd_ = geom.ascent_direction_(buf)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d_, buf, strict=True))
+    for a, b, c in zip(d, d_, ref, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-15, atol=0)
+        assert torch.equal(a, b) and float(a[1, 2]) == 0.0 and float(a[3, 0]) == 0.0
+    assert geom.orthogonal_projection and float(dd) == float(dd_)
+    assert math.isclose(float(dd), float(geom.norm_sq(d)), rel_tol=1e-13)

@@ -142,7 +142,42 @@ def test_chunked_products_equal_one_pass(metric, dtype, subgroup, monkeypatch):
         for a, b in zip(getattr(parts, name)(xi), getattr(whole, name)(xi), strict=True):
             assert a.dtype == b.dtype == dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, **tol)
+    # the ascent direction's norm, summed chunk by chunk: the same number to float64 rounding
+    (dp, np_), (dw, nw) = parts.ascent_direction(xi), whole.ascent_direction(xi)
+    assert np_.dtype == nw.dtype == torch.float64
+    torch.testing.assert_close(np_, nw, rtol=1e-12, atol=0)
+    for a, b in zip(dp, dw, strict=True):
+        torch.testing.assert_close(a, b, **tol)
     pairs = ((parts.norm_sq(xi), whole.norm_sq(xi)), (parts.inner(xi, eta), whole.inner(xi, eta)))
     for got, ref in pairs:
         assert got.shape == ref.shape == (2, 5)
         torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_ascent_direction_norm_of_float32_tangents_is_the_float64_norm(metric):
+    """On ill-conditioned blocks (cond > 1e4) the norm from ``e·d`` in float64 over float32
+    tangents is the float64 metric norm of the float64 direction, to 1e-12."""
+    G, H, g = _ill_conditioned()
+    lean = GLGeometry(G.float(), H.float(), metric=metric, eps=0.0)
+    wide = GLGeometry(G, H, metric=metric, eps=0.0)
+    e = (torch.randn(G.shape, generator=g), torch.randn(H.shape, generator=g))
+    d, dd = lean.ascent_direction(e)
+    d64 = wide.horizontal_grad(tuple(t.double() for t in e))
+    for a, b in zip(d, d64, strict=True):
+        assert torch.equal(a, b.float())
+    ref = float(wide.norm_sq(d64).sum())
+    assert dd.dtype == torch.float64 and abs(float(dd) - ref) <= 1e-12 * ref
+
+
+def test_ascent_direction_with_damping_uses_the_metric_norm():
+    """At eps > 0 the projection is not exactly metric-orthogonal: the norm is norm_sq(d)."""
+    G, H, g = _ill_conditioned()
+    geom = GLGeometry(G, H, metric="inv", eps=1e-3)
+    assert not geom.orthogonal_projection
+    e = (
+        torch.randn(G.shape, generator=g, dtype=G.dtype),
+        torch.randn(H.shape, generator=g, dtype=G.dtype),
+    )
+    d, dd = geom.ascent_direction(e)
+    assert float(dd) == float(geom.norm_sq(d).sum())

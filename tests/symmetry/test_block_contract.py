@@ -187,6 +187,27 @@ def test_horizontal_grad_is_the_projected_riemannian_gradient(c, metric):
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
+def test_ascent_direction_reads_its_norms_off_the_gradient(c, metric):
+    """At eps = 0 every projection is metric-orthogonal, so ``‖d‖² = e·d`` and ``⟨ξ, d⟩ = e·ξ``
+    for horizontal ξ (``d = P g⁻¹e``): what Auto-PGD uses instead of metric norms (float64)."""
+    from geosharp.geometry.base import euclidean_pairing
+
+    geom, point = geometry(c, metric)
+    assert geom.orthogonal_projection
+    e = rand_like(point, 11)
+    d, dd = geom.ascent_direction(e)
+    ref = geom.horizontal_grad(e)
+    scale = max(float(t.abs().max()) for t in ref)
+    assert max(float((a - b).abs().max()) for a, b in zip(d, ref, strict=True)) <= 1e-13 * scale
+    norm = inner(geom, d, d)
+    assert abs(float(dd) - norm) <= 1e-11 * abs(norm)
+    xi = geom.project(rand_like(point, 12))
+    bound = (abs(inner(geom, xi, xi)) * abs(norm)) ** 0.5
+    assert abs(float(euclidean_pairing(e, xi)) - inner(geom, xi, d)) <= 1e-10 * bound
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
 def test_metric_is_invariant_under_the_group(c, metric):
     geom, point = geometry(c, metric)
     xi, eta = rand_like(point, 11), rand_like(point, 12)

@@ -75,7 +75,7 @@ class AscentResult:
 
 
 def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
-    """``z ← a·z + 2b·ξ_k − b·ξ_{k−1}``, in place.
+    """``z ← a·z + 2b·ξ_k − b·ξ_{k−1}``, in place (the ℓ∞ step).
 
     A function of its own: its loop variables, which would keep ``ξ_{k−1}`` alive through the
     next forward and backward, die with its frame.
@@ -83,6 +83,55 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
     for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
         for t, x, p in zip(tz, tx, tp, strict=True):
             t.mul_(a).add_(x, alpha=2.0 * b).add_(p, alpha=-b)
+
+
+def _l2_step(
+    pert: Perturbation,
+    xi: Xi | None,
+    d: Xi,
+    prev: Xi | None,
+    reuse: bool,
+    coef: tuple[float, float, float],
+    rho: float,
+) -> tuple[Xi | None, float]:
+    """``P_S(α ξ_k + β d + γ ξ_{k−1})``: the momentum step and the ball, in three passes.
+
+    ``None`` is the zero perturbation (never made). ``t = ξ_k + (β/α) d`` (written into ``d``
+    when ``reuse``), ``t += (γ/α) ξ_{k−1}``, then one rescale by ``α·min(1, ρ/(α‖t‖))``: the
+    combination of horizontal vectors is horizontal, so the metric projection onto the ball is
+    that radial rescale. A function of its own, so that its loop variables die with its frame.
+
+    Returns:
+        The new iterate and its squared norm.
+    """
+    alpha, beta, gamma = coef
+    if xi is not None:
+        t = [
+            tuple(
+                torch.add(x, v, alpha=beta / alpha, out=v if reuse else None)
+                for x, v in zip(tx, tv, strict=True)
+            )
+            for tx, tv in zip(xi, d, strict=True)
+        ]
+        s = alpha
+    elif beta != 0.0:
+        t = d if reuse else [tuple(v.clone() for v in tv) for tv in d]
+        s = beta
+    elif prev is not None:
+        t, s, prev = [tuple(v.clone() for v in tv) for tv in prev], gamma, None
+    else:
+        return None, 0.0
+    if prev is not None:
+        for tt, tp in zip(t, prev, strict=True):
+            for u, v in zip(tt, tp, strict=True):
+                u.add_(v, alpha=gamma / s)
+    n = abs(s) * pert.norm(t)
+    factor = s * (rho / n if n > rho else 1.0)
+    if factor != 1.0:
+        for tt in t:
+            for u in tt:
+                u.mul_(factor)
+    return t, min(n, rho) ** 2
 
 
 def autopgd(
@@ -93,7 +142,7 @@ def autopgd(
     xi0: Xi | None,
     norm: str = "l2",
     start: tuple[float, Xi | None] | list | None = None,
-    keep_best_direction: bool = True,
+    keep_best_direction: bool | None = None,
 ) -> AscentResult:
     """Maximize ``loss(ξ)`` over the ball ``‖ξ‖ ≤ ρ`` (or the ℓ∞ box) with Auto-PGD.
 
@@ -103,80 +152,89 @@ def autopgd(
             forward (and one backward when ``need_grad``) of the model.
         rho: Radius.
         steps: Number of iterations ``N`` (gradient evaluations).
-        xi0: Starting point (inside the ball); ``None`` for ``ξ = 0``, made here (a caller
-            that passed a zero perturbation would hold it through the whole ascent, while
-            Auto-PGD needs it only until its second step).
+        xi0: Starting point (inside the ball); ``None`` for ``ξ = 0``, which (ℓ2) is never
+            made: while the start is ``ξ_{k−1}`` or the best iterate it costs no buffer (a
+            caller that passed a zero perturbation would hold it through the whole ascent).
         norm: ``"l2"`` (metric ball, normalized Riemannian-gradient steps) or ``"linf"`` (box,
             sign steps).
         start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
             the caller holds no reference to the gradient, which becomes the first direction.
-        keep_best_direction: Keep the ascent direction of the best iterate for restarts (one
-            ξ-sized buffer). ``False`` trades it for time: a restart from a best iterate older
-            than the current one recomputes its gradient (one extra forward and backward,
-            counted by ``loss``); the iterates are the same.
+        keep_best_direction: Whether to keep the ascent direction of the best iterate for
+            restarts. ``None`` (default): while it costs no buffer, i.e. while the best
+            iterate is the current one, ``ξ_{k−1}`` or the zero start (whose buffers are held
+            anyway); once the best iterate is older it is dropped, and a restart from it
+            recomputes its gradient (one extra forward and backward, counted by ``loss``).
+            ``True``: always (one ξ-sized buffer more whenever the best iterate is older).
+            ``False``: never. The iterates are the same in every case.
 
     Returns:
         An :class:`AscentResult`.
     """
     eta = 2.0 * rho
-    if xi0 is None:
+    l2 = norm == "l2"
+    if xi0 is None and not l2:
         xi0 = pert.zeros()
     xi, xi_prev = xi0, xi0
     del xi0  # held as the first ξ_{k−1} and best iterate only: freed once both move on
-    value, egrad = start if start is not None else loss(xi, True)
+    xi_nsq = 0.0 if xi is None or not l2 else float(pert.norm_sq(xi))
+    if start is not None:
+        value, egrad = start
+    else:
+        value, egrad = loss(xi if xi is not None else pert.zeros(), True)
     if isinstance(start, list):
         start.clear()  # the caller's gradient lives on only as `direction` (computed in place)
-    # The ascent direction at the current iterate: the Riemannian gradient (ℓ2) or the Euclidean
-    # gradient whose signs are taken (ℓ∞). Stored with the best iterate for restarts.
-    direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
+    # The ascent direction at the current iterate: the Riemannian gradient (ℓ2, with ‖d‖² and
+    # ⟨ξ, d⟩) or the Euclidean gradient whose signs are taken (ℓ∞).
+    direction, dd, xd = _direction(pert, egrad, xi, l2)
+    egrad = None
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
-    best_direction = direction if keep_best_direction else None
+    best_xi, best_nsq = xi, xi_nsq
+    keep = keep_best_direction
+    best_direction = direction if keep is not False else None
+    best_dd, best_xd = dd, xd
     cps = set(checkpoints(steps))
     n_improved, last_cp, eta_at_cp, best_at_cp = 0, 0, eta, value
     a, b = MOMENTUM, 1.0 - MOMENTUM
     for i in range(steps):
         # ξ_{k+1} = P(ξ_k + α(z − ξ_k) + (1−α)(ξ_k − ξ_{k−1})) = P(α z + 2(1−α) ξ_k − (1−α) ξ_{k−1})
-        # with z = P(ξ_k + η d_k); computed in place on fresh tensors (few full-size passes).
-        # ξ_k, ξ_{k−1} and the projected direction d_k are horizontal, so every combination is:
-        # the horizontal part of P is the identity here and only the radial rescale remains.
-        if norm == "l2":
-            rn = pert.norm(direction)
-            if not math.isfinite(rn):
+        # with z = P(ξ_k + η d_k). ξ_k, ξ_{k−1} and the projected direction d_k are horizontal,
+        # so every combination is: P is a radial rescale, of z by c = min(1, ρ/‖z‖) with
+        # ‖z‖² = ‖ξ_k‖² + 2s⟨ξ_k, d_k⟩ + s²‖d_k‖² (no z is formed), then of the new iterate.
+        if l2:
+            if not math.isfinite(dd):
                 raise FloatingPointError(
-                    f"the norm of the ascent direction is {rn}: the gradient or the metric is "
-                    "not finite (a symmetry block near-singular at eps=0? try eps > 0)"
+                    f"the squared norm of the ascent direction is {dd}: the gradient or the "
+                    "metric is not finite (a symmetry block near-singular at eps=0? try eps > 0)"
                 )
+            rn = math.sqrt(max(dd, 0.0))
             scale = eta / rn if rn > 0 else 0.0
-            reuse = direction is not best_direction
-            z = [
-                tuple(
-                    torch.add(x, d, alpha=scale, out=d) if reuse else torch.add(x, d, alpha=scale)
-                    for x, d in zip(tx, td, strict=True)
-                )
-                for tx, td in zip(xi, direction, strict=True)
-            ]
-            # P(z) = c·z with c = min(1, ρ/‖z‖): folded into the momentum's factor on z (one
-            # pass over ξ fewer; the same point up to float rounding)
-            nz = pert.norm(z)
+            nz = math.sqrt(max(xi_nsq + 2.0 * scale * xd + scale * scale * dd, 0.0))
             c = rho / nz if nz > rho else 1.0
+            reuse = direction is not best_direction
+            coef = (a * c + 2.0 * b, a * c * scale, -b)
+            new, xi_nsq = _l2_step(pert, xi, direction, xi_prev, reuse, coef, rho)
         else:
             step = pert.sign_direction(direction)
             z = pert.box(Perturbation.combine(xi, step, 1.0, eta), rho)
-            c = 1.0
-        _momentum_(z, xi, xi_prev, a * c, b)
-        new = pert.ball(z, rho, inplace=True, project=False) if norm == "l2" else pert.box(z, rho)
+            _momentum_(z, xi, xi_prev, a, b)
+            new = pert.box(z, rho)
+            z = step = None
         res.step_sizes.append(eta)
         xi_prev, xi = xi, new
+        if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):
+            best_direction = None  # the best iterate is older: its direction would cost a buffer
         # the old direction is not needed any more (unless it is the best iterate's): drop it
         # before the forward and backward, which then reuse its memory
-        direction = z = new = egrad = None
-        value, egrad = loss(xi, i < steps - 1)
+        direction = new = None
+        value, egrad = loss(xi if xi is not None else pert.zeros(), i < steps - 1)
         if egrad is not None:
-            direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
+            direction, dd, xd = _direction(pert, egrad, xi, l2)
+            egrad = None
         res.trace.append(value)
         if value > res.best_loss:
-            res.best_loss, res.best_xi = value, xi
-            best_direction = direction if keep_best_direction else None
+            res.best_loss, best_xi, best_nsq = value, xi, xi_nsq
+            best_direction = direction if keep is not False else None
+            best_dd, best_xd = dd, xd
             n_improved += 1
         if i in cps:
             too_few = n_improved < MIN_UPDATE_RATIO * (i - last_cp)
@@ -184,13 +242,23 @@ def autopgd(
             eta_at_cp, best_at_cp, last_cp, n_improved = eta, res.best_loss, i, 0
             if too_few or stalled:
                 eta /= 2.0
-                if keep_best_direction:
-                    direction = best_direction
-                elif res.best_xi is not xi and i < steps - 1:  # recompute its direction
-                    direction = egrad = None  # (egrad is the current direction's buffer)
-                    _, egrad = loss(res.best_xi, True)
-                    direction = pert.riemannian_grad(egrad, inplace=True) if norm == "l2" else egrad
+                if best_direction is not None:
+                    direction, dd, xd = best_direction, best_dd, best_xd
+                elif best_xi is not xi and i < steps - 1:  # recompute its direction
+                    direction = None
+                    _, egrad = loss(best_xi if best_xi is not None else pert.zeros(), True)
+                    direction, dd, xd = _direction(pert, egrad, best_xi, l2)
                     egrad = None
-                xi = res.best_xi
+                    if keep is None:  # the best iterate is the current one again
+                        best_direction, best_dd, best_xd = direction, dd, xd
+                xi, xi_nsq = best_xi, best_nsq
                 res.restarts.append(i)
+    res.best_xi = best_xi if best_xi is not None else pert.zeros()
     return res
+
+
+def _direction(pert: Perturbation, egrad: Xi, xi: Xi | None, l2: bool) -> tuple[Xi, float, float]:
+    """The ascent direction from ``egrad`` (written in place), with ``‖d‖²`` and ``⟨ξ, d⟩``."""
+    if l2:
+        return pert.ascent_direction(egrad, xi, inplace=True)
+    return egrad, 0.0, 0.0

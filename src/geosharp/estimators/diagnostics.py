@@ -578,13 +578,14 @@ def ascent_diagnostics(
                 clean, grad = f(pert.zeros(), True)
             cut, grad = reached.restrict(grad)
             fc = f if cut is pert else _objective(model, loss_fn, cut, inputs, targets)
-            zero = cut.zeros()
-            res = autopgd(cut, fc, rho, steps, zero, "l2", (clean, grad))
+            start, grad = [clean, grad], None  # emptied by autopgd: no reference held here
+            res = autopgd(cut, fc, rho, steps, None, "l2", start)
             best = max(res.best_loss, clean)
-            xi = res.best_xi if res.best_loss > clean else zero
+            xi = res.best_xi if res.best_loss > clean else cut.zeros()
             split = budget_split(cut, xi)
             disp = order2_displacement(cut, xi)
             rows.append({"value": best - clean, "budget": split, **disp})
+            res = xi = None  # not alive through the next batch's ascent
     if not rows:
         raise ValueError("batches is empty")
     cats = list(rows[0]["budget"])

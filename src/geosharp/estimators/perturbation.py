@@ -36,7 +36,7 @@ from geosharp.geometry import (
     Geometry,
     GLGeometry,
 )
-from geosharp.geometry.base import Tangent
+from geosharp.geometry.base import Tangent, euclidean_pairing
 from geosharp.geometry.elementwise import draw_like
 from geosharp.symmetry import ParameterSpace
 
@@ -246,6 +246,46 @@ class Perturbation:
             else:
                 out.append(g.horizontal_grad(e))
         return out
+
+    def ascent_direction(
+        self, egrad: Xi, xi: Xi | None = None, inplace: bool = False
+    ) -> tuple[Xi, float, float]:
+        """The ascent direction ``d`` (:meth:`riemannian_grad`) with ``‖d‖²`` and ``⟨ξ, d⟩``.
+
+        Wherever a piece's projection is metric-orthogonal
+        (:attr:`~geosharp.geometry.Geometry.orthogonal_projection`) both numbers are Euclidean
+        pairings with the gradient: ``⟨d, d⟩ = e·d`` and, ``ξ`` being horizontal,
+        ``⟨ξ, d⟩ = ⟨ξ, g⁻¹e⟩ = e·ξ`` (one pass each, no metric products). Other pieces use
+        their metric. Auto-PGD needs both for ``‖ξ + s·d‖`` without forming ``ξ + s·d``.
+
+        Args:
+            egrad: ``∂L/∂ξ`` at ``ξ``.
+            xi: The iterate (horizontal), or ``None`` for ``ξ = 0``.
+            inplace: Let the element-wise pieces of ``egrad`` be overwritten (as in
+                :meth:`riemannian_grad`).
+
+        Returns:
+            ``(d, ‖d‖², ⟨ξ, d⟩)``, the two numbers as floats.
+        """
+        out: Xi = []
+        dd = xd = 0.0
+        xs = xi if xi is not None else [None] * len(self.pieces)
+        for p, e, x in zip(self.pieces, egrad, xs, strict=True):
+            g = p.norm_geometry
+            exact = g.orthogonal_projection
+            if x is not None and exact:  # before an in-place direction overwrites e
+                xd += float(euclidean_pairing(e, x))
+            if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
+                d, n = g.ascent_direction_(tuple(e))
+            elif isinstance(g, EuclideanGeometry):
+                d, n = tuple(e), euclidean_pairing(e, e)
+            else:
+                d, n = g.ascent_direction(e)
+            if x is not None and not exact:
+                xd += float(g.inner(x, d).sum())
+            out.append(tuple(d))
+            dd += float(n)
+        return out, dd, xd
 
     def ball(self, xi: Xi, rho: float, inplace: bool = False, project: bool = True) -> Xi:
         """``P_S``: horizontal projection, then radial rescale into ``‖ξ‖ ≤ ρ`` (SPEC §6 step 4).

@@ -288,14 +288,14 @@ def sharpness(
         cache: Reuse the symmetry search and the factorized geometry of the previous call on
             the same model with unchanged weights (:mod:`geosharp.estimators.cache`): several
             radii or measures of one model pay the set-up once. ``False``: build afresh.
-        low_memory: Trade time and precision for memory. (1) Auto-PGD keeps no ascent
-            direction for restarts and recomputes it when it restarts from a best iterate older
-            than the current one (one extra forward and backward each time; the same
-            iterates): one ξ-sized buffer less. (2) The symmetry blocks' geometry runs its
+        low_memory: Trade precision for memory: the symmetry blocks' geometry runs its
             per-step products in the model's dtype instead of float64 (the factorizations
-            stay float64; tangents are kept in the model's dtype either way): faster, no
-            float64 temporaries, with float32 roundoff in the projection (values agree with
-            the default to about 1e-5 relative in float32; exactly in float64). See
+            stay float64; tangents are kept in the model's dtype either way): no float64
+            temporaries, with float32 roundoff in the projection (values agree with the
+            default to about 1e-5 relative in float32; exactly in float64). Auto-PGD holds
+            three ξ-sized buffers either way: it keeps the best iterate's direction for
+            restarts only while that costs no buffer, and recomputes it otherwise (one extra
+            forward and backward per such restart; the same iterates). See
             ``benchmarks/README.md``.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
@@ -456,7 +456,7 @@ def sharpness(
                         cut, grad0 = rows.restrict(clean_grad)
                         start, clean_grad, grad0 = [clean_loss, grad0], None, None
                         fc = f if cut is pert else f.on(cut)
-                        res = autopgd(cut, fc, rho, steps, None, norm, start, not low_memory)
+                        res = autopgd(cut, fc, rho, steps, None, norm, start)
                         del cut, fc
                     else:
                         res = autopgd(
@@ -466,10 +466,10 @@ def sharpness(
                             steps,
                             _random_start(pert, gen, rho, norm),
                             norm,
-                            keep_best_direction=not low_memory,
                         )
                     if res.best_loss > best:
                         best, trace = res.best_loss, res.trace
+                    res = None  # its best iterate would live on through the next ascent
                 best = max(best, clean_loss)
                 traces.append(trace)
             clean.append(clean_loss)

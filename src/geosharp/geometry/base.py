@@ -17,6 +17,7 @@ one value per batch element, so the squared norm of a perturbation spread over m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +43,10 @@ class Geometry(ABC):
     point: Point
     #: ``True`` when the quotient is a single point (every direction is a symmetry).
     is_trivial: bool = False
+    #: ``True`` when :meth:`horizontal_grad` is exactly the metric-orthogonal projection of the
+    #: Riemannian gradient. Then ``⟨P g⁻¹e, v⟩ = e·v`` for every horizontal ``v``, and
+    #: :meth:`ascent_direction` reads norms off Euclidean pairings with ``e``.
+    orthogonal_projection: bool = False
 
     # -- metric ---------------------------------------------------------------------------
     @abstractmethod
@@ -67,6 +72,18 @@ class Geometry(ABC):
         Geometries that can do both in one pass (no rounding in between) override it.
         """
         return self.project(self.riemannian_grad(egrad))
+
+    def ascent_direction(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
+        """The ascent direction ``d = P(g⁻¹ e)`` and its squared norm ``⟨d, d⟩`` (0-dim).
+
+        With a metric-orthogonal projection (:attr:`orthogonal_projection`) the norm is a
+        Euclidean pairing, ``⟨d, d⟩ = ⟨g⁻¹e, P g⁻¹e⟩ = e·d``: one pass over ``e`` and ``d``
+        instead of the metric's products. Otherwise it is :meth:`norm_sq` of ``d``.
+        """
+        d = self.horizontal_grad(egrad)
+        if self.orthogonal_projection:
+            return d, euclidean_pairing(egrad, d)
+        return d, self.norm_sq(d).sum()
 
     # -- geodesics --------------------------------------------------------------------------
     @abstractmethod
@@ -164,3 +181,19 @@ class Geometry(ABC):
     def zeros(self) -> Tangent:
         """The zero tangent vector, in :attr:`tangent_dtype`."""
         return tuple(torch.zeros_like(p, dtype=self.tangent_dtype) for p in self.point)
+
+
+def euclidean_pairing(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """``Σ a·b`` over the components of two tangents, as a 0-dim float64 tensor.
+
+    The Euclidean pairing of a gradient with a tangent: with a metric-orthogonal projection it
+    is the metric inner product of the Riemannian gradient with any horizontal vector
+    (:meth:`Geometry.ascent_direction`). One dot product per component, in its dtype.
+    """
+    total = None
+    for x, y in zip(a, b, strict=True):
+        v = torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(torch.float64)
+        total = v if total is None else total + v
+    if total is None:
+        return torch.zeros((), dtype=torch.float64)
+    return total

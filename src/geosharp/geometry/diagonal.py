@@ -258,6 +258,11 @@ class DiagonalGeometry(Geometry):
         xu, xv = self._check_tangent(xi)
         return self.u * xu / self.m_g - self.v * xv / self.m_h
 
+    @property
+    def orthogonal_projection(self) -> bool:
+        """The projection is metric-orthogonal exactly at ``eps = 0`` (see :meth:`project`)."""
+        return self.eps == 0.0
+
     def project(self, xi: Tangent) -> Tangent:
         r"""Horizontal projection ``P(ξ) = (ξ_u + uΛ, ξ_v − vΛ)`` (SPEC §4 with ``h = 1``).
 

@@ -83,6 +83,9 @@ class ElementwiseGeometry(Geometry):
         TypeError: If a component is not a floating tensor.
     """
 
+    #: No vertical space: the projection (zeroing frozen coordinates) is metric-orthogonal.
+    orthogonal_projection = True
+
     def __init__(self, w: Tensor | Sequence[Tensor], name: str = "tensor") -> None:
         parts = (w,) if isinstance(w, Tensor) else tuple(w)
         if not parts:
@@ -203,6 +206,29 @@ class ElementwiseGeometry(Geometry):
             return egrad.mul_(self.w2)
         return tuple(e.mul_(self._w2(k)) for k, e in enumerate(egrad))
 
+    def ascent_direction_(self, egrad: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
+        """:meth:`ascent_direction` written into ``egrad``: ``d = e ⊙ w²`` and ``Σ (e w)²``.
+
+        Per component one temporary ``t = e ⊙ w`` (frozen coordinates zeroed): ``⟨d, d⟩ = t·t``
+        and ``d = t ⊙ w`` (three passes, as ``e ⊙ w²`` and a norm of ``d`` took four).
+        """
+        total = None
+        out = []
+        for k, e in enumerate(egrad):
+            w = self.point[k]
+            t = self._zero_frozen_(e * w, k)
+            v = torch.dot(t.reshape(-1), t.reshape(-1))
+            total = v if total is None else total + v
+            out.append(torch.mul(t, w, out=e))
+            del t
+        assert total is not None
+        return tuple(out), total.to(torch.float64)
+
+    def ascent_direction(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
+        """``d = e ⊙ w²`` (zero on frozen coordinates) and ``⟨d, d⟩ = Σ e² w²``."""
+        e = self._check(egrad, "egrad")
+        return self.ascent_direction_(tuple(t.clone() for t in e))
+
     def _w2(self, k: int) -> Tensor:
         """``w²`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
         return self._zero_frozen_(self.point[k].square(), k)
@@ -291,6 +317,9 @@ class EuclideanGeometry(Geometry):
             a product, as for :class:`ElementwiseGeometry`).
         name: Name used in error messages.
     """
+
+    #: No vertical space: the projection is the identity.
+    orthogonal_projection = True
 
     def __init__(self, w: Tensor | Sequence[Tensor], name: str = "tensor") -> None:
         parts = (w,) if isinstance(w, Tensor) else tuple(w)

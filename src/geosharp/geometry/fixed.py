@@ -35,6 +35,8 @@ class FixedGeometry(Geometry):
 
     #: The quotient is a point: nothing here can carry perturbation budget.
     is_trivial = True
+    #: Every direction is vertical: the projection (to zero) is trivially orthogonal.
+    orthogonal_projection = True
 
     def __init__(self, point: Point, name: str = "fixed coordinates") -> None:
         for i, p in enumerate(point):

@@ -409,6 +409,26 @@ class GLGeometry(Geometry):
         self._validate_tangent(egrad, "egrad")
         return self._project_chunks(egrad, grad=True)
 
+    @property
+    def orthogonal_projection(self) -> bool:
+        """The projection is metric-orthogonal exactly at ``eps = 0`` (see :meth:`project`)."""
+        return self.eps == 0.0
+
+    def ascent_direction(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
+        """:meth:`horizontal_grad` and its squared norm, in the same pass over the heads.
+
+        At ``eps = 0`` the norm is ``e·d`` summed in :attr:`compute_dtype` on each chunk's
+        widened ``e`` and unrounded ``d`` (no Gram matrices; see
+        :meth:`~geosharp.geometry.Geometry.ascent_direction`); otherwise :meth:`norm_sq`.
+        """
+        self._validate_tangent(egrad, "egrad")
+        if not self.orthogonal_projection:
+            d = self._project_chunks(egrad, grad=True)
+            return d, self._pair_form(d, None).sum()
+        total = torch.zeros((), dtype=self.compute_dtype, device=egrad[0].device)
+        d = self._project_chunks(egrad, grad=True, pairing=total)
+        return d, total.to(torch.float64)
+
     def _rg_of(self, eG: Tensor, eH: Tensor, sl: slice | None = None) -> tuple[Tensor, Tensor]:
         """The Riemannian gradient of widened ``e`` (chunk ``sl``): inv ``e M``, mix ``e M⁻¹``."""
         if self.metric == "inv":
@@ -450,12 +470,15 @@ class GLGeometry(Geometry):
         d["_chunks"] = None
         return view
 
-    def _project_chunks(self, xi: Tangent, grad: bool) -> tuple[Tensor, Tensor]:
+    def _project_chunks(
+        self, xi: Tangent, grad: bool, pairing: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """:meth:`project` (or, with ``grad``, :meth:`horizontal_grad`) chunk by chunk.
 
         Each chunk of heads (all of them in one, off a CPU or for few heads) is widened,
         projected in :attr:`compute_dtype` and written into the result in the tangent's dtype:
-        the same products as one pass, head by head.
+        the same products as one pass, head by head. ``pairing`` (a 0-dim tensor) accumulates
+        ``xi·result`` of the unrounded chunks.
         """
         cd = self.compute_dtype
         held = self.__dict__.get("_G_wide")
@@ -466,16 +489,18 @@ class GLGeometry(Geometry):
         outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
         oG, oH = self._by_head(outG), self._by_head(outH)
         for sl in self._head_slices():
-            g, h = xG[sl].to(cd), xH[sl].to(cd)
-            if grad:
-                g, h = self._rg_of(g, h, sl)
+            eG, eH = xG[sl].to(cd), xH[sl].to(cd)
+            g, h = self._rg_of(eG, eH, sl) if grad else (eG, eH)
             G, H = Gs[sl].to(cd), Hs[sl].to(cd)
             if type(self).lam is GLGeometry.lam:
                 L = self._lam_of(g, h, G, H, sl)
             else:  # a subgroup's Λ, on the chunk's own factors
                 L = self._chunk_view(sl, G, H).lam((g, h))
-            oG[sl] = _add_mm(g, G, L)
-            oH[sl] = _add_mm(h, H, L.mT, alpha=-1.0)
+            pG, pH = _add_mm(g, G, L), _add_mm(h, H, L.mT, alpha=-1.0)
+            if pairing is not None:
+                pairing += torch.dot(eG.reshape(-1), pG.reshape(-1))
+                pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
+            oG[sl], oH[sl] = pG, pH
         return outG, outH
 
     @contextlib.contextmanager
