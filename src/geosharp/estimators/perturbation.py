@@ -159,7 +159,8 @@ class Perturbation:
             self._assembly = _Assembly(space, self.pieces, 0, self._layout, device)
             return
         flat = space.flatten(params).detach() if space.blocks else None  # transient
-        for blocks in _group_blocks(space):
+        groups = _group_blocks(space)
+        for blocks in groups:
             cls = type(blocks[0])
             index = tuple(i.to(device) for i in cls.batch(blocks))
             point = tuple(flat[i] for i in index)
@@ -203,7 +204,9 @@ class Perturbation:
                 f"the symmetry blocks and the rest cover {covered} coordinates of "
                 f"{space.numel()}: the ParameterSpace is inconsistent"
             )
-        self._assembly = _Assembly(space, self.pieces, self._rest_piece, self._layout, device)
+        self._assembly = _Assembly(
+            space, self.pieces, self._rest_piece, self._layout, device, groups
+        )
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
@@ -522,8 +525,7 @@ class Perturbation:
             elif type(g) in (ElementwiseGeometry, EuclideanGeometry) and p.order == 1:
                 continue
             return False
-        asm = self._assembly
-        return asm.index.numel() == sum(asm.gathered_sizes)
+        return True
 
     @property
     def rest_index(self) -> int | None:

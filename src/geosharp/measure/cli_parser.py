@@ -137,11 +137,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--low-memory",
         action="store_true",
-        help="trade time and float32 precision for memory (gs.sharpness(low_memory=True)): "
-        "Auto-PGD keeps no direction for restarts (recomputed when needed: a few extra "
-        "forward+backward passes, the same iterates) and the symmetry blocks' geometry runs "
-        "its products in the model's dtype instead of float64 (values move by ~1e-5 relative "
-        "in float32): about one parameter-sized buffer less (benchmarks/README.md)",
+        help="trade float32 precision for memory (gs.sharpness(low_memory=True)): the "
+        "symmetry blocks' geometry runs its products in the model's dtype instead of float64 "
+        "(values move by ~1e-5 relative in float32): no float64 temporaries "
+        "(benchmarks/README.md)",
     )
     m.add_argument(
         "--iters",

@@ -79,6 +79,9 @@ class SymmetryBlock(ABC):
     module: str
     #: Names of the dataclass fields holding the index tensors, in factor order.
     index_fields: ClassVar[tuple[str, ...]] = ()
+    #: Whether :meth:`batch` flattens each block's positions before concatenating them
+    #: (instead of concatenating along the head axis).
+    batch_flat: ClassVar[bool] = False
 
     # -- coordinates ------------------------------------------------------------------------
     @property
@@ -571,6 +574,7 @@ class TranslationBlock(SymmetryBlock):
 
     index_fields: ClassVar[tuple[str, ...]] = ("index",)
     family: ClassVar[str] = "key-bias translations (held fixed)"
+    batch_flat: ClassVar[bool] = True
 
     @property
     def count(self) -> int:

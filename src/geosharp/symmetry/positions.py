@@ -89,6 +89,15 @@ class Positions:
         shape = torch.Size(int(s) for s in shape)
         return cls(((tuple(shape), None, int(offset)),), 0, 0, shape, dtype, torch.device("cpu"))
 
+    @property
+    def recipe(self) -> tuple[tuple[tuple[tuple[int, ...], ParamSlice | None, int], ...], int, int]:
+        """``(parts, heads, head_dim)``: per part ``(parameter shape, slice, offset in θ)``.
+
+        A whole parameter (:meth:`arange`) is one part with slice ``None``; the parts of
+        :meth:`slices` are stacked along dimension 1, in order.
+        """
+        return self._parts, self._heads, self._head_dim
+
     # -- building ---------------------------------------------------------------------------
     def _build(self) -> Tensor:
         if len(self._parts) == 1 and self._parts[0][1] is None:  # a whole parameter

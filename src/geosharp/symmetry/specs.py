@@ -39,6 +39,7 @@ __all__ = [
     "TranslationSpec",
     "declare_block",
     "slice_positions",
+    "slice_view",
 ]
 
 
@@ -268,6 +269,56 @@ def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_di
     sliced = local.index_select(axis, along).movedim(axis, -1).reshape(-1, length)
     rows = sliced.shape[0]
     return sliced.reshape(rows, heads, k, head_dim).permute(1, 2, 0, 3).reshape(heads, -1, head_dim)
+
+
+def slice_view(t: Tensor, piece: ParamSlice, heads: int, head_dim: int) -> Tensor | None:
+    """The values of ``t`` arranged as :func:`slice_positions` arranges positions, as a view.
+
+    ``slice_positions(shape, …)`` is the flat position of every entry of
+    ``slice_view(arange(numel).view(shape), …).reshape(heads, -1, head_dim)``; the view is kept
+    unflattened, ``(*heads, k, *rows, head_dim)`` (the heads as one axis, or as two when a
+    unit of the parameter holds several of them; ``k`` heads per block; ``rows`` the other
+    axes of ``t``), so that writing into it writes into ``t`` (a perturbation's assembly) and
+    reading it reads ``t`` (a gradient laid out as blocks) with no position tensor at all.
+
+    Args:
+        t: A tensor shaped like the parameter.
+        piece: The slice.
+        heads: Number ``B`` of blocks.
+        head_dim: Group dimension ``h``.
+
+    Returns:
+        The view, or ``None`` when the arrangement is not one (several selected parts of a
+        unit that do not split into whole blocks): such a slice needs its positions.
+    """
+    ndim = t.dim()
+    axis = piece.axis % ndim
+    start = 0 if piece.start is None else piece.start
+    stop = t.shape[axis] if piece.stop is None else piece.stop
+    x = t.narrow(axis, start, stop - start)
+    if piece.parts != 1 or piece.part != 0:
+        p0, p1 = piece.part_range
+        x = x.unflatten(axis, (-1, piece.parts, head_dim)).narrow(axis + 1, p0, p1 - p0)
+        units, sel = x.shape[axis], p1 - p0
+    else:
+        x = x.unflatten(axis, (-1, 1, head_dim))
+        units, sel = x.shape[axis], 1
+    # the selected (unit, part) pairs, in order, are the heads × k of the blocks
+    if (units * sel) % heads:
+        return None
+    k = units * sel // heads
+    if sel == 1:
+        x = x.squeeze(axis + 1).unflatten(axis, (heads, k))
+        lead = 2
+    elif sel % k == 0 and units * (sel // k) == heads:  # a unit holds several blocks
+        x = x.unflatten(axis + 1, (sel // k, k))
+        lead = 3
+    elif k % sel == 0 and units == heads * (k // sel):  # a block spans several units
+        x = x.unflatten(axis, (heads, k // sel))
+        lead = 3
+    else:
+        return None
+    return x.movedim(tuple(range(axis, axis + lead + 1)), (*range(lead), ndim + lead - 1))
 
 
 def _as_slice(piece: ParamSlice | tuple) -> ParamSlice:

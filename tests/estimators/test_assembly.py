@@ -1,0 +1,110 @@
+"""The perturbed parameters built through views of the blocks' layouts, on every architecture.
+
+:class:`~geosharp.estimators.assembly._Assembly` writes the symmetry pieces into the Q/K/V/O
+parameters through :func:`~geosharp.symmetry.specs.slice_view` (no position tensor held) when
+the blocks' positions are recipes it can view, and falls back to a gather index otherwise. Both
+must give the same parameters, the same gradients and the same pull-back, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import geosharp as gs
+from geosharp.estimators.assembly import _Assembly
+from geosharp.estimators.perturbation import Perturbation
+from geosharp.symmetry import GLBlock, ParameterSpace
+from geosharp.symmetry.specs import ParamSlice, slice_positions, slice_view
+
+from ..symmetry.cases import CASE_IDS, CASES
+from ..symmetry.test_architectures import CASES as ARCH
+
+MODELS = {**dict(zip(CASE_IDS, CASES, strict=True)), **ARCH}
+
+
+def _perturbation(model):
+    space = gs.find_symmetries(model)
+    base = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return space, Perturbation(space, base, measure="geodesic", metric="inv", eps=1e-6)
+
+
+def _random(parts, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in x) for x in parts]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_views_and_index_build_the_same_parameters(name):
+    model = MODELS[name]().build()
+    space, pert = _perturbation(model)
+    asm = pert._assembly
+    ref = _Assembly(space, pert.pieces, pert.rest_index, pert._layout, torch.device("cpu"))
+    assert ref.plan is None and (ref.index is not None or not ref.gathered)
+    if asm.gathered:  # every layout found is a view: no index held
+        assert asm.plan is not None and asm.index is None, name
+    moved = pert._moved(_random(pert.zeros(), 1))
+    leaves = [tuple(t.requires_grad_(True) for t in x) for x in moved]
+    a, b = asm(leaves), ref(leaves)
+    assert list(a) == list(b) == list(space.param_names)
+    weights = _random([tuple(b.values())], 2)[0]
+    grads = []
+    for out in (a, b):
+        assert all(torch.equal(out[n], b[n]) for n in out)
+        total = sum((w * t).sum() for w, t in zip(weights, out.values(), strict=True))
+        flat = [t for x in leaves for t in x]
+        grads.append(torch.autograd.grad(total, flat, allow_unused=True))
+    for ga, gb in zip(*grads, strict=True):
+        assert (ga is None) == (gb is None)
+        assert ga is None or torch.equal(ga, gb)
+    pa, pb = asm.pull_back(pert.pieces, weights), ref.pull_back(pert.pieces, weights)
+    for xa, xb in zip(pa, pb, strict=True):
+        assert all(torch.equal(s, t) for s, t in zip(xa, xb, strict=True))
+
+
+def test_hand_made_positions_keep_the_gather_index():
+    """A block built from plain position tensors (no recipe) is assembled by the index."""
+    g = torch.arange(24).view(2, 6, 2)
+    h = torch.arange(24, 44).view(2, 5, 2)
+    space = ParameterSpace(
+        ("theta",), (torch.Size([50]),), (0,), [GLBlock("blk", "QK", "", 2, 2, g, h)]
+    )
+    theta = torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pert = Perturbation(space, theta)
+    assert pert._assembly.plan is None and pert._assembly.index is not None
+    xi = _random(pert.zeros(), 3)
+    moved = pert.pieces[0].geometry.geodesic(xi[0])
+    out = pert.endpoint(xi)
+    assert torch.equal(out[g.reshape(-1)], moved[0].reshape(-1))
+    assert torch.equal(out[h.reshape(-1)], moved[1].reshape(-1))
+
+
+@pytest.mark.parametrize(
+    ("shape", "piece", "heads", "head_dim"),
+    [
+        ((12, 5), ParamSlice("w", 0), 2, 2),
+        ((12,), ParamSlice("b", 0), 3, 2),
+        ((5, 12), ParamSlice("w", 1), 2, 2),
+        ((36, 5), ParamSlice("w", 0, 12, 24), 3, 2),
+        ((24, 5), ParamSlice("w", 0, parts=2, part=1), 2, 2),
+        ((3, 12, 4), ParamSlice("w", 1), 2, 2),
+        ((48, 5), ParamSlice("w", 0, parts=3, part=(0, 2)), 16, 2),  # two heads per unit
+        ((48, 5), ParamSlice("w", 0, parts=4, part=(0, 2)), 3, 2),  # two units per block
+    ],
+)
+def test_slice_view_arranges_values_as_slice_positions(shape, piece, heads, head_dim):
+    t = torch.arange(torch.Size(shape).numel()).view(shape)
+    v = slice_view(t, piece, heads, head_dim)
+    assert v is not None  # a view: writing into it writes into t
+    assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert torch.equal(
+        v.reshape(heads, -1, head_dim), slice_positions(shape, piece, heads, head_dim)
+    )
+
+
+def test_slice_view_declines_parts_that_do_not_split_into_blocks():
+    """Two selected parts per unit, three per block: blocks cut units in half, no view."""
+    t = torch.arange(18 * 5).view(18, 5)
+    piece = ParamSlice("w", 0, parts=3, part=(0, 2))
+    assert slice_positions((18, 5), piece, 2, 2).shape == (2, 15, 2)
+    assert slice_view(t, piece, 2, 2) is None
