@@ -74,3 +74,34 @@ def test_model_without_symmetries():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).to(DT)
     _same_params_and_gradients(model, find_symmetries(model), measure="geodesic")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [*SETTINGS, dict(measure="geodesic", metric="inv", order=2, eps=1e-3)],
+    ids=lambda kw: "-".join(map(str, kw.values())),
+)
+def test_ascent_direction_norms_equal_the_metric_ones(kw):
+    """``Perturbation.ascent_direction``: ``d`` is the projected Riemannian gradient, ``‖d‖²`` and
+    ``⟨ξ, d⟩`` (a horizontal ξ) equal the ball's metric norms, whether a piece reads them off the
+    gradient (metric-orthogonal projection) or not (eps > 0, the adaptive-norm ablation)."""
+    case = CASES[CASE_IDS.index("hf_bert")]()
+    model = case.build()
+    space = find_symmetries(model)
+    pert = Perturbation(space, space.flatten_module(model).detach(), **kw)
+    g = torch.Generator().manual_seed(5)
+    e = [tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in x) for x in pert.zeros()]
+    xi = pert.random(g, 0.1)
+    ref = pert.riemannian_grad([tuple(t.clone() for t in x) for x in e])
+    d, dd, xd = pert.ascent_direction([tuple(t.clone() for t in x) for x in e], xi, inplace=True)
+    for a, b in zip(d, ref, strict=True):
+        for s, t in zip(a, b, strict=True):
+            torch.testing.assert_close(s, t, rtol=1e-13, atol=0)
+    norm = float(pert.norm_sq(d))
+    inner = sum(
+        float(p.norm_geometry.inner(x, y).sum()) for p, x, y in zip(pert.pieces, xi, d, strict=True)
+    )
+    assert abs(dd - norm) <= 1e-10 * norm
+    assert abs(xd - inner) <= 1e-9 * (norm * float(pert.norm_sq(xi))) ** 0.5
+    _, dd0, xd0 = pert.ascent_direction(e, None)
+    assert xd0 == 0.0 and abs(dd0 - norm) <= 1e-10 * norm

@@ -142,7 +142,7 @@ def autopgd(
     xi0: Xi | None,
     norm: str = "l2",
     start: tuple[float, Xi | None] | list | None = None,
-    keep_best_direction: bool | None = None,
+    keep_best_direction: bool | None = True,
 ) -> AscentResult:
     """Maximize ``loss(ξ)`` over the ball ``‖ξ‖ ≤ ρ`` (or the ℓ∞ box) with Auto-PGD.
 
@@ -160,12 +160,14 @@ def autopgd(
         start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
             the caller holds no reference to the gradient, which becomes the first direction.
         keep_best_direction: Whether to keep the ascent direction of the best iterate for
-            restarts. ``None`` (default): while it costs no buffer, i.e. while the best
-            iterate is the current one, ``ξ_{k−1}`` or the zero start (whose buffers are held
-            anyway); once the best iterate is older it is dropped, and a restart from it
-            recomputes its gradient (one extra forward and backward, counted by ``loss``).
-            ``True``: always (one ξ-sized buffer more whenever the best iterate is older).
-            ``False``: never. The iterates are the same in every case.
+            restarts. ``True`` (default): always, so that every iteration is one forward and
+            one backward (one ξ-sized buffer more whenever the best iterate is older than
+            ``ξ_{k−1}``: four at most). ``None``: while it costs no buffer, i.e. while the
+            best iterate is the current one, ``ξ_{k−1}`` or the zero start (whose buffers are
+            held anyway); once the best iterate is older it is dropped, and a restart from it
+            recomputes its gradient (one extra forward and backward, counted by ``loss``):
+            three ξ-sized buffers at most. ``False``: never. The iterates are the same in
+            every case.
 
     Returns:
         An :class:`AscentResult`.

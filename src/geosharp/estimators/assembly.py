@@ -190,35 +190,36 @@ class _Assembly:
             n_src += pos.numel()
         if n_gathered and int(index.min()) < 0:
             raise ValueError("the symmetry blocks and the rest do not cover every parameter")
+        if n_src < 2**31:  # int32 positions: half the memory (of the check, or kept per call)
+            index = index.to(torch.int32)
         if groups is not None:
             plan = [_factor_plan(space, blocks) for blocks in groups]
             if all(p is not None for p in plan) and self._same_as(plan, pieces, index):
                 self.plan = plan  # the index is not kept: the layouts are views
                 return
-        if n_src < 2**31:  # int32 positions: half the memory of the one index kept per call
-            index = index.to(torch.int32)
         self.index = index
 
     def _same_as(self, plan: list[list[_Factor]], pieces: Sequence, index: Tensor) -> bool:
         """Whether ``plan`` puts every source coordinate where ``index`` does (checked once)."""
         moved: list[tuple[Tensor, ...]] = [() for _ in pieces]
+        kind = {"dtype": index.dtype, "device": index.device}
         n = 0
         for k in self.sym_pieces:
             comps = []
             for p in pieces[k].geometry.point:
-                comps.append(torch.arange(n, n + p.numel(), device=index.device).view(p.shape))
+                comps.append(torch.arange(n, n + p.numel(), **kind).view(p.shape))
                 n += p.numel()
             moved[k] = tuple(comps)
         if self.rest_piece is not None:
             rest = [None] * len(self.layout)
             for c in self.mixed:
                 size = self.mixed_local[self.mixed.index(c)][1].numel()
-                rest[c] = torch.arange(n, n + size, device=index.device)
+                rest[c] = torch.arange(n, n + size, **kind)
                 n += size
             moved[self.rest_piece] = tuple(rest)
         saved, self.plan = self.plan, plan
         try:
-            out = self._gathered(moved, torch.long, index.device)
+            out = self._gathered(moved, index.dtype, index.device)
         finally:
             self.plan = saved
         return torch.equal(torch.cat([out[j].reshape(-1) for j in self.gathered]), index)

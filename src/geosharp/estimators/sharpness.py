@@ -288,14 +288,15 @@ def sharpness(
         cache: Reuse the symmetry search and the factorized geometry of the previous call on
             the same model with unchanged weights (:mod:`geosharp.estimators.cache`): several
             radii or measures of one model pay the set-up once. ``False``: build afresh.
-        low_memory: Trade precision for memory: the symmetry blocks' geometry runs its
-            per-step products in the model's dtype instead of float64 (the factorizations
-            stay float64; tangents are kept in the model's dtype either way): no float64
-            temporaries, with float32 roundoff in the projection (values agree with the
-            default to about 1e-5 relative in float32; exactly in float64). Auto-PGD holds
-            three ξ-sized buffers either way: it keeps the best iterate's direction for
-            restarts only while that costs no buffer, and recomputes it otherwise (one extra
-            forward and backward per such restart; the same iterates). See
+        low_memory: Trade time and precision for memory. (1) Auto-PGD keeps the best
+            iterate's direction for restarts only while that costs no buffer (the best
+            iterate is the current one, the previous one or ξ = 0) and recomputes it at a
+            restart from an older one (one extra forward and backward each time; the same
+            iterates): three ξ-sized buffers at most instead of four. (2) The symmetry blocks'
+            geometry runs its per-step products in the model's dtype instead of float64 (the
+            factorizations stay float64; tangents are kept in the model's dtype either way):
+            no float64 temporaries, with float32 roundoff in the projection (values agree with
+            the default to about 1e-5 relative in float32; exactly in float64). See
             ``benchmarks/README.md``.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
@@ -406,6 +407,7 @@ def sharpness(
     else:
         pert = build()
     counter = {"forward": 0, "backward": 0}
+    keep = None if low_memory else True  # the best iterate's direction: while free / always
     per_batch, clean, perturbed, traces = [], [], [], []
     name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
     # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
@@ -456,7 +458,7 @@ def sharpness(
                         cut, grad0 = rows.restrict(clean_grad)
                         start, clean_grad, grad0 = [clean_loss, grad0], None, None
                         fc = f if cut is pert else f.on(cut)
-                        res = autopgd(cut, fc, rho, steps, None, norm, start)
+                        res = autopgd(cut, fc, rho, steps, None, norm, start, keep)
                         del cut, fc
                     else:
                         res = autopgd(
@@ -466,6 +468,7 @@ def sharpness(
                             steps,
                             _random_start(pert, gen, rho, norm),
                             norm,
+                            keep_best_direction=keep,
                         )
                     if res.best_loss > best:
                         best, trace = res.best_loss, res.trace

@@ -137,10 +137,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--low-memory",
         action="store_true",
-        help="trade float32 precision for memory (gs.sharpness(low_memory=True)): the "
-        "symmetry blocks' geometry runs its products in the model's dtype instead of float64 "
-        "(values move by ~1e-5 relative in float32): no float64 temporaries "
-        "(benchmarks/README.md)",
+        help="trade time and float32 precision for memory (gs.sharpness(low_memory=True)): "
+        "Auto-PGD keeps the best iterate's direction only while it costs no buffer "
+        "(recomputed at a restart from an older one: a few extra forward+backward passes, "
+        "the same iterates) and the symmetry blocks' geometry runs its products in the "
+        "model's dtype instead of float64 (values move by ~1e-5 relative in float32): one "
+        "parameter-sized buffer less (benchmarks/README.md)",
     )
     m.add_argument(
         "--iters",

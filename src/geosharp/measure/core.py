@@ -146,8 +146,8 @@ def measure(
         trace_method: ``"hutchinson"``, ``"hutch++"`` or ``"exact"`` (curvature trace).
         check: Run the invariance self-check and refuse to measure if it fails.
         space: Precomputed :func:`geosharp.find_symmetries` result.
-        low_memory: Pass ``low_memory=True`` to :func:`geosharp.sharpness` (float32 block
-            geometry: no float64 temporaries).
+        low_memory: Pass ``low_memory=True`` to :func:`geosharp.sharpness` (one
+            parameter-sized buffer fewer, a few extra passes, float32 block geometry).
         progress: Progress bars (default: when stderr is a terminal).
         log: Called with each informational message (summary, check) as it happens.
         warn: Called with each warning (default: :func:`warnings.warn` with
