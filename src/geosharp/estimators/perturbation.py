@@ -280,8 +280,6 @@ class Perturbation:
                 xd += float(euclidean_pairing(e, x))
             if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
                 d, n = g.ascent_direction_(tuple(e))
-            elif isinstance(g, EuclideanGeometry):
-                d, n = tuple(e), euclidean_pairing(e, e)
             else:
                 d, n = g.ascent_direction(e)
             if x is not None and not exact:
@@ -289,28 +287,6 @@ class Perturbation:
             out.append(tuple(d))
             dd += float(n)
         return out, dd, xd
-
-    def ball(self, xi: Xi, rho: float, inplace: bool = False, project: bool = True) -> Xi:
-        """``P_S``: horizontal projection, then radial rescale into ``‖ξ‖ ≤ ρ`` (SPEC §6 step 4).
-
-        Args:
-            xi: The perturbation.
-            rho: Radius.
-            inplace: Let the rescale overwrite the (projected) tensors of ``xi``.
-            project: ``False`` when ``xi`` is known to be horizontal already (a linear
-                combination of horizontal vectors), where the projection is the identity.
-        """
-        if project:
-            xi = self.project(xi)
-        n = self.norm(xi)
-        if n > rho:
-            if inplace:
-                for x in xi:
-                    for t in x:
-                        t.mul_(rho / n)
-            else:
-                xi = [tuple(t * (rho / n) for t in x) for x in xi]
-        return xi
 
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
