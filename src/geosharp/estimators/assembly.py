@@ -212,10 +212,9 @@ class _Assembly:
             moved[k] = tuple(comps)
         if self.rest_piece is not None:
             rest = [None] * len(self.layout)
-            for c in self.mixed:
-                size = self.mixed_local[self.mixed.index(c)][1].numel()
-                rest[c] = torch.arange(n, n + size, **kind)
-                n += size
+            for c, (_, local) in zip(self.mixed, self.mixed_local, strict=True):
+                rest[c] = torch.arange(n, n + local.numel(), **kind)
+                n += local.numel()
             moved[self.rest_piece] = tuple(rest)
         saved, self.plan = self.plan, plan
         try:
