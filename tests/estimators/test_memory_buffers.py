@@ -243,3 +243,99 @@ def test_measure_cli_low_memory_flag():
         model, [(x, y)], measures=["adaptive-l2"], rhos=[0.1], steps=3, low_memory=True
     )
     assert rep.settings["low_memory"] is True and rep.rows[0].value is not None
+
+
+def test_a_restart_from_an_older_best_iterate_skips_the_backward_it_would_discard():
+    """The checkpoint's decision depends on the loss alone, so it is taken after the forward:
+    the same ascent as one that runs every backward, with one backward fewer per restart from
+    an older best iterate (and the best direction kept or recomputed alike)."""
+    from geosharp.estimators.apgd import autopgd
+
+    model = _model()
+    x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(32) % 3
+    space = gs.find_symmetries(model, adapters=[])
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    pert = Perturbation(space, base, measure="adaptive")
+
+    def evaluate(params):
+        return nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    def run(keep, always):
+        n = {"forward": 0, "backward": 0, "at": []}
+
+        def loss(xi, need_grad):
+            n["forward"] += 1
+            value, grad = pert.loss_and_grad(evaluate, xi, bool(need_grad) if always else need_grad)
+            n["backward"] += grad is not None
+            n["at"].append(float(value))
+            return float(value), grad
+
+        return autopgd(pert, loss, 0.5, 20, None, keep_best_direction=keep), n
+
+    for keep in (True, None):
+        (ref, n_ref), (res, n) = run(keep, True), run(keep, False)
+        assert res.trace == ref.trace and res.restarts == ref.restarts
+        # (the last iteration runs no backward either way)
+        older = [i for i in ref.restarts if i < 19 and ref.trace[i + 1] <= max(ref.trace[: i + 1])]
+        assert older  # the test ascent has restarts from older best iterates
+        assert n["forward"] == n_ref["forward"]
+        assert n["backward"] == n_ref["backward"] - len(older)
+        for a, b in zip(res.best_xi[0], ref.best_xi[0], strict=True):
+            assert torch.equal(a, b)
+
+
+def _bytes_alive(model, inputs):
+    """Bytes of the tensors alive other than the model's and the data (unique storages)."""
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    own |= {t.untyped_storage().data_ptr() for t in inputs}
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type != "meta":
+            st = o.untyped_storage()
+            if st.data_ptr() not in own and st.data_ptr() not in seen and st.nbytes():
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "geodesic"])
+def test_the_ascent_holds_what_buffer_bytes_accounts_for(monkeypatch, measure):
+    """At every loss evaluation the ascent holds at most its iterates (four ξ when the best
+    direction is kept always, three when only while free) and what
+    ``Perturbation.buffer_bytes`` says the perturbation holds beside them; the default keeps
+    the direction only when that fits in four parameter-sized buffers."""
+    from geosharp.estimators.apgd import BUFFER_BUDGET, best_direction_rule
+
+    model = _encoder()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 10, 32, generator=g), torch.randn(8, 10, 32, generator=g)
+    seen = []
+    orig = S._Objective.__call__
+
+    def call(self, xi, need_grad, check=True):
+        seen.append((self.pert, _bytes_alive(model, (x, y))))
+        return orig(self, xi, need_grad, check)
+
+    monkeypatch.setattr(S._Objective, "__call__", call)
+    gc.collect()
+    before = _bytes_alive(model, (x, y))  # whatever earlier tests left alive
+    res = gs.sharpness(
+        model, nn.functional.mse_loss, [(x, y)], measure=measure, rho=0.05, steps=20, cache=False
+    )
+    assert res.value > 0
+    pert = seen[-1][0]
+    xi, held = pert.buffer_bytes()
+    keep = best_direction_rule(pert)
+    assert keep is (True if 4 * xi + held <= (BUFFER_BUDGET + 0.01) * pert.param_bytes else None)
+    gathered = sum(
+        n * pert._itemsize[j]
+        for j, n in zip(pert._assembly.gathered, pert._assembly.gathered_sizes, strict=True)
+    )
+    bound = (4 if keep else 3) * xi + held - gathered  # θ′ is gathered during the forward
+    peak = max(b for _, b in seen) - before
+    assert peak <= bound + 4096, (peak, bound)
+    if measure == "adaptive":
+        assert keep is True and held < 0.01 * pert.param_bytes
+    else:  # 4 heads of 8 in width 32: the factorizations outweigh the blocks' weights
+        assert keep is None and held > 0.5 * pert.param_bytes

@@ -24,7 +24,33 @@ MOMENTUM = 0.75
 #: Fraction of improving steps below which the step size is halved at a checkpoint.
 MIN_UPDATE_RATIO = 0.75
 
-LossFn = Callable[[Xi, bool], "tuple[float, Xi | None]"]
+#: ``loss(ξ, need_grad) -> (value, gradient or None)``; ``need_grad`` is a bool or a function of
+#: the value that decides, after the forward, whether the backward runs.
+LossFn = Callable[[Xi, "bool | Callable[[float], bool]"], "tuple[float, Xi | None]"]
+
+
+#: Parameter-sized buffers an ascent may hold above a plain forward and backward by default.
+BUFFER_BUDGET = 4
+
+
+def best_direction_rule(pert: Perturbation, low_memory: bool = False) -> bool | None:
+    """The ``keep_best_direction`` of :func:`autopgd` within :data:`BUFFER_BUDGET`.
+
+    Keeping the best iterate's direction always holds four perturbation-sized buffers once
+    the best iterate is older than ``ξ_{k−1}``; with what the perturbation holds beside its
+    iterates (:meth:`Perturbation.buffer_bytes`: block base points, factorizations, gathered
+    weights) that must fit in :data:`BUFFER_BUDGET` parameter-sized buffers, or the direction
+    is kept only while free (three buffers, one extra forward and backward per restart from
+    an older best iterate). ``low_memory`` always takes the second.
+
+    Returns:
+        ``True`` (keep always) or ``None`` (while free).
+    """
+    if low_memory:
+        return None
+    xi, held = pert.buffer_bytes()
+    # to a hundredth of a buffer (small masks and scalars are not worth a recomputation)
+    return True if 4 * xi + held <= (BUFFER_BUDGET + 0.01) * pert.param_bytes else None
 
 
 def checkpoints(n_iters: int) -> list[int]:
@@ -160,14 +186,20 @@ def autopgd(
         start: ``(loss, gradient)`` at ``xi0`` if already computed; a list is emptied, so that
             the caller holds no reference to the gradient, which becomes the first direction.
         keep_best_direction: Whether to keep the ascent direction of the best iterate for
-            restarts. ``True`` (default): always, so that every iteration is one forward and
-            one backward (one ξ-sized buffer more whenever the best iterate is older than
-            ``ξ_{k−1}``: four at most). ``None``: while it costs no buffer, i.e. while the
-            best iterate is the current one, ``ξ_{k−1}`` or the zero start (whose buffers are
-            held anyway); once the best iterate is older it is dropped, and a restart from it
-            recomputes its gradient (one extra forward and backward, counted by ``loss``):
-            three ξ-sized buffers at most. ``False``: never. The iterates are the same in
-            every case.
+            restarts. ``True`` (default): always, so that a restart costs no pass (one
+            ξ-sized buffer more whenever the best iterate is older than ``ξ_{k−1}``: four at
+            most). ``None``: while it costs no buffer, i.e. while the best iterate is the
+            current one, ``ξ_{k−1}`` or the zero start (whose buffers are held anyway); once
+            the best iterate is older it is dropped, and a restart from it recomputes its
+            gradient (one extra forward and backward, counted by ``loss``): three ξ-sized
+            buffers at most. ``False``: never. :func:`best_direction_rule` chooses within a
+            memory budget. The iterates are the same in every case.
+
+    Each iteration is one forward and one backward, except the last (a forward: its gradient
+    would not be used) and a checkpoint that restarts from an older best iterate: whether it
+    restarts depends only on the loss, so ``loss`` learns it after the forward (``need_grad``
+    is then a function of the value) and skips the backward whose gradient the restart would
+    discard.
 
     Returns:
         An :class:`AscentResult`.
@@ -195,7 +227,7 @@ def autopgd(
     best_direction = direction if keep is not False else None
     best_dd, best_xd = dd, xd
     cps = set(checkpoints(steps))
-    n_improved, last_cp, eta_at_cp, best_at_cp = 0, 0, eta, value
+    sched = _Schedule(cps, eta, value)
     a, b = MOMENTUM, 1.0 - MOMENTUM
     for i in range(steps):
         # ξ_{k+1} = P(ξ_k + α(z − ξ_k) + (1−α)(ξ_k − ξ_{k−1})) = P(α z + 2(1−α) ξ_k − (1−α) ξ_{k−1})
@@ -228,35 +260,73 @@ def autopgd(
         # the old direction is not needed any more (unless it is the best iterate's): drop it
         # before the forward and backward, which then reuse its memory
         direction = new = None
-        value, egrad = loss(xi if xi is not None else pert.zeros(), i < steps - 1)
+        # the gradient is needed unless this checkpoint restarts from an older best iterate
+        need = sched.wants_grad(i, res.best_loss, best_xi is xi) if i < steps - 1 else False
+        value, egrad = loss(xi if xi is not None else pert.zeros(), need)
         if egrad is not None:
             direction, dd, xd = _direction(pert, egrad, xi, l2)
             egrad = None
         res.trace.append(value)
+        restart = sched.update(i, value, res.best_loss)
         if value > res.best_loss:
             res.best_loss, best_xi, best_nsq = value, xi, xi_nsq
             best_direction = direction if keep is not False else None
             best_dd, best_xd = dd, xd
-            n_improved += 1
-        if i in cps:
-            too_few = n_improved < MIN_UPDATE_RATIO * (i - last_cp)
-            stalled = eta == eta_at_cp and res.best_loss == best_at_cp
-            eta_at_cp, best_at_cp, last_cp, n_improved = eta, res.best_loss, i, 0
-            if too_few or stalled:
-                eta /= 2.0
-                if best_direction is not None:
-                    direction, dd, xd = best_direction, best_dd, best_xd
-                elif best_xi is not xi and i < steps - 1:  # recompute its direction
-                    direction = None
-                    _, egrad = loss(best_xi if best_xi is not None else pert.zeros(), True)
-                    direction, dd, xd = _direction(pert, egrad, best_xi, l2)
-                    egrad = None
-                    if keep is None:  # the best iterate is the current one again
-                        best_direction, best_dd, best_xd = direction, dd, xd
-                xi, xi_nsq = best_xi, best_nsq
-                res.restarts.append(i)
+        if restart:
+            eta = sched.eta
+            if best_direction is not None:
+                direction, dd, xd = best_direction, best_dd, best_xd
+            elif best_xi is not xi and i < steps - 1:  # recompute its direction
+                direction = None
+                _, egrad = loss(best_xi if best_xi is not None else pert.zeros(), True)
+                direction, dd, xd = _direction(pert, egrad, best_xi, l2)
+                egrad = None
+                if keep is None:  # the best iterate is the current one again
+                    best_direction, best_dd, best_xd = direction, dd, xd
+            xi, xi_nsq = best_xi, best_nsq
+            res.restarts.append(i)
     res.best_xi = best_xi if best_xi is not None else pert.zeros()
     return res
+
+
+class _Schedule:
+    """The step-size schedule of Auto-PGD: when a checkpoint halves the step and restarts.
+
+    At checkpoint ``w_j`` the step is halved, and the ascent restarts from the best iterate,
+    if fewer than ``MIN_UPDATE_RATIO`` of the steps since ``w_{j−1}`` improved the best loss,
+    or if neither the step nor the best loss changed since ``w_{j−1}`` (SPEC §6, step 6).
+    """
+
+    def __init__(self, cps: set[int], eta: float, start_loss: float) -> None:
+        self.cps, self.eta = cps, eta
+        self.n_improved, self.last_cp, self.eta_at_cp, self.best_at_cp = 0, 0, eta, start_loss
+
+    def restarts(self, i: int, value: float, best: float) -> bool:
+        """Whether iteration ``i`` restarts if its loss is ``value`` (``best``: the best before)."""
+        if i not in self.cps:
+            return False
+        up = value > best
+        too_few = self.n_improved + up < MIN_UPDATE_RATIO * (i - self.last_cp)
+        stalled = self.eta == self.eta_at_cp and not up and best == self.best_at_cp
+        return too_few or stalled
+
+    def wants_grad(self, i: int, best: float, best_is_current: bool) -> Callable[[float], bool]:
+        """The ``need_grad`` of iteration ``i``, decided from its loss after the forward.
+
+        No backward when a restart from an older best iterate would discard the gradient.
+        """
+        return lambda v: best_is_current or v > best or not self.restarts(i, v, best)
+
+    def update(self, i: int, value: float, best: float) -> bool:
+        """Record iteration ``i``'s loss; return whether it restarts (then :attr:`eta` halves)."""
+        restart = self.restarts(i, value, best)
+        self.n_improved += value > best
+        if i in self.cps:
+            self.eta_at_cp, self.last_cp, self.n_improved = self.eta, i, 0
+            self.best_at_cp = max(best, value)
+            if restart:
+                self.eta /= 2.0
+        return restart
 
 
 def _direction(pert: Perturbation, egrad: Xi, xi: Xi | None, l2: bool) -> tuple[Xi, float, float]:

@@ -54,14 +54,14 @@ straight line, ``‖½Γ(ξ*, ξ*)‖ / ‖ξ*‖`` in the ball's metric (``‖e
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.apgd import autopgd
+from geosharp.estimators.apgd import autopgd, best_direction_rule
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
@@ -493,7 +493,7 @@ def _objective(model: nn.Module, loss_fn: Any, pert: Perturbation, inputs: Any, 
     def evaluate(params: Mapping[str, Tensor]) -> Tensor:
         return loss_fn(call_model(model, params, inputs), targets).reshape(())
 
-    def f(xi: Xi, need_grad: bool) -> tuple[float, Xi | None]:
+    def f(xi: Xi, need_grad: bool | Callable[[float], bool]) -> tuple[float, Xi | None]:
         loss, grad = pert.loss_and_grad(evaluate, xi, need_grad)
         return float(loss), grad
 
@@ -579,7 +579,7 @@ def ascent_diagnostics(
             cut, grad = reached.restrict(grad)
             fc = f if cut is pert else _objective(model, loss_fn, cut, inputs, targets)
             start, grad = [clean, grad], None  # emptied by autopgd: no reference held here
-            res = autopgd(cut, fc, rho, steps, None, "l2", start)
+            res = autopgd(cut, fc, rho, steps, None, "l2", start, best_direction_rule(cut))
             best = max(res.best_loss, clean)
             xi = res.best_xi if res.best_loss > clean else cut.zeros()
             split = budget_split(cut, xi)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -144,7 +145,10 @@ class Perturbation:
         # The base point is the model's own tensors (or views of a flat θ₀): coordinates in no
         # block are never copied; only the symmetry blocks gather their (G, H) factors.
         params = _base_params(space, theta0)
+        #: Storages of the base point's own tensors (the model's: not held by the pieces).
+        self._own = {t.untyped_storage().data_ptr() for t in params.values()}
         names = space.param_names
+        self._itemsize = [params[n].element_size() for n in names]
         device = params[names[0]].device if names else torch.device("cpu")
         self.pieces: list[Piece] = []
         self._rest_piece: int | None = None
@@ -207,6 +211,51 @@ class Perturbation:
         self._assembly = _Assembly(
             space, self.pieces, self._rest_piece, self._layout, device, groups
         )
+
+    # -- memory -------------------------------------------------------------------------------
+    def buffer_bytes(self) -> tuple[int, int]:
+        """The bytes of one perturbation ``ξ``, and those this perturbation holds beside it.
+
+        The second figure is what an ascent holds whatever its iterates: the symmetry pieces'
+        copies of their base point and their factorizations, the rows kept by
+        :meth:`on_rows`, and the perturbed parameters gathered for each forward (the
+        parameters with block coordinates, kept by the backward). The model's own tensors are
+        not counted (a plain forward and backward holds them too).
+        """
+        xi = sum(
+            t.numel() * p.geometry.tangent_dtype.itemsize
+            for p in self.pieces
+            for t in p.geometry.point
+        )
+        seen = set(self._own)
+        held = 0
+        todo: list = [g for p in self.pieces for g in (p.geometry, p.norm_geometry)]
+        visited: set[int] = set()
+        while todo:
+            obj = todo.pop()
+            if id(obj) in visited:
+                continue
+            visited.add(id(obj))
+            for value in vars(obj).values():
+                items = value if isinstance(value, (tuple, list)) else (value,)
+                for t in items:
+                    if isinstance(t, Geometry):
+                        todo.append(t)
+                    elif isinstance(t, Tensor):
+                        st = t.untyped_storage()
+                        if st.data_ptr() not in seen:
+                            seen.add(st.data_ptr())
+                            held += st.nbytes()
+        a = self._assembly
+        sizes = zip(a.gathered, a.gathered_sizes, strict=True)
+        held += sum(n * self._itemsize[j] for j, n in sizes)
+        return xi, held
+
+    @property
+    def param_bytes(self) -> int:
+        """The bytes of the parameters the perturbation covers (one parameter-sized buffer)."""
+        shapes = self.space.shapes
+        return sum(math.prod(s) * size for s, size in zip(shapes, self._itemsize, strict=True))
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
@@ -381,7 +430,10 @@ class Perturbation:
         return self._assembly(moved)
 
     def loss_and_grad(
-        self, evaluate: Callable[[dict[str, Tensor]], Tensor], xi: Xi, need_grad: bool
+        self,
+        evaluate: Callable[[dict[str, Tensor]], Tensor],
+        xi: Xi,
+        need_grad: bool | Callable[[float], bool],
     ) -> tuple[Tensor, Xi | None]:
         """The loss at ``θ′(ξ)`` and (``need_grad``) its Euclidean gradient with respect to ``ξ``.
 
@@ -390,17 +442,26 @@ class Perturbation:
         the loss (:meth:`applied`: no separate copy of those weights), so on return ``ξ`` is
         the displacement the forward applied.
 
+        Args:
+            evaluate: The loss of the perturbed parameters by name.
+            xi: The perturbation.
+            need_grad: Whether to run the backward; a function of the loss's value decides
+                after the forward (the forward keeps its graph, and drops it unused when the
+                answer is no: Auto-PGD discards the gradient of an iterate it restarts from).
+
         Returns:
             The loss (detached) and the gradient, one tuple per piece (zeros where the loss
             does not depend on a component), or ``None``.
         """
-        if not need_grad:
+        if need_grad is False:
             with torch.no_grad(), self.applied(xi) as moved:
                 return evaluate(self.endpoint_params(moved, applied=True)).detach(), None
         with self.applied(xi) as moved:
             leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
             with torch.enable_grad():
                 loss = evaluate(self.endpoint_params(leaves, applied=True))
+                if callable(need_grad) and not need_grad(float(loss.detach())):
+                    return loss.detach(), None
                 flat = [t for x in leaves for t in x]
                 grads = torch.autograd.grad(loss, flat, allow_unused=True)
         it = iter(

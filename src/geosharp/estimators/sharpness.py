@@ -9,8 +9,8 @@ Example:
     >>> model = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
     >>> x, y = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
     >>> res = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], measure="geodesic", rho=0.05)
-    >>> res.value > 0, res.n_forward, res.n_backward   # 20 steps: 21 forwards, 20 backwards
-    (True, 21, 20)
+    >>> res.value > 0, res.n_forward, res.n_backward   # 20 steps (see Auto-PGD's restarts)
+    (True, 26, 19)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.apgd import autopgd
+from geosharp.estimators.apgd import autopgd, best_direction_rule
 from geosharp.estimators.cache import CACHE
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
@@ -157,6 +157,8 @@ class _PassBar:
 
     def update(self) -> None:
         if self.bar is not None:
+            if self.bar.total is not None and self.bar.n >= self.bar.total:
+                self.bar.total += 1  # a restart that recomputes the best iterate's gradient
             self.bar.update(1)
 
     def close(self) -> None:
@@ -198,9 +200,11 @@ class _Objective:
             self.bar,
         )
 
-    def __call__(self, xi: Xi, need_grad: bool, check: bool = True) -> tuple[float, Xi | None]:
+    def __call__(
+        self, xi: Xi, need_grad: bool | Callable[[float], bool], check: bool = True
+    ) -> tuple[float, Xi | None]:
         loss, grad = self.pert.loss_and_grad(self.evaluate, xi, need_grad)
-        if need_grad:
+        if grad is not None:
             self.counter["backward"] += 1
         value = float(loss)
         if check:
@@ -292,8 +296,12 @@ def sharpness(
             iterate's direction for restarts only while that costs no buffer (the best
             iterate is the current one, the previous one or ξ = 0) and recomputes it at a
             restart from an older one (one extra forward and backward each time; the same
-            iterates): three ξ-sized buffers at most instead of four. (2) The symmetry blocks'
-            geometry runs its per-step products in the model's dtype instead of float64 (the
+            iterates): three ξ-sized buffers at most. By default it is kept always when four
+            ξ-sized buffers and what the perturbation holds beside them (block base points,
+            factorizations) fit in four parameter-sized buffers, and only while free
+            otherwise (:func:`geosharp.estimators.apgd.best_direction_rule`). (2) The
+            symmetry blocks' geometry runs its per-step products in the model's dtype instead
+            of float64 (the
             factorizations stay float64; tangents are kept in the model's dtype either way):
             no float64 temporaries, with float32 roundoff in the projection (values agree with
             the default to about 1e-5 relative in float32; exactly in float64). See
@@ -407,7 +415,6 @@ def sharpness(
     else:
         pert = build()
     counter = {"forward": 0, "backward": 0}
-    keep = None if low_memory else True  # the best iterate's direction: while free / always
     per_batch, clean, perturbed, traces = [], [], [], []
     name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
     # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
@@ -458,6 +465,7 @@ def sharpness(
                         cut, grad0 = rows.restrict(clean_grad)
                         start, clean_grad, grad0 = [clean_loss, grad0], None, None
                         fc = f if cut is pert else f.on(cut)
+                        keep = best_direction_rule(cut, low_memory)
                         res = autopgd(cut, fc, rho, steps, None, norm, start, keep)
                         del cut, fc
                     else:
@@ -468,7 +476,7 @@ def sharpness(
                             steps,
                             _random_start(pert, gen, rho, norm),
                             norm,
-                            keep_best_direction=keep,
+                            keep_best_direction=best_direction_rule(pert, low_memory),
                         )
                     if res.best_loss > best:
                         best, trace = res.best_loss, res.trace
