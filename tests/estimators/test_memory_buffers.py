@@ -339,3 +339,64 @@ def test_the_ascent_holds_what_buffer_bytes_accounts_for(monkeypatch, measure):
         assert keep is True and held < 0.01 * pert.param_bytes
     else:  # 4 heads of 8 in width 32: the factorizations outweigh the blocks' weights
         assert keep is None and held > 0.5 * pert.param_bytes
+
+
+@pytest.mark.parametrize("measure", ["adaptive", "geodesic"])
+def test_the_ball_norm_from_the_pairings_is_the_norm_of_the_combination(monkeypatch, measure):
+    """Auto-PGD's ``‖α ξ_k + β d + γ ξ_{k−1}‖²`` comes from the Gram matrix of the three
+    vectors (``‖ξ_k‖²``, ``‖ξ_{k−1}‖²`` and ``⟨ξ_k, ξ_{k−1}⟩`` carried from step to step, the
+    pairings of ``d`` from the gradient): at every step, restarts included, it equals the
+    metric norm of the combination formed explicitly (float64), and every iterate lies in the
+    ball."""
+    A = importlib.import_module("geosharp.estimators.apgd")
+    model = (_encoder() if measure == "geodesic" else _model()).double()
+    g = torch.Generator().manual_seed(2)
+    if measure == "geodesic":
+        x = torch.randn(8, 10, 32, generator=g, dtype=torch.float64)
+        y, loss_fn = torch.randn(8, 10, 32, generator=g, dtype=torch.float64), "mse"
+    else:
+        x, y, loss_fn = (
+            torch.randn(32, N, generator=g, dtype=torch.float64),
+            torch.arange(32) % 3,
+            "ce",
+        )
+    fn = nn.functional.mse_loss if loss_fn == "mse" else nn.functional.cross_entropy
+    space = (
+        gs.find_symmetries(model)
+        if measure == "geodesic"
+        else gs.find_symmetries(model, adapters=[])
+    )
+    pert = Perturbation(
+        space, {n: p.detach() for n, p in model.named_parameters()}, measure=measure
+    )
+    rho = 0.05 if measure == "geodesic" else 0.5
+    checked, orig = [], A._l2_step
+
+    def step(xi, d, prev, reuse, coef, nsq, rho_):
+        al, be, ga = coef
+        u = pert.zeros()
+        for part, c in ((xi, al), (d, be), (prev, ga)):
+            if part is not None:
+                u = Perturbation.combine(u, part, 1.0, c)
+        exact = float(pert.norm_sq(u))
+        checked.append((nsq, exact))
+        return orig(xi, d, prev, reuse, coef, nsq, rho_)
+
+    monkeypatch.setattr(A, "_l2_step", step)
+
+    def evaluate(params):
+        return fn(torch.func.functional_call(model, params, (x,)), y)
+
+    norms = []
+
+    def loss(xi, need_grad):
+        norms.append(pert.norm(xi))
+        return pert.loss_and_grad(evaluate, xi, need_grad)
+
+    for keep in (True, None):
+        res = A.autopgd(pert, loss, rho, 20, None, keep_best_direction=keep)
+        assert res.restarts
+    assert len(checked) == 40
+    for nsq, exact in checked:
+        assert abs(nsq - exact) <= 1e-10 * exact, (nsq, exact)
+    assert max(norms) <= rho * (1 + 1e-12) and max(norms) > 0.99 * rho

@@ -93,7 +93,10 @@ def test_ascent_direction_norms_equal_the_metric_ones(kw):
     e = [tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in x) for x in pert.zeros()]
     xi = pert.random(g, 0.1)
     ref = pert.riemannian_grad([tuple(t.clone() for t in x) for x in e])
-    d, dd, xd = pert.ascent_direction([tuple(t.clone() for t in x) for x in e], xi, inplace=True)
+    xi2 = pert.random(g, 0.2)
+    d, dd, (xd, xd2, zero) = pert.ascent_direction(
+        [tuple(t.clone() for t in x) for x in e], (xi, xi2, None), inplace=True
+    )
     for a, b in zip(d, ref, strict=True):
         for s, t in zip(a, b, strict=True):
             torch.testing.assert_close(s, t, rtol=1e-13, atol=0)
@@ -103,5 +106,7 @@ def test_ascent_direction_norms_equal_the_metric_ones(kw):
     )
     assert abs(dd - norm) <= 1e-10 * norm
     assert abs(xd - inner) <= 1e-9 * (norm * float(pert.norm_sq(xi))) ** 0.5
-    _, dd0, xd0 = pert.ascent_direction(e, None)
-    assert xd0 == 0.0 and abs(dd0 - norm) <= 1e-10 * norm
+    inner2 = pert.inner(xi2, d)
+    assert abs(xd2 - inner2) <= 1e-9 * (norm * float(pert.norm_sq(xi2))) ** 0.5 and zero == 0.0
+    _, dd0, none = pert.ascent_direction(e)
+    assert none == [] and abs(dd0 - norm) <= 1e-10 * norm

@@ -112,23 +112,25 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
 
 
 def _l2_step(
-    pert: Perturbation,
     xi: Xi | None,
     d: Xi,
     prev: Xi | None,
     reuse: bool,
     coef: tuple[float, float, float],
+    nsq: float,
     rho: float,
 ) -> tuple[Xi | None, float]:
-    """``P_S(α ξ_k + β d + γ ξ_{k−1})``: the momentum step and the ball, in three passes.
+    """``P_S(u)``, ``u = α ξ_k + β d + γ ξ_{k−1}``: the momentum step and the ball, in 3 passes.
 
     ``None`` is the zero perturbation (never made). ``t = ξ_k + (β/α) d`` (written into ``d``
-    when ``reuse``), ``t += (γ/α) ξ_{k−1}``, then one rescale by ``α·min(1, ρ/(α‖t‖))``: the
-    combination of horizontal vectors is horizontal, so the metric projection onto the ball is
-    that radial rescale. A function of its own, so that its loop variables die with its frame.
+    when ``reuse``), ``t += (γ/α) ξ_{k−1}``, then one rescale of ``t`` to ``r·u`` with
+    ``r = min(1, ρ/‖u‖)``: the combination of horizontal vectors is horizontal, so the metric
+    projection onto the ball is that radial rescale. ``nsq = ‖u‖²`` comes from the pairings
+    of the three vectors (:func:`autopgd`), so no pass computes a norm. A function of its own,
+    so that its loop variables die with its frame.
 
     Returns:
-        The new iterate and its squared norm.
+        The new iterate and ``r``.
     """
     alpha, beta, gamma = coef
     if xi is not None:
@@ -146,18 +148,18 @@ def _l2_step(
     elif prev is not None:
         t, s, prev = [tuple(v.clone() for v in tv) for tv in prev], gamma, None
     else:
-        return None, 0.0
+        return None, 1.0
     if prev is not None:
         for tt, tp in zip(t, prev, strict=True):
             for u, v in zip(tt, tp, strict=True):
                 u.add_(v, alpha=gamma / s)
-    n = abs(s) * pert.norm(t)
-    factor = s * (rho / n if n > rho else 1.0)
-    if factor != 1.0:
+    n = math.sqrt(max(nsq, 0.0))
+    r = rho / n if n > rho else 1.0
+    if s * r != 1.0:
         for tt in t:
             for u in tt:
-                u.mul_(factor)
-    return t, min(n, rho) ** 2
+                u.mul_(s * r)
+    return t, r
 
 
 def autopgd(
@@ -217,10 +219,13 @@ def autopgd(
         value, egrad = loss(xi if xi is not None else pert.zeros(), True)
     if isinstance(start, list):
         start.clear()  # the caller's gradient lives on only as `direction` (computed in place)
-    # The ascent direction at the current iterate: the Riemannian gradient (ℓ2, with ‖d‖² and
-    # ⟨ξ, d⟩) or the Euclidean gradient whose signs are taken (ℓ∞).
-    direction, dd, xd = _direction(pert, egrad, xi, l2)
+    # The ascent direction at the current iterate: the Riemannian gradient (ℓ2, with ‖d‖²,
+    # ⟨ξ_k, d⟩ and ⟨ξ_{k−1}, d⟩) or the Euclidean gradient whose signs are taken (ℓ∞).
+    direction, dd, xd, pd = _direction(pert, egrad, xi, xi_prev, l2)
     egrad = None
+    # ‖ξ_{k−1}‖² and ⟨ξ_k, ξ_{k−1}⟩: with ‖ξ_k‖² and the pairings of d, the Gram matrix of
+    # the three vectors that the step combines
+    prev_nsq, cross = xi_nsq, xi_nsq
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
     best_xi, best_nsq = xi, xi_nsq
     keep = keep_best_direction
@@ -245,8 +250,17 @@ def autopgd(
             nz = math.sqrt(max(xi_nsq + 2.0 * scale * xd + scale * scale * dd, 0.0))
             c = rho / nz if nz > rho else 1.0
             reuse = direction is not best_direction
-            coef = (a * c + 2.0 * b, a * c * scale, -b)
-            new, xi_nsq = _l2_step(pert, xi, direction, xi_prev, reuse, coef, rho)
+            al, be, ga = a * c + 2.0 * b, a * c * scale, -b
+            nsq = (
+                al * al * xi_nsq
+                + be * be * dd
+                + ga * ga * prev_nsq
+                + 2.0 * (al * be * xd + al * ga * cross + be * ga * pd)
+            )
+            new, r = _l2_step(xi, direction, xi_prev, reuse, (al, be, ga), nsq, rho)
+            # ⟨ξ_{k+1}, ξ_k⟩ = r⟨u, ξ_k⟩, then shift: ξ_k becomes ξ_{k−1}
+            cross = r * (al * xi_nsq + be * xd + ga * cross)
+            prev_nsq, xi_nsq = xi_nsq, r * r * max(nsq, 0.0)
         else:
             step = pert.sign_direction(direction)
             z = pert.box(Perturbation.combine(xi, step, 1.0, eta), rho)
@@ -264,7 +278,7 @@ def autopgd(
         need = sched.wants_grad(i, res.best_loss, best_xi is xi) if i < steps - 1 else False
         value, egrad = loss(xi if xi is not None else pert.zeros(), need)
         if egrad is not None:
-            direction, dd, xd = _direction(pert, egrad, xi, l2)
+            direction, dd, xd, pd = _direction(pert, egrad, xi, xi_prev, l2)
             egrad = None
         res.trace.append(value)
         restart = sched.update(i, value, res.best_loss)
@@ -274,17 +288,20 @@ def autopgd(
             best_dd, best_xd = dd, xd
         if restart:
             eta = sched.eta
-            if best_direction is not None:
-                direction, dd, xd = best_direction, best_dd, best_xd
-            elif best_xi is not xi and i < steps - 1:  # recompute its direction
-                direction = None
-                _, egrad = loss(best_xi if best_xi is not None else pert.zeros(), True)
-                direction, dd, xd = _direction(pert, egrad, best_xi, l2)
-                egrad = None
-                if keep is None:  # the best iterate is the current one again
-                    best_direction, best_dd, best_xd = direction, dd, xd
-            xi, xi_nsq = best_xi, best_nsq
             res.restarts.append(i)
+            if best_xi is not xi and i < steps - 1:  # back to the best iterate and its direction
+                if best_direction is not None:
+                    direction, dd, xd = best_direction, best_dd, best_xd
+                    pd = pert.inner(direction, xi_prev) if l2 else 0.0
+                else:  # recompute it
+                    direction = None
+                    _, egrad = loss(best_xi if best_xi is not None else pert.zeros(), True)
+                    direction, dd, xd, pd = _direction(pert, egrad, best_xi, xi_prev, l2)
+                    egrad = None
+                    if keep is None:  # the best iterate is the current one again
+                        best_direction, best_dd, best_xd = direction, dd, xd
+                cross = pert.inner(best_xi, xi_prev) if l2 else 0.0
+            xi, xi_nsq = best_xi, best_nsq
     res.best_xi = best_xi if best_xi is not None else pert.zeros()
     return res
 
@@ -329,8 +346,14 @@ class _Schedule:
         return restart
 
 
-def _direction(pert: Perturbation, egrad: Xi, xi: Xi | None, l2: bool) -> tuple[Xi, float, float]:
-    """The ascent direction from ``egrad`` (written in place), with ``‖d‖²`` and ``⟨ξ, d⟩``."""
-    if l2:
-        return pert.ascent_direction(egrad, xi, inplace=True)
-    return egrad, 0.0, 0.0
+def _direction(
+    pert: Perturbation, egrad: Xi, xi: Xi | None, prev: Xi | None, l2: bool
+) -> tuple[Xi, float, float, float]:
+    """The ascent direction from ``egrad`` (written in place): ``d, ‖d‖², ⟨ξ, d⟩, ⟨ξ_{k−1}, d⟩``."""
+    if not l2:
+        return egrad, 0.0, 0.0, 0.0
+    if prev is xi:
+        d, dd, (xd,) = pert.ascent_direction(egrad, (xi,), inplace=True)
+        return d, dd, xd, xd
+    d, dd, (xd, pd) = pert.ascent_direction(egrad, (xi, prev), inplace=True)
+    return d, dd, xd, pd

@@ -274,6 +274,13 @@ class Perturbation:
         """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""
         return sum(p.norm_geometry.norm_sq(x).sum() for p, x in zip(self.pieces, xi, strict=True))
 
+    def inner(self, a: Xi | None, b: Xi | None) -> float:
+        """The metric inner product ``⟨a, b⟩`` summed over pieces (``None``: the zero tangent)."""
+        if a is None or b is None:
+            return 0.0
+        pairs = zip(self.pieces, a, b, strict=True)
+        return float(sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs))
+
     def norm(self, xi: Xi) -> float:
         """Norm ``‖ξ‖`` as a float."""
         return float(self.norm_sq(xi).clamp_min(0).sqrt())
@@ -300,42 +307,46 @@ class Perturbation:
         return out
 
     def ascent_direction(
-        self, egrad: Xi, xi: Xi | None = None, inplace: bool = False
-    ) -> tuple[Xi, float, float]:
+        self, egrad: Xi, pairs: Sequence[Xi | None] = (), inplace: bool = False
+    ) -> tuple[Xi, float, list[float]]:
         """The ascent direction ``d`` (:meth:`riemannian_grad`) with ``‖d‖²`` and ``⟨ξ, d⟩``.
 
         Wherever a piece's projection is metric-orthogonal
-        (:attr:`~geosharp.geometry.Geometry.orthogonal_projection`) both numbers are Euclidean
-        pairings with the gradient: ``⟨d, d⟩ = e·d`` and, ``ξ`` being horizontal,
+        (:attr:`~geosharp.geometry.Geometry.orthogonal_projection`) these numbers are
+        Euclidean pairings with the gradient: ``⟨d, d⟩ = e·d`` and, ``ξ`` being horizontal,
         ``⟨ξ, d⟩ = ⟨ξ, g⁻¹e⟩ = e·ξ`` (one pass each, no metric products). Other pieces use
-        their metric. Auto-PGD needs both for ``‖ξ + s·d‖`` without forming ``ξ + s·d``.
+        their metric. Auto-PGD needs them for the norms of its combinations of ``ξ_k``,
+        ``ξ_{k−1}`` and ``d`` without forming them.
 
         Args:
             egrad: ``∂L/∂ξ`` at ``ξ``.
-            xi: The iterate (horizontal), or ``None`` for ``ξ = 0``.
+            pairs: Horizontal tangents ``ξ`` whose ``⟨ξ, d⟩`` is wanted (``None``: ``ξ = 0``).
             inplace: Let the element-wise pieces of ``egrad`` be overwritten (as in
                 :meth:`riemannian_grad`).
 
         Returns:
-            ``(d, ‖d‖², ⟨ξ, d⟩)``, the two numbers as floats.
+            ``(d, ‖d‖², [⟨ξ, d⟩ for ξ in pairs])``, the numbers as floats.
         """
         out: Xi = []
-        dd = xd = 0.0
-        xs = xi if xi is not None else [None] * len(self.pieces)
-        for p, e, x in zip(self.pieces, egrad, xs, strict=True):
+        dd = 0.0
+        inner = [0.0] * len(pairs)
+        for k, (p, e) in enumerate(zip(self.pieces, egrad, strict=True)):
             g = p.norm_geometry
             exact = g.orthogonal_projection
-            if x is not None and exact:  # before an in-place direction overwrites e
-                xd += float(euclidean_pairing(e, x))
+            xs = [(j, x[k]) for j, x in enumerate(pairs) if x is not None]
+            if exact:  # before an in-place direction overwrites e
+                for j, x in xs:
+                    inner[j] += float(euclidean_pairing(e, x))
             if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
                 d, n = g.ascent_direction_(tuple(e))
             else:
                 d, n = g.ascent_direction(e)
-            if x is not None and not exact:
-                xd += float(g.inner(x, d).sum())
+            if not exact:
+                for j, x in xs:
+                    inner[j] += float(g.inner(x, d).sum())
             out.append(tuple(d))
             dd += float(n)
-        return out, dd, xd
+        return out, dd, inner
 
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
