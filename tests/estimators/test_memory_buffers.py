@@ -4,9 +4,10 @@ Peak memory is measured in ``benchmarks/regimes.py``; here the same accounting i
 deterministically: at every loss evaluation the Python-visible tensors other than the model's
 own parameters are counted in units of the perturbation (one tensor per weight matrix per
 buffer). What may be alive then (``benchmarks/README.md``): the new iterate ξ_{k+1} and ξ_k
-(momentum), the best iterate when it is older, and its direction: four buffers by default;
-with ``low_memory=True`` the direction is kept only while the best iterate is one of those two
-(or the zero start, which is never made): three. The base point is the model's tensors
+(momentum), the best iterate when it is older, and its direction: four buffers when the
+direction is kept always (the default where four fit with what the perturbation holds); with
+``low_memory=True`` the direction is kept only while the best iterate is one of those two (or
+the zero start, which is never made): three. The base point is the model's tensors
 themselves, so no copy of them may appear, and no flat θ or 1/w² buffer either.
 """
 
@@ -400,3 +401,18 @@ def test_the_ball_norm_from_the_pairings_is_the_norm_of_the_combination(monkeypa
     for nsq, exact in checked:
         assert abs(nsq - exact) <= 1e-10 * exact, (nsq, exact)
     assert max(norms) <= rho * (1 + 1e-12) and max(norms) > 0.99 * rho
+
+
+def test_buffer_bytes_counts_a_cut_table_as_its_rows_and_its_perturbed_copy():
+    """A table cut to the rows a batch reaches: ξ holds those rows, the perturbation their
+    ``w[rows]`` and, for each forward, the perturbed table as a whole (``w``, rows replaced)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 3))
+    space = gs.find_symmetries(model, adapters=[])
+    pert = Perturbation(space, dict(model.named_parameters()), measure="adaptive")
+    assert pert.param_bytes == (50 * 16 + 16 * 3 + 3) * 4
+    assert pert.buffer_bytes() == (pert.param_bytes, 0)
+    cut = pert.on_rows({"0.weight": torch.tensor([1, 2, 7])})
+    xi, held = cut.buffer_bytes()
+    assert xi == (3 * 16 + 16 * 3 + 3) * 4
+    assert held == 3 * 16 * 4 + 50 * 16 * 4  # w[rows], and the perturbed table

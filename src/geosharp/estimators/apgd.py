@@ -4,9 +4,12 @@ The schedule follows Croce & Hein (2020) as used by the reference code of Andriu
 (2023), with the paper's changes: the step is a normalized *Riemannian* gradient, projected
 horizontally, and the projection onto the ball is the exact metric projection (horizontal
 projection, then a radial rescale). Unlike the reference implementation, each iteration costs
-exactly one forward and one backward pass: the loss at the new iterate comes from the same
-forward pass that provides the next gradient, and the last iterate is evaluated by a forward
-pass alone. A restart from the best point reuses the gradient stored with it.
+one forward and one backward pass at most: the loss at the new iterate comes from the same
+forward pass that provides the next gradient, the last iterate is evaluated by a forward pass
+alone, and so is an iterate the ascent leaves at once for the best one (a restart). A restart
+reuses the gradient stored with the best point, or recomputes it (:func:`best_direction_rule`).
+The norms the step needs are pairings of the gradient with the iterates and a Gram recursion:
+no pass over the parameters computes a metric norm.
 """
 
 from __future__ import annotations

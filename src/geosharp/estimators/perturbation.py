@@ -218,9 +218,9 @@ class Perturbation:
 
         The second figure is what an ascent holds whatever its iterates: the symmetry pieces'
         copies of their base point and their factorizations, the rows kept by
-        :meth:`on_rows`, and the perturbed parameters gathered for each forward (the
-        parameters with block coordinates, kept by the backward). The model's own tensors are
-        not counted (a plain forward and backward holds them too).
+        :meth:`on_rows`, and the perturbed parameters made for each forward and kept by the
+        backward (those with block coordinates, gathered, and the tables cut to rows, whole).
+        The model's own tensors are not counted (a plain forward and backward holds them too).
         """
         xi = sum(
             t.numel() * p.geometry.tangent_dtype.itemsize
@@ -249,6 +249,8 @@ class Perturbation:
         a = self._assembly
         sizes = zip(a.gathered, a.gathered_sizes, strict=True)
         held += sum(n * self._itemsize[j] for j, n in sizes)
+        # a table cut to rows is perturbed as a whole copy for each forward (w, rows replaced)
+        held += sum(full.numel() * full.element_size() for _, full in a.rows.values())
         return xi, held
 
     @property
