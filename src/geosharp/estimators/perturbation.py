@@ -17,19 +17,33 @@ the pieces' squared norms (one global ball, SPEC §5). The perturbed parameters
 ``θ′ = endpoint(ξ)`` are a differentiable function of ``ξ``, so one forward and one backward of
 the loss at ``θ′`` give the Euclidean gradient with respect to ``ξ`` (SPEC §6, step 2). All
 base-point work (Gram matrices and their factorizations) happens once, in the constructor.
+
+The pieces and the layout helpers are in :mod:`geosharp.estimators.pieces`; the ℓ∞ box
+(:class:`~geosharp.estimators.linf.LinfBox`) and the memory accounting
+(:class:`~geosharp.estimators.memory.BufferAccounting`) are mixins of their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from geosharp.estimators.assembly import _Assembly
+from geosharp.estimators.linf import LinfBox
+from geosharp.estimators.memory import BufferAccounting
+from geosharp.estimators.pieces import (
+    Piece,
+    Xi,
+    _base_params,
+    _block_positions,
+    _group_blocks,
+    _rest_positions,
+    _row_positions,
+)
 from geosharp.geometry import (
     ElementwiseGeometry,
     EuclideanGeometry,
@@ -37,54 +51,15 @@ from geosharp.geometry import (
     Geometry,
     GLGeometry,
 )
-from geosharp.geometry.base import Tangent, euclidean_pairing
-from geosharp.geometry.elementwise import draw_like
+from geosharp.geometry.base import euclidean_pairing
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
 PERTURB = ("all", "blocks")
 BLOCK_METRICS = ("inv", "mix", "adaptive")
 
-Xi = list[Tangent]
 
-
-class Piece:
-    """One part of ``θ`` with its geometry.
-
-    Attributes:
-        name: Readable name (for summaries and errors).
-        index: Global positions in ``θ``, one tensor per component of the point (built on
-            each access from the blocks or the space: a piece stores no parameter-sized index).
-        geometry: Geometry used for the horizontal projection and the geodesic.
-        norm_geometry: Geometry of the ball and of the Riemannian gradient (differs from
-            ``geometry`` only in the "no corrected norm" ablation).
-        order: Geodesic order used for this piece.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        index: tuple[Tensor, ...] | Callable[[], tuple[Tensor, ...]],
-        geometry: Geometry,
-        norm_geometry: Geometry,
-        order: int | str,
-    ) -> None:
-        self.name = name
-        self._index = index
-        self.geometry = geometry
-        self.norm_geometry = norm_geometry
-        self.order = order
-
-    @property
-    def index(self) -> tuple[Tensor, ...]:
-        """Global positions in ``θ`` of every component (a new tensor per access)."""
-        return self._index() if callable(self._index) else self._index
-
-    def __repr__(self) -> str:
-        return f"Piece({self.name!r}, {type(self.geometry).__name__}, order={self.order})"
-
-
-class Perturbation:
+class Perturbation(BufferAccounting, LinfBox):
     """Geometry of the perturbation set of one sharpness measure at the base point ``θ₀``.
 
     Args:
@@ -212,53 +187,6 @@ class Perturbation:
             space, self.pieces, self._rest_piece, self._layout, device, groups
         )
 
-    # -- memory -------------------------------------------------------------------------------
-    def buffer_bytes(self) -> tuple[int, int]:
-        """The bytes of one perturbation ``ξ``, and those this perturbation holds beside it.
-
-        The second figure is what an ascent holds whatever its iterates: the symmetry pieces'
-        copies of their base point and their factorizations, the rows kept by
-        :meth:`on_rows`, and the perturbed parameters made for each forward and kept by the
-        backward (those with block coordinates, gathered, and the tables cut to rows, whole).
-        The model's own tensors are not counted (a plain forward and backward holds them too).
-        """
-        xi = sum(
-            t.numel() * p.geometry.tangent_dtype.itemsize
-            for p in self.pieces
-            for t in p.geometry.point
-        )
-        seen = set(self._own)
-        held = 0
-        todo: list = [g for p in self.pieces for g in (p.geometry, p.norm_geometry)]
-        visited: set[int] = set()
-        while todo:
-            obj = todo.pop()
-            if id(obj) in visited:
-                continue
-            visited.add(id(obj))
-            for value in vars(obj).values():
-                items = value if isinstance(value, (tuple, list)) else (value,)
-                for t in items:
-                    if isinstance(t, Geometry):
-                        todo.append(t)
-                    elif isinstance(t, Tensor):
-                        st = t.untyped_storage()
-                        if st.data_ptr() not in seen:
-                            seen.add(st.data_ptr())
-                            held += st.nbytes()
-        a = self._assembly
-        sizes = zip(a.gathered, a.gathered_sizes, strict=True)
-        held += sum(n * self._itemsize[j] for j, n in sizes)
-        # a table cut to rows is perturbed as a whole copy for each forward (w, rows replaced)
-        held += sum(full.numel() * full.element_size() for _, full in a.rows.values())
-        return xi, held
-
-    @property
-    def param_bytes(self) -> int:
-        """The bytes of the parameters the perturbation covers (one parameter-sized buffer)."""
-        shapes = self.space.shapes
-        return sum(math.prod(s) * size for s, size in zip(shapes, self._itemsize, strict=True))
-
     # -- tangent-vector arithmetic -------------------------------------------------------------
     def zeros(self) -> Xi:
         """The zero perturbation."""
@@ -357,56 +285,6 @@ class Perturbation:
             xi = p.norm_geometry.random_tangent(generator, scale)
             dtype = p.geometry.tangent_dtype
             out.append(tuple(t.to(dtype) for t in xi))
-        return out
-
-    # -- ℓ∞ (adaptive or plain box) -----------------------------------------------------------
-    @staticmethod
-    def _abs_w(p: Piece) -> tuple[Tensor, ...] | None:
-        g = p.geometry
-        return g.abs_w_parts() if isinstance(g, ElementwiseGeometry) else None
-
-    def sign_direction(self, egrad: Xi) -> Xi:
-        """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
-        out = []
-        for p, e in zip(self.pieces, egrad, strict=True):
-            scale = self._abs_w(p)
-            if scale is None:
-                out.append(tuple(torch.sign(t) for t in e))
-            else:
-                out.append(tuple(torch.sign(t) * a for t, a in zip(e, scale, strict=True)))
-        return out
-
-    def box(self, xi: Xi, rho: float) -> Xi:
-        """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
-        out = []
-        for p, x in zip(self.pieces, xi, strict=True):
-            scale = self._abs_w(p)
-            bounds = (
-                [torch.full_like(t, rho) for t in x] if scale is None else [rho * a for a in scale]
-            )
-            out.append(
-                tuple(
-                    torch.maximum(torch.minimum(t, b), -b) for t, b in zip(x, bounds, strict=True)
-                )
-            )
-        return out
-
-    def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
-        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
-
-        One draw over all components of a piece, then split (the numbers do not depend on how
-        the piece is cut into components).
-        """
-        out = []
-        for p in self.pieces:
-            scale = self._abs_w(p)
-            u = draw_like(p.geometry.point, generator, torch.rand)
-            out.append(
-                tuple(
-                    (2 * uk - 1) * rho * (scale[k] if scale is not None else 1)
-                    for k, uk in enumerate(u)
-                )
-            )
         return out
 
     # -- the perturbed parameters -------------------------------------------------------------
@@ -649,61 +527,3 @@ class Perturbation:
             with torch.no_grad():
                 for t, w in pairs:
                     t.sub_(w)
-
-
-def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The base point by name, detached: the given tensors, or views of a flat ``θ₀``."""
-    if isinstance(theta0, Tensor):
-        return {n: t.detach() for n, t in space.unflatten(theta0.detach()).items()}
-    out = {}
-    for name, shape in zip(space.param_names, space.shapes, strict=True):
-        if name not in theta0:
-            raise KeyError(
-                f"parameter {name!r} of the ParameterSpace is missing from the base point; pass "
-                "e.g. dict(model.named_parameters())"
-            )
-        t = theta0[name]
-        if t.shape != shape:
-            raise ValueError(
-                f"parameter {name!r} has shape {tuple(t.shape)} but the ParameterSpace was built "
-                f"for shape {tuple(shape)}"
-            )
-        out[name] = t.detach()
-    return out
-
-
-def _rest_positions(
-    space: ParameterSpace, layout: Sequence[tuple[int, Tensor | None]], device: torch.device
-) -> Callable[[], tuple[Tensor, ...]]:
-    """Global positions of the rest components, built when asked (no index is stored)."""
-    return lambda: tuple(space.layout_positions(layout, device))
-
-
-def _row_positions(piece: Piece, cut: Mapping[int, Tensor], full: Sequence[Tensor]) -> Callable:
-    """Global positions of a rest piece some of whose components are cut to rows."""
-
-    def positions() -> tuple[Tensor, ...]:
-        out = list(piece.index)
-        for c, r in cut.items():
-            row = full[c][0].numel()
-            per_row = out[c].reshape(full[c].shape[0], row)
-            out[c] = per_row.index_select(0, r.to(per_row.device)).reshape(-1)
-        return tuple(out)
-
-    return positions
-
-
-def _block_positions(cls: type, blocks: list, device: torch.device) -> Callable:
-    """Global positions of a batched block piece, built when asked (the blocks hold them)."""
-    return lambda: tuple(i.to(device) for i in cls.batch(blocks))
-
-
-def _group_blocks(space: ParameterSpace) -> list[list]:
-    """Blocks grouped by :meth:`~geosharp.symmetry.SymmetryBlock.batch_key`, in first-seen order.
-
-    Each group becomes one batched geometry (e.g. all QK heads of equal shape of all layers).
-    """
-    groups: dict = {}
-    for b in space.blocks:
-        groups.setdefault(b.batch_key(), []).append(b)
-    return list(groups.values())
