@@ -119,11 +119,8 @@ def test_the_iterate_is_the_displacement_the_forward_applied():
     assert all(torch.equal(t, torch.zeros_like(t)) for t in zero[0])
 
 
-def test_the_best_direction_kept_or_not_gives_the_same_ascent():
-    """Auto-PGD keeping the best iterate's direction always, while free (the default) or never:
-    the same iterates bit for bit, the default recomputing no more often than never keeping."""
-    from geosharp.estimators.apgd import autopgd
-
+def _adaptive_problem():
+    """The MLP's adaptive perturbation and its loss on a fixed batch, for ``autopgd`` itself."""
     model = _model()
     x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
     y = torch.arange(32) % 3
@@ -133,6 +130,16 @@ def test_the_best_direction_kept_or_not_gives_the_same_ascent():
 
     def evaluate(params):
         return nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    return pert, evaluate
+
+
+def test_the_best_direction_kept_or_not_gives_the_same_ascent():
+    """Auto-PGD keeping the best iterate's direction always, while free (the default) or never:
+    the same iterates bit for bit, the default recomputing no more often than never keeping."""
+    from geosharp.estimators.apgd import autopgd
+
+    pert, evaluate = _adaptive_problem()
 
     passes, out = {}, {}
     for keep in (True, None, False):
@@ -252,15 +259,7 @@ def test_a_restart_from_an_older_best_iterate_skips_the_backward_it_would_discar
     an older best iterate (and the best direction kept or recomputed alike)."""
     from geosharp.estimators.apgd import autopgd
 
-    model = _model()
-    x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
-    y = torch.arange(32) % 3
-    space = gs.find_symmetries(model, adapters=[])
-    base = {n: p.detach() for n, p in model.named_parameters()}
-    pert = Perturbation(space, base, measure="adaptive")
-
-    def evaluate(params):
-        return nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+    pert, evaluate = _adaptive_problem()
 
     def run(keep, always):
         n = {"forward": 0, "backward": 0, "at": []}

@@ -209,7 +209,6 @@ def autopgd(
     Returns:
         An :class:`AscentResult`.
     """
-    eta = 2.0 * rho
     l2 = norm == "l2"
     if xi0 is None and not l2:
         xi0 = pert.zeros()
@@ -235,7 +234,7 @@ def autopgd(
     best_direction = direction if keep is not False else None
     best_dd, best_xd = dd, xd
     cps = set(checkpoints(steps))
-    sched = _Schedule(cps, eta, value)
+    sched = _Schedule(cps, 2.0 * rho, value)  # the step size starts at 2ρ
     a, b = MOMENTUM, 1.0 - MOMENTUM
     for i in range(steps):
         # ξ_{k+1} = P(ξ_k + α(z − ξ_k) + (1−α)(ξ_k − ξ_{k−1})) = P(α z + 2(1−α) ξ_k − (1−α) ξ_{k−1})
@@ -249,7 +248,7 @@ def autopgd(
                     "metric is not finite (a symmetry block near-singular at eps=0? try eps > 0)"
                 )
             rn = math.sqrt(max(dd, 0.0))
-            scale = eta / rn if rn > 0 else 0.0
+            scale = sched.eta / rn if rn > 0 else 0.0
             nz = math.sqrt(max(xi_nsq + 2.0 * scale * xd + scale * scale * dd, 0.0))
             c = rho / nz if nz > rho else 1.0
             reuse = direction is not best_direction
@@ -266,11 +265,11 @@ def autopgd(
             prev_nsq, xi_nsq = xi_nsq, r * r * max(nsq, 0.0)
         else:
             step = pert.sign_direction(direction)
-            z = pert.box(Perturbation.combine(xi, step, 1.0, eta), rho)
+            z = pert.box(Perturbation.combine(xi, step, 1.0, sched.eta), rho)
             _momentum_(z, xi, xi_prev, a, b)
             new = pert.box(z, rho)
             z = step = None
-        res.step_sizes.append(eta)
+        res.step_sizes.append(sched.eta)
         xi_prev, xi = xi, new
         if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):
             best_direction = None  # the best iterate is older: its direction would cost a buffer
@@ -290,7 +289,6 @@ def autopgd(
             best_direction = direction if keep is not False else None
             best_dd, best_xd = dd, xd
         if restart:
-            eta = sched.eta
             res.restarts.append(i)
             if best_xi is not xi and i < steps - 1:  # back to the best iterate and its direction
                 if best_direction is not None:
