@@ -316,3 +316,27 @@ def test_float32_projection_of_ill_conditioned_block_stays_accurate():
     pA = geom32.project(tuple(x.float() for x in xA))
     assert pA[0].dtype == torch.float32
     assert rel(flat(*pA).double(), flat(*xA)) < 1e-3
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("work_dtype", [None, torch.float32])
+def test_sampling_square_roots_are_made_on_first_use(metric, work_dtype):
+    """The square roots ``random_tangent`` samples with are not held until it is called, and
+    are then the constructor's float64 factorizations bit for bit (rounded to the work dtype
+    like the others); the Sylvester denominators are kept as the eigenvalues ``d``."""
+    g = torch.Generator().manual_seed(11)
+    G = torch.randn(3, 12, 4, generator=g)
+    H = torch.randn(3, 10, 4, generator=g)
+    geom = GLGeometry(G, H, metric=metric, eps=0.0, work_dtype=work_dtype)
+    held = {k for k, v in vars(geom).items() if isinstance(v, (torch.Tensor, tuple))}
+    assert not {"_sampler_pair", "_sample_G", "_sample_H", "_denom"} & held
+    MG, MH = (gl._gram(X.double(), 0.0) for X in (G, H))
+    (lg, Ug), (lh, Uh) = gl._spd_funcs(MG), gl._spd_funcs(MH)
+    if metric == "inv":
+        ref = (gl._apply_spectral(lg, Ug, lg.sqrt()), gl._apply_spectral(lh, Uh, lh.sqrt()))
+    else:
+        ref = (gl._apply_spectral(lh, Uh, lh.rsqrt()), gl._apply_spectral(lg, Ug, lg.rsqrt()))
+    xi = geom.random_tangent(torch.Generator().manual_seed(0))
+    assert xi[0].dtype == torch.float32
+    for got, want in zip(geom._samplers(), ref, strict=True):
+        assert torch.equal(got, want.to(geom.compute_dtype))

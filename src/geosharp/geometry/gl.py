@@ -184,20 +184,17 @@ class GLGeometry(Geometry):
             "MG_inv": _apply_spectral(lg, Ug, 1.0 / lg),
             "MH_inv": _apply_spectral(lh, Uh, 1.0 / lh),
         }
-        # Square roots for sampling: inv samples Z M_G^{1/2}, mix samples Z M_H^{-1/2}.
         if self.metric == "inv":
             MH_sqrt = _apply_spectral(lh, Uh, lh.sqrt())
-            factors["_sample_G"] = _apply_spectral(lg, Ug, lg.sqrt())
-            factors["_sample_H"] = MH_sqrt
             # Sylvester solve of SPEC §4 (corrected): A Λ + Λ A = B with A = M_H M_G, A similar
-            # to C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q.
+            # to C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q; the denominators
+            # d_i + d_j are formed from D where they are used.
             d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
             factors["_S"] = MH_sqrt @ Q
             factors["_S_inv"] = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
-            factors["_denom"] = d.unsqueeze(-1) + d.unsqueeze(-2)
-        else:
-            factors["_sample_G"] = _apply_spectral(lh, Uh, lh.rsqrt())
-            factors["_sample_H"] = _apply_spectral(lg, Ug, lg.rsqrt())
+            factors["_eig"] = d
+        #: Dtype of the factorizations (:meth:`_samplers` computes its square roots in it).
+        self._factor_dtype = self.compute_dtype
         for key, value in factors.items():
             setattr(self, key, value)
         self._MG_inv_lo = self.MG_inv.to(G.dtype)
@@ -388,8 +385,8 @@ class GLGeometry(Geometry):
         if self.metric == "mix":
             return 0.5 * ((xH.mT @ H) @ f("MH_inv", sl) - f("MG_inv", sl) @ (G.mT @ xG))
         B = (xH.mT @ H) @ f("MG", sl) - f("MH", sl) @ (G.mT @ xG)
-        S = f("_S", sl)
-        Y = (f("_S_inv", sl) @ B @ S) / f("_denom", sl)
+        S, d = f("_S", sl), f("_eig", sl)
+        Y = (f("_S_inv", sl) @ B @ S) / (d.unsqueeze(-1) + d.unsqueeze(-2))
         return S @ Y @ f("_S_inv", sl)
 
     def project(self, xi: Tangent) -> Tangent:
@@ -448,7 +445,7 @@ class GLGeometry(Geometry):
         "MH_inv",
         "_S",
         "_S_inv",
-        "_denom",
+        "_eig",
     )
 
     def _chunk_view(self, sl: slice, G: Tensor, H: Tensor) -> GLGeometry:
@@ -603,10 +600,31 @@ class GLGeometry(Geometry):
         zH = torch.randn(
             self.H.shape, generator=generator, dtype=self.compute_dtype, device=self.H.device
         )
-        xi = (scale * zG @ self._sample_G, scale * zH @ self._sample_H)
+        sample_G, sample_H = self._samplers()
+        xi = (scale * zG @ sample_G, scale * zH @ sample_H)
         if horizontal:
             xi = self.project(xi)
         return tuple(t.to(dtype or self.dtype) for t in xi)
+
+    def _samplers(self) -> tuple[Tensor, Tensor]:
+        """The square roots :meth:`random_tangent` multiplies by, made on first use and kept.
+
+        inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. Computed from ``G``,
+        ``H`` as the constructor computes its factorizations (same dtype, same operations: the
+        same numbers), so that a worst-case ascent, which never samples, holds none of them.
+        """
+        held = self.__dict__.get("_sampler_pair")
+        if held is None:
+            G, H = self.G.to(self._factor_dtype), self.H.to(self._factor_dtype)
+            lg, Ug = _spd_funcs(_gram(G, self.eps))
+            lh, Uh = _spd_funcs(_gram(H, self.eps))
+            if self.metric == "inv":
+                pair = (_apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt()))
+            else:
+                pair = (_apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt()))
+            held = tuple(t.to(self.compute_dtype) for t in pair)
+            self.__dict__["_sampler_pair"] = held
+        return held
 
 
 # ---------------------------------------------------------------------------------------------
