@@ -65,21 +65,8 @@ def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -
     """The base point by name, detached: the given tensors, or views of a flat ``θ₀``."""
     if isinstance(theta0, Tensor):
         return {n: t.detach() for n, t in space.unflatten(theta0.detach()).items()}
-    out = {}
-    for name, shape in zip(space.param_names, space.shapes, strict=True):
-        if name not in theta0:
-            raise KeyError(
-                f"parameter {name!r} of the ParameterSpace is missing from the base point; pass "
-                "e.g. dict(model.named_parameters())"
-            )
-        t = theta0[name]
-        if t.shape != shape:
-            raise ValueError(
-                f"parameter {name!r} has shape {tuple(t.shape)} but the ParameterSpace was built "
-                f"for shape {tuple(shape)}"
-            )
-        out[name] = t.detach()
-    return out
+    checked = space.checked(theta0, "the base point")
+    return {n: t.detach() for n, t in zip(space.param_names, checked, strict=True)}
 
 
 def _rest_positions(

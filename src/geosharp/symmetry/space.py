@@ -159,12 +159,28 @@ class ParameterSpace:
             KeyError: If a parameter of :attr:`param_names` is missing.
             ValueError: If a parameter has the wrong shape.
         """
-        parts = []
+        parts = [p.reshape(-1) for p in self.checked(params, "the mapping passed to flatten()")]
+        if not parts:
+            return torch.zeros(0)
+        return torch.cat(parts)
+
+    def checked(self, params: Mapping[str, Tensor], where: str) -> list[Tensor]:
+        """The tensors of :attr:`param_names` in ``params``, in order, with their shapes checked.
+
+        Args:
+            params: Mapping that contains at least every name of :attr:`param_names`.
+            where: What ``params`` is, for the error messages (e.g. ``"the base point"``).
+
+        Raises:
+            KeyError: If a parameter of :attr:`param_names` is missing.
+            ValueError: If a parameter has the wrong shape.
+        """
+        out = []
         for name, shape in zip(self.param_names, self.shapes, strict=True):
             if name not in params:
                 raise KeyError(
-                    f"parameter {name!r} of the ParameterSpace is missing from the mapping "
-                    "passed to flatten(); pass e.g. dict(model.named_parameters())"
+                    f"parameter {name!r} of the ParameterSpace is missing from {where}; pass "
+                    "e.g. dict(model.named_parameters())"
                 )
             p = params[name]
             if p.shape != shape:
@@ -172,10 +188,8 @@ class ParameterSpace:
                     f"parameter {name!r} has shape {tuple(p.shape)} but the ParameterSpace was "
                     f"built for shape {tuple(shape)}"
                 )
-            parts.append(p.reshape(-1))
-        if not parts:
-            return torch.zeros(0)
-        return torch.cat(parts)
+            out.append(p)
+        return out
 
     def flatten_module(self, model: nn.Module) -> Tensor:
         """``θ`` of a model with the same parameter names (differentiable).
