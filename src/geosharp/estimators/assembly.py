@@ -254,15 +254,41 @@ class _Assembly:
             source = torch.cat(parts) if len(parts) > 1 else parts[0]
             values = torch.split(torch.index_select(source, 0, self.index), self.gathered_sizes)
             return {j: v.view(self.shapes[j]) for j, v in zip(self.gathered, values, strict=True)}
+        inputs = [v for k in self.sym_pieces for v in moved[k]] + [rest[c] for c in self.mixed]
+        if _hand_adjoint(inputs):
+            out = _WriteParts.apply(self, dtype, device, *inputs)
+            return dict(zip(self.gathered, out, strict=True))
+        return self._write(inputs, dtype, device)
+
+    def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> dict:
+        """The gathered parameters, written part by part through views of the :attr:`plan`.
+
+        ``inputs``: the block components in piece order, then the mixed rest components.
+        """
         bufs = {j: torch.empty(self.shapes[j], dtype=dtype, device=device) for j in self.gathered}
-        for k, factors in zip(self.sym_pieces, self.plan, strict=True):
-            for value, factor in zip(moved[k], factors, strict=True):
-                for t, part in factor.split(value):
+        it = iter(inputs)
+        for factors in self.plan:
+            for factor in factors:
+                for t, part in factor.split(next(it)):
                     dest = part.view(bufs[part.param])
                     dest.copy_(t.view(dest.shape))
-        for c, (j, local) in zip(self.mixed, self.mixed_local, strict=True):
-            bufs[j].view(-1).index_put_((local.to(device),), rest[c].reshape(-1))
+        for j, local in self.mixed_local:
+            bufs[j].view(-1).index_put_((local.to(device),), next(it).reshape(-1))
         return bufs
+
+    def _read(
+        self, factor: _Factor, grads: Sequence[Tensor], shape: torch.Size, device: torch.device
+    ) -> Tensor:
+        """One block component read part by part from the parameters' ``grads``.
+
+        The adjoint of :meth:`_write` for that component: a fresh tensor of ``shape``.
+        """
+        dtype = grads[factor.parts[0][0].param].dtype
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        for t, part in factor.split(buf):
+            src = part.view(grads[part.param])
+            t.view(src.shape).copy_(src)
+        return buf
 
     def pull_back(self, pieces: Sequence, grads: Sequence[Tensor]) -> list[list[Tensor]]:
         """The adjoint of :meth:`__call__` for moved pieces equal to their input (``ξ = 0``).
@@ -282,12 +308,7 @@ class _Assembly:
             for k, factors in zip(self.sym_pieces, self.plan, strict=True):
                 for c, factor in enumerate(factors):
                     ref = pieces[k].geometry.point[c]
-                    dtype = grads[factor.parts[0][0].param].dtype
-                    buf = torch.empty(ref.shape, dtype=dtype, device=ref.device)
-                    for t, part in factor.split(buf):
-                        src = part.view(grads[part.param])
-                        t.view(src.shape).copy_(src)
-                    out[k][c] = buf
+                    out[k][c] = self._read(factor, grads, ref.shape, ref.device)
             for c, (j, local) in zip(self.mixed, self.mixed_local, strict=True):
                 out[self.rest_piece][c] = grads[j].reshape(-1)[local.to(grads[j].device)]
         elif self.gathered:
@@ -308,3 +329,67 @@ class _Assembly:
                         g = g.index_select(0, self.rows[c][0])
                     out[self.rest_piece][c] = g
         return out
+
+
+def _hand_adjoint(inputs: Sequence[Tensor]) -> bool:
+    """Whether :class:`_WriteParts` serves: a reverse-mode gradient of the written parts.
+
+    Not under a ``torch.func`` transform nor with forward-mode dual tensors (it has no ``jvp``
+    or ``vmap`` rule; the views' own autograd serves those), and not without a gradient.
+    """
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return all(unpack(t).tangent is None for t in inputs)
+
+
+class _WriteParts(torch.autograd.Function):
+    """:meth:`_Assembly._write` with its adjoint written out: each part read back once.
+
+    Through autograd, every part copied into a view of a fresh parameter records a
+    ``CopySlices`` (a clone of the whole parameter's gradient in the backward), and the
+    splits of a block component into parts gather their gradients with zero-filled
+    concatenations (two full copies of the component per level). The adjoint of a write
+    through views is a read through the same views: one copy per part
+    (:meth:`_Assembly._read`). A backward with ``create_graph=True`` (curvature) takes the
+    views' own adjoint instead, as a differentiable vector-Jacobian product of the (linear)
+    write.
+    """
+
+    @staticmethod
+    def forward(ctx, assembly, dtype, device, *inputs):
+        ctx.assembly = assembly
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
+        ctx.out_kind = (dtype, device)
+        bufs = assembly._write(inputs, dtype, device)
+        return tuple(bufs[j] for j in assembly.gathered)
+
+    @staticmethod
+    def backward(ctx, *grads_out):
+        a = ctx.assembly
+        if torch.is_grad_enabled():  # create_graph: the adjoint of the views, differentiable
+            leaves = [
+                torch.zeros(s, dtype=d, device=v, requires_grad=True) for s, d, v in ctx.likes
+            ]
+            bufs = a._write(leaves, *ctx.out_kind)
+            outs = [bufs[j] for j in a.gathered]
+            back = torch.autograd.grad(
+                outs, leaves, grads_out, create_graph=True, allow_unused=True
+            )
+            return (None, None, None, *back)
+        grads: list[Tensor | None] = [None] * len(a.shapes)
+        for j, g in zip(a.gathered, grads_out, strict=True):
+            grads[j] = g
+        out: list[Tensor | None] = []
+        needs = iter(ctx.needs_input_grad[3:])
+        likes = iter(ctx.likes)
+        for factors in a.plan:
+            for factor in factors:
+                shape, _, device = next(likes)
+                out.append(a._read(factor, grads, shape, device) if next(needs) else None)
+        for j, local in a.mixed_local:
+            next(likes)
+            out.append(grads[j].reshape(-1)[local.to(grads[j].device)] if next(needs) else None)
+        return (None, None, None, *out)

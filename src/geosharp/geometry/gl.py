@@ -493,7 +493,8 @@ class GLGeometry(Geometry):
                 L = self._lam_of(g, h, G, H, sl)
             else:  # a subgroup's Λ, on the chunk's own factors
                 L = self._chunk_view(sl, G, H).lam((g, h))
-            pG, pH = _add_mm(g, G, L), _add_mm(h, H, L.mT, alpha=-1.0)
+            # the Riemannian gradient is a fresh temporary: P accumulates into it
+            pG, pH = _add_mm(g, G, L, inplace=grad), _add_mm(h, H, L.mT, alpha=-1.0, inplace=grad)
             if pairing is not None:
                 pairing += torch.dot(eG.reshape(-1), pG.reshape(-1))
                 pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
@@ -562,13 +563,13 @@ class GLGeometry(Geometry):
         """
         order = check_order(order)
         if order == 2 and self.dtype != self.compute_dtype:
-            self._check_tangent(xi)
+            self._validate_tangent(xi)  # checked, not widened: the term runs in G's dtype
             xG, xH = xi[0].to(self.dtype), xi[1].to(self.dtype)
             return _order2_endpoint(
                 self.G, self.H, xG, xH, self._MG_inv_lo, self._MH_inv_lo, self.metric
             )
         if order == 1 and xi[0].dtype == xi[1].dtype == self.dtype:
-            self._check_tangent(xi)  # tangents in the model's dtype: G + ξ is one rounding
+            self._validate_tangent(xi)  # tangents in the model's dtype: G + ξ is one rounding
             return self.G + xi[0], self.H + xi[1]
         xG, xH = self._check_tangent(xi)
         if order == 1:

@@ -45,11 +45,19 @@ def _christoffel(
     return gG, gH
 
 
-def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0) -> Tensor:
-    """``X + α·A @ B`` in one batched pass (``baddbmm``) over any leading dimensions."""
+def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    """``X + α·A @ B`` in one batched pass (``baddbmm``) over any leading dimensions.
+
+    ``inplace=True`` accumulates into ``X`` (a temporary of the caller's): an out-of-place
+    ``baddbmm`` first copies ``X`` into its result, one pass over an ``n × h`` tensor.
+    """
     batch = torch.broadcast_shapes(X.shape[:-2], A.shape[:-2], B.shape[:-2])
     if len(batch) == 1 and X.shape[:-2] == A.shape[:-2] == B.shape[:-2]:
+        if inplace:
+            return X.baddbmm_(A, B, alpha=alpha)
         return torch.baddbmm(X, A, B, alpha=alpha)
+    if inplace:
+        return X.add_(A @ B, alpha=alpha)
     return X + alpha * (A @ B)
 
 
@@ -109,13 +117,29 @@ def _order2_endpoint(
 
 
 def _order2_forward(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+    inplace: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-    """``(G′, H′, C_G, C_H, s)``: the endpoint and the factors its backward needs."""
+    """``(G′, H′, C_G, C_H, s)``: the endpoint and the factors its backward needs.
+
+    ``G′ = G (I + s B_G) + ξ_G C_G``: two products, the second accumulated into the first
+    (``inplace``, outside autograd; otherwise one ``baddbmm``), with no pass that copies ``G``.
+    """
     cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
-    Gp = _add_mm(_add_mm(G, xG, cG), G, bG, alpha=s)
-    Hp = _add_mm(_add_mm(H, xH, cH), H, bH, alpha=s)
+    Gp = _add_mm(G @ _add_eye(bG, s), xG, cG, inplace=inplace)
+    Hp = _add_mm(H @ _add_eye(bH, s), xH, cH, inplace=inplace)
     return Gp, Hp, cG, cH, s
+
+
+def _add_eye(B: Tensor, s: float) -> Tensor:
+    """``I + s·B`` (batched ``h × h``)."""
+    return torch.add(_eye_like(B), B, alpha=s)
 
 
 def _hand_backward(xG: Tensor, xH: Tensor) -> bool:
@@ -156,7 +180,7 @@ class _Order2Endpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric):
-        Gp, Hp, cG, cH, s = _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)
+        Gp, Hp, cG, cH, s = _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric, inplace=True)
         ctx.save_for_backward(xG, xH, G, H, MG_inv, MH_inv, cG, cH)
         ctx.metric, ctx.s = metric, s
         return Gp, Hp
@@ -177,6 +201,7 @@ class _Order2Endpoint(torch.autograd.Function):
         else:
             dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
             dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
-        dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG)), xG, _sym(dTG))
-        dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH)), xH, _sym(dTH))
+        # accumulated into the fresh g C^T (no copy of an n × h tensor)
+        dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
+        dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
         return dxG, dxH, None, None, None, None, None
