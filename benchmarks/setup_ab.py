@@ -13,7 +13,11 @@ second one follows ``T(N₂)`` of the same measure and always finds it cached. S
 does not lower the step, as it does in ``regimes.py`` when its cache misses), over the plain
 step of the same repetition; repeated-call set-up ``T(N₁) − N₁·step`` with the first
 ``T(N₁)``, in plain steps; medians over repetitions. The values of every version's ``T(N₂)``
-calls are printed side by side (the versions should agree to float rounding).
+calls are printed side by side (the versions should agree to float rounding). The machine's
+speed drifts by 20–40 % within a minute on a shared host, so a per-repetition ratio carries the
+drift between its plain step and its calls; the *pooled* ratio, the median step time over the
+median of every plain step of the configuration (all measures and repetitions), is printed
+beside it.
 
 Run:
 
@@ -80,21 +84,31 @@ def main() -> int:
                     step = (t2 - t1_hot) / (n2 - n1)
                     rows[m][v].append((step / plain, (t1 - n1 * step) / plain, plain))
         res: dict = {}
-        print(f"{config}: {args.repeats} repetitions, steps {n1},{n2}", flush=True)
+        # every plain step of the configuration (one per measure and repetition)
+        pooled = statistics.median(x[2] for m in measures for x in rows[m][names[0]])
+        print(
+            f"{config}: {args.repeats} repetitions, steps {n1},{n2}, pooled plain step "
+            f"{pooled * 1e3:.0f} ms",
+            flush=True,
+        )
         for m in measures:
             res[m] = {}
             for v in names:
                 vals = rows[m][v]
+                step_s = statistics.median(x[0] * x[2] for x in vals)
                 res[m][v] = {
                     "step_ratio": statistics.median(x[0] for x in vals),
+                    "step_s": step_s,
+                    "pooled_step_ratio": step_s / pooled,
                     "repeat_setup_ratio": statistics.median(x[1] for x in vals),
                     "plain_s": statistics.median(x[2] for x in vals),
                     "value": values[m][v],
                     "all": vals,
                 }
             cells = "  ".join(
-                f"{v}: step {res[m][v]['step_ratio']:.2f} set-up "
-                f"{res[m][v]['repeat_setup_ratio']:.2f} value {res[m][v]['value']:.9g}"
+                f"{v}: step {res[m][v]['step_ratio']:.2f} "
+                f"(pooled {res[m][v]['pooled_step_ratio']:.2f}) "
+                f"set-up {res[m][v]['repeat_setup_ratio']:.2f} value {res[m][v]['value']:.9g}"
                 for v in names
             )
             print(f"  {m:24s} {cells}", flush=True)
