@@ -258,24 +258,31 @@ class Perturbation(BufferAccounting, LinfBox):
             ``(d, ‖d‖², [⟨ξ, d⟩ for ξ in pairs])``, the numbers as floats.
         """
         out: Xi = []
-        dd = 0.0
-        inner = [0.0] * len(pairs)
+        # the numbers stay tensors until every piece is done: one wait for the device, not one
+        # per piece and number (float64 sums in the same order as Python floats: same values)
+        sums: list[Tensor | None] = [None] * (1 + len(pairs))  # ‖d‖², then ⟨ξ_j, d⟩
+
+        def add(i: int, v: Tensor) -> None:
+            v = v.to(torch.float64)
+            sums[i] = v if sums[i] is None else sums[i] + v
+
         for k, (p, e) in enumerate(zip(self.pieces, egrad, strict=True)):
             g = p.norm_geometry
             exact = g.orthogonal_projection
             xs = [(j, x[k]) for j, x in enumerate(pairs) if x is not None]
             if exact:  # before an in-place direction overwrites e
                 for j, x in xs:
-                    inner[j] += float(euclidean_pairing(e, x))
+                    add(1 + j, euclidean_pairing(e, x))
             if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
                 d, n = g.ascent_direction_(tuple(e))
             else:
                 d, n = g.ascent_direction(e)
             if not exact:
                 for j, x in xs:
-                    inner[j] += float(g.inner(x, d).sum())
+                    add(1 + j, g.inner(x, d).sum())
             out.append(tuple(d))
-            dd += float(n)
+            add(0, n)
+        dd, *inner = (0.0 if v is None else float(v) for v in sums)
         return out, dd, inner
 
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
