@@ -16,10 +16,13 @@ all of them (inv: ``ξ_Gᵀ G M_H = M_G Hᵀ ξ_H``; mix: ``Gᵀ ξ_G M_H = M_G 
 exactly invariant, and the horizontal projection exactly idempotent, at ``ε = 0``; ``ε > 0`` is
 the paper's relaxation for near-singular blocks (SPEC §4) and perturbs both by ``O(ε/σ²_min)``.
 
-Every function is batched over any leading dimensions (e.g. ``layers × heads``), differentiable,
-and dtype/device agnostic. :class:`GLGeometry` factorizes the base point once (eigendecompositions
-of the ``h × h`` Gram matrices); the module-level functions are conveniences that build one per
-call.
+Everything is batched over any leading dimensions (e.g. ``layers × heads``), differentiable,
+and dtype/device agnostic. :class:`GLGeometry` factorizes the base point once
+(:mod:`~geosharp.geometry.gl_factors`: eigendecompositions of the ``h × h`` Gram matrices) and
+runs the order-2 endpoint of :mod:`~geosharp.geometry.gl_endpoint`; the group action ``act``,
+``act_tangent`` is :mod:`~geosharp.geometry.gl_action`'s, and the one-call functions
+(``gl.geodesic(G, H, ξ_G, ξ_H)``, …) of :mod:`~geosharp.geometry.gl_functional`, which build a
+geometry per call, are served from here too.
 
 Example:
     >>> import torch
@@ -55,10 +58,13 @@ from geosharp.geometry._validate import (
     check_order,
     check_steps,
     check_tensor,
-    singular_threshold,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
-from geosharp.geometry.gl_endpoint import _add_mm, _christoffel, _eye_like, _order2_endpoint
+from geosharp.geometry.gl_action import act, act_tangent
+from geosharp.geometry.gl_endpoint import _add_mm, _christoffel, _order2_endpoint
+from geosharp.geometry.gl_factors import RankCheck, _gram, check_rank, factorize, sampling_roots
+
+__all__ = ["CHUNK_ELEMENTS", "DEFAULT_EPS", "GLGeometry", "act", "act_tangent"]
 
 #: Default damping of the Gram matrices. ``0`` keeps the metrics exactly GL(h)-invariant;
 #: a rank-deficient block then raises an error that suggests ``eps > 0``.
@@ -68,25 +74,6 @@ DEFAULT_EPS = 0.0
 #: about 2 MB they stay in cache (the Gram of 5.3 M float32 coordinates, h = 32: 46 ms in one
 #: pass, 14 ms in chunks of 8–32 heads, on the CI machine).
 CHUNK_ELEMENTS = 2**18
-
-
-def _gram(X: Tensor, eps: float) -> Tensor:
-    """Damped Gram matrix ``XᵀX + εI`` (batched)."""
-    M = X.mT @ X
-    if eps:
-        M = M + eps * _eye_like(M)
-    return M
-
-
-def _spd_funcs(M: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition ``M = U diag(λ) Uᵀ`` of a batch of symmetric matrices."""
-    lam, U = torch.linalg.eigh(M)
-    return lam, U
-
-
-def _apply_spectral(lam: Tensor, U: Tensor, f: Tensor) -> Tensor:
-    """``U diag(f) Uᵀ`` where ``f`` is a function of the eigenvalues ``lam``."""
-    return (U * f.unsqueeze(-2)) @ U.mT
 
 
 class GLGeometry(Geometry):
@@ -172,27 +159,7 @@ class GLGeometry(Geometry):
         if hold_wide_point is None:
             hold_wide_point = self._tangent_dtype == self.compute_dtype
         self._G, self._H = G.to(self.compute_dtype), H.to(self.compute_dtype)
-        MG = _gram(self._G, self.eps)
-        MH = _gram(self._H, self.eps)
-        lg, Ug = _spd_funcs(MG)
-        lh, Uh = _spd_funcs(MH)
-        self._check_rank("G", lg, h, G.dtype)
-        self._check_rank("H", lh, h, H.dtype)
-        factors = {
-            "MG": MG,
-            "MH": MH,
-            "MG_inv": _apply_spectral(lg, Ug, 1.0 / lg),
-            "MH_inv": _apply_spectral(lh, Uh, 1.0 / lh),
-        }
-        if self.metric == "inv":
-            MH_sqrt = _apply_spectral(lh, Uh, lh.sqrt())
-            # Sylvester solve of SPEC §4 (corrected): A Λ + Λ A = B with A = M_H M_G, A similar
-            # to C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q; the denominators
-            # d_i + d_j are formed from D where they are used.
-            d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
-            factors["_S"] = MH_sqrt @ Q
-            factors["_S_inv"] = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
-            factors["_eig"] = d
+        factors = factorize(self._G, self._H, self.metric, self.eps, self._rank_check(h))
         #: Dtype of the factorizations (:meth:`_samplers` computes its square roots in it).
         self._factor_dtype = self.compute_dtype
         for key, value in factors.items():
@@ -253,37 +220,13 @@ class GLGeometry(Geometry):
         self.compute_dtype = dtype
         self._tangent_dtype = dtype
 
-    def _raise_singular(self, which: str, names: list[str], cond: float) -> None:
-        shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
-        raise ValueError(
-            f"eps=0 but the Gram matrix {which}ᵀ{which} of {len(names)} block(s) {shown} is "
-            f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical squared "
-            f"weight norm) to damp it"
-        )
+    def _rank_check(self, h: int) -> RankCheck:
+        """The check :func:`~geosharp.geometry.gl_factors.factorize` runs on both spectra."""
 
-    def _check_rank(self, which: str, lam: Tensor, h: int, dtype: torch.dtype) -> None:
-        lam_max = lam[..., -1:].clamp_min(torch.finfo(lam.dtype).tiny)
-        bad = lam[..., :1] <= singular_threshold(dtype, max(h, 2)) * lam_max
-        if self.eps == 0.0 and bool(bad.any()):
-            lam_min = lam[..., 0].abs().clamp_min(torch.finfo(lam.dtype).tiny)
-            cond = float((lam[..., -1] / lam_min).max())
-            where = ""
-            if self.head_names is not None:
-                flat_bad = bad.reshape(-1).nonzero().flatten().tolist()
-                return self._raise_singular(which, [self.head_names[i] for i in flat_bad], cond)
-            if lam.dim() > 1:
-                idx = [tuple(i.tolist()) for i in bad.squeeze(-1).nonzero()][:5]
-                where = f" at batch index {idx}"
-            raise ValueError(
-                f"eps=0 but the Gram matrix {which}ᵀ{which} of block '{self.name}'{where} is "
-                f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical squared "
-                f"weight norm) to damp it"
-            )
-        if bool((lam[..., 0] <= 0).any()):
-            raise ValueError(
-                f"the damped Gram matrix {which}ᵀ{which} + eps·I of block '{self.name}' is not "
-                f"positive definite (eps={self.eps}); increase eps"
-            )
+        def check(which: str, lam: Tensor) -> None:
+            check_rank(lam, h, self.dtype, self.eps, which, self.name, self.head_names)
+
+        return check
 
     # -- validation -----------------------------------------------------------------------------
     @property
@@ -617,137 +560,28 @@ class GLGeometry(Geometry):
         held = self.__dict__.get("_sampler_pair")
         if held is None:
             G, H = self.G.to(self._factor_dtype), self.H.to(self._factor_dtype)
-            lg, Ug = _spd_funcs(_gram(G, self.eps))
-            lh, Uh = _spd_funcs(_gram(H, self.eps))
-            if self.metric == "inv":
-                pair = (_apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt()))
-            else:
-                pair = (_apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt()))
+            pair = sampling_roots(G, H, self.metric, self.eps)
             held = tuple(t.to(self.compute_dtype) for t in pair)
             self.__dict__["_sampler_pair"] = held
         return held
 
 
-# ---------------------------------------------------------------------------------------------
-# Group action
-# ---------------------------------------------------------------------------------------------
-def act(G: Tensor, H: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
-    """Group action ``(G, H) ↦ (G A⁻¹, H Aᵀ)`` of ``A ∈ GL(h)`` (batched; ``A⁻¹`` by a solve).
-
-    Args:
-        G: Shape ``(..., n, h)``.
-        H: Shape ``(..., m, h)``.
-        A: Invertible matrices, shape ``(..., h, h)``.
-
-    Returns:
-        The transformed pair; ``G Hᵀ`` is unchanged.
-    """
-    return _right_solve(G, A), H @ A.mT
+#: The one-call functions of :mod:`geosharp.geometry.gl_functional`, served from here too.
+_FUNCTIONAL = (
+    "christoffel",
+    "geodesic",
+    "inner",
+    "norm_sq",
+    "project",
+    "random_tangent",
+    "riemannian_grad",
+)
 
 
-def act_tangent(xi_G: Tensor, xi_H: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
-    """Push-forward of a tangent vector by the group action: ``(ξ_G A⁻¹, ξ_H Aᵀ)``."""
-    return _right_solve(xi_G, A), xi_H @ A.mT
+def __getattr__(name: str) -> object:
+    """``gl.geodesic(G, H, …)`` and the other one-call functions (imported on first use)."""
+    if name in _FUNCTIONAL:
+        from geosharp.geometry import gl_functional
 
-
-def _right_solve(X: Tensor, A: Tensor) -> Tensor:
-    """``X A⁻¹`` without forming the inverse."""
-    return torch.linalg.solve(A.mT, X.mT).mT
-
-
-# ---------------------------------------------------------------------------------------------
-# Functional API: each call factorizes the base point; use GLGeometry to reuse it.
-# ---------------------------------------------------------------------------------------------
-def inner(
-    G: Tensor,
-    H: Tensor,
-    a_G: Tensor,
-    a_H: Tensor,
-    b_G: Tensor,
-    b_H: Tensor,
-    metric: str = "inv",
-    eps: float = DEFAULT_EPS,
-) -> Tensor:
-    """Metric inner product ``⟨a, b⟩`` at ``(G, H)``; see :class:`GLGeometry`.
-
-    Example:
-        >>> import torch
-        >>> G, H = torch.eye(3, 2, dtype=torch.float64), torch.eye(4, 2, dtype=torch.float64)
-        >>> float(inner(G, H, G, H, G, H, metric="inv"))  # tr(I₂) + tr(I₂)
-        4.0
-    """
-    return GLGeometry(G, H, metric, eps).inner((a_G, a_H), (b_G, b_H))
-
-
-def norm_sq(
-    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
-) -> Tensor:
-    """Squared metric norm ``⟨ξ, ξ⟩`` at ``(G, H)``."""
-    return GLGeometry(G, H, metric, eps).norm_sq((xi_G, xi_H))
-
-
-def project(
-    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
-) -> tuple[Tensor, Tensor]:
-    """Horizontal projection of ``ξ`` at ``(G, H)`` (SPEC §4)."""
-    return GLGeometry(G, H, metric, eps).project((xi_G, xi_H))
-
-
-def christoffel(
-    G: Tensor, H: Tensor, xi_G: Tensor, xi_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
-) -> tuple[Tensor, Tensor]:
-    """Christoffel quadratic form ``(Γ_G, Γ_H) = Γ(ξ, ξ)`` at ``(G, H)`` (SPEC §4)."""
-    return GLGeometry(G, H, metric, eps).christoffel((xi_G, xi_H))
-
-
-def geodesic(
-    G: Tensor,
-    H: Tensor,
-    xi_G: Tensor,
-    xi_H: Tensor,
-    metric: str = "inv",
-    order: int | str = 2,
-    eps: float = DEFAULT_EPS,
-    steps: int = DEFAULT_RK4_STEPS,
-) -> tuple[Tensor, Tensor]:
-    """Geodesic endpoint ``γ(1)`` from ``(G, H)`` with velocity ``ξ`` (SPEC §4).
-
-    Args:
-        G: Left factor ``(..., n, h)``.
-        H: Right factor ``(..., m, h)``.
-        xi_G: Velocity of ``G``.
-        xi_H: Velocity of ``H``.
-        metric: ``"inv"`` or ``"mix"``.
-        order: ``1`` (``w + ξ``), ``2`` (``w + ξ − ½Γ(ξ, ξ)``) or ``"exact"`` (RK4).
-        eps: Gram damping.
-        steps: RK4 steps for ``order="exact"``.
-
-    Returns:
-        ``(G′, H′)``.
-
-    Raises:
-        ValueError: On an unknown order or bad ``steps`` (besides the checks of GLGeometry).
-    """
-    check_order(order)
-    check_steps(steps)
-    return GLGeometry(G, H, metric, eps).geodesic((xi_G, xi_H), order=order, steps=steps)
-
-
-def riemannian_grad(
-    G: Tensor, H: Tensor, e_G: Tensor, e_H: Tensor, metric: str = "inv", eps: float = DEFAULT_EPS
-) -> tuple[Tensor, Tensor]:
-    """Riemannian gradient of the Euclidean gradient ``e = (e_G, e_H)`` at ``(G, H)``."""
-    return GLGeometry(G, H, metric, eps).riemannian_grad((e_G, e_H))
-
-
-def random_tangent(
-    G: Tensor,
-    H: Tensor,
-    metric: str = "inv",
-    generator: torch.Generator | None = None,
-    eps: float = DEFAULT_EPS,
-    scale: float = 1.0,
-    horizontal: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Isotropic Gaussian tangent vector in the metric at ``(G, H)``, projected horizontally."""
-    return GLGeometry(G, H, metric, eps).random_tangent(generator, scale, horizontal)
+        return getattr(gl_functional, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,140 @@
+r"""Base-point factorizations of a GL(h) block (SPEC §4): what a geometry computes once.
+
+At the base point ``(G, H)`` the two GL(h)-invariant metrics need the damped Gram matrices
+``M_G = GᵀG + εI``, ``M_H = HᵀH + εI`` and their inverses; the inv metric's horizontal
+projection solves the Sylvester equation ``AΛ + ΛA = B`` with ``A = M_H M_G``, through the
+eigendecomposition of ``C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ``: with ``S = M_H^{1/2} Q``,
+``A = S D S⁻¹`` and ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``. Sampling an
+isotropic Gaussian in the metric needs square roots of the Gram matrices. All of it is batched
+over the leading (head) dimensions, in the dtype of its inputs (float64 in
+:class:`~geosharp.geometry.gl.GLGeometry`).
+
+At ``ε = 0`` a (numerically) singular Gram matrix makes the metric undefined;
+:func:`check_rank` names the heads and suggests the damping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from geosharp.geometry._validate import singular_threshold
+from geosharp.geometry.gl_endpoint import _eye_like
+
+__all__: list[str] = []
+
+#: ``check(which, eigenvalues)``: raises if the Gram matrix ``whichᵀ which`` is unusable.
+RankCheck = Callable[[str, Tensor], None]
+
+
+def _gram(X: Tensor, eps: float) -> Tensor:
+    """Damped Gram matrix ``XᵀX + εI`` (batched)."""
+    M = X.mT @ X
+    if eps:
+        M = M + eps * _eye_like(M)
+    return M
+
+
+def _spd_funcs(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition ``M = U diag(λ) Uᵀ`` of a batch of symmetric matrices."""
+    lam, U = torch.linalg.eigh(M)
+    return lam, U
+
+
+def _apply_spectral(lam: Tensor, U: Tensor, f: Tensor) -> Tensor:
+    """``U diag(f) Uᵀ`` where ``f`` is a function of the eigenvalues ``lam``."""
+    return (U * f.unsqueeze(-2)) @ U.mT
+
+
+def factorize(G: Tensor, H: Tensor, metric: str, eps: float, check: RankCheck) -> dict:
+    """The per-head factors of the base point ``(G, H)``, by the names a geometry keeps them.
+
+    ``MG``, ``MH`` and their inverses ``MG_inv``, ``MH_inv``; for ``metric="inv"`` also the
+    Sylvester factors ``_S = M_H^{1/2} Q``, ``_S_inv = S⁻¹ = Qᵀ M_H^{−1/2}`` and the
+    eigenvalues ``_eig = D`` (the denominators ``d_i + d_j`` are formed where they are used).
+    ``check`` sees both spectra before anything is inverted.
+    """
+    MG, MH = _gram(G, eps), _gram(H, eps)
+    lg, Ug = _spd_funcs(MG)
+    lh, Uh = _spd_funcs(MH)
+    check("G", lg)
+    check("H", lh)
+    factors = {
+        "MG": MG,
+        "MH": MH,
+        "MG_inv": _apply_spectral(lg, Ug, 1.0 / lg),
+        "MH_inv": _apply_spectral(lh, Uh, 1.0 / lh),
+    }
+    if metric == "inv":
+        MH_sqrt = _apply_spectral(lh, Uh, lh.sqrt())
+        # Sylvester solve of SPEC §4 (corrected): A Λ + Λ A = B with A = M_H M_G, similar to
+        # C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q.
+        d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
+        factors["_S"] = MH_sqrt @ Q
+        factors["_S_inv"] = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
+        factors["_eig"] = d
+    return factors
+
+
+def sampling_roots(G: Tensor, H: Tensor, metric: str, eps: float) -> tuple[Tensor, Tensor]:
+    """The square roots an isotropic Gaussian in the metric is multiplied by (SPEC §6).
+
+    inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. The same operations as
+    :func:`factorize` on the same inputs, so the same Gram spectra.
+    """
+    lg, Ug = _spd_funcs(_gram(G, eps))
+    lh, Uh = _spd_funcs(_gram(H, eps))
+    if metric == "inv":
+        return _apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt())
+    return _apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt())
+
+
+def check_rank(
+    lam: Tensor,
+    h: int,
+    dtype: torch.dtype,
+    eps: float,
+    which: str,
+    name: str,
+    head_names: Sequence[str] | None = None,
+) -> None:
+    """Raise if the Gram matrix ``whichᵀ which`` with eigenvalues ``lam`` cannot be used.
+
+    At ``eps = 0`` a smallest eigenvalue below :func:`singular_threshold` of the model's
+    ``dtype`` (relative to the largest) is singular: the error names the heads (``head_names``
+    of the flattened batch, else batch indices) and suggests ``eps > 0``. At any ``eps`` the
+    damped matrix must be positive definite.
+
+    Raises:
+        ValueError: As above.
+    """
+    lam_max = lam[..., -1:].clamp_min(torch.finfo(lam.dtype).tiny)
+    bad = lam[..., :1] <= singular_threshold(dtype, max(h, 2)) * lam_max
+    if eps == 0.0 and bool(bad.any()):
+        lam_min = lam[..., 0].abs().clamp_min(torch.finfo(lam.dtype).tiny)
+        cond = float((lam[..., -1] / lam_min).max())
+        if head_names is not None:
+            flat_bad = bad.reshape(-1).nonzero().flatten().tolist()
+            names = [head_names[i] for i in flat_bad]
+            shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+            raise ValueError(
+                f"eps=0 but the Gram matrix {which}ᵀ{which} of {len(names)} block(s) {shown} is "
+                f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical "
+                f"squared weight norm) to damp it"
+            )
+        where = ""
+        if lam.dim() > 1:
+            idx = [tuple(i.tolist()) for i in bad.squeeze(-1).nonzero()][:5]
+            where = f" at batch index {idx}"
+        raise ValueError(
+            f"eps=0 but the Gram matrix {which}ᵀ{which} of block '{name}'{where} is "
+            f"singular (cond {cond:.1e}); pass eps>0 (e.g. eps=1e-6 times the typical squared "
+            f"weight norm) to damp it"
+        )
+    if bool((lam[..., 0] <= 0).any()):
+        raise ValueError(
+            f"the damped Gram matrix {which}ᵀ{which} + eps·I of block '{name}' is not "
+            f"positive definite (eps={eps}); increase eps"
+        )
