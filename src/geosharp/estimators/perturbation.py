@@ -26,7 +26,6 @@ The pieces and the layout helpers are in :mod:`geosharp.estimators.pieces`; the 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -42,8 +41,8 @@ from geosharp.estimators.pieces import (
     _block_positions,
     _group_blocks,
     _rest_positions,
-    _row_positions,
 )
+from geosharp.estimators.rows import RowCut
 from geosharp.geometry import (
     ElementwiseGeometry,
     EuclideanGeometry,
@@ -59,7 +58,7 @@ PERTURB = ("all", "blocks")
 BLOCK_METRICS = ("inv", "mix", "adaptive")
 
 
-class Perturbation(BufferAccounting, LinfBox):
+class Perturbation(BufferAccounting, LinfBox, RowCut):
     """Geometry of the perturbation set of one sharpness measure at the base point ``θ₀``.
 
     Args:
@@ -366,73 +365,6 @@ class Perturbation(BufferAccounting, LinfBox):
             g if g is not None else torch.zeros_like(t) for g, t in zip(grads, flat, strict=True)
         )
         return loss.detach(), [tuple(next(it) for _ in x) for x in leaves]
-
-    def row_tables(self) -> dict[str, int]:
-        """The parameters :meth:`on_rows` can cut: name → component of the rest piece.
-
-        Whole 2-D (or higher) parameters of a straight-line rest piece, e.g. embedding tables.
-        """
-        k = self._rest_piece
-        if k is None or not self.straight_rest:
-            return {}
-        a = self._assembly
-        point = self.pieces[k].geometry.point
-        return {
-            a.names[j]: c
-            for c, (j, whole) in enumerate(a.layout)
-            if whole and point[c].dim() >= 2 and c not in a.rows
-        }
-
-    def on_rows(self, rows: Mapping[str, Tensor]) -> Perturbation:
-        """This perturbation with some tables restricted to the rows a batch reaches.
-
-        An embedding table's rows that no input of a batch looks up get no gradient at any
-        perturbation, so an ascent that starts at ``ξ = 0`` never moves them: they stay exactly
-        ``w``. Their part of every per-step pass over ``ξ`` (norms, the Riemannian gradient,
-        momentum, ``θ′``) is work with a known result, and their part of every ξ-sized buffer
-        memory with a known content. The restricted perturbation holds, for each table, only
-        the rows given (its component of the rest piece is ``w[rows]``); its perturbed table is
-        ``w`` with those rows replaced. Its norms equal the full ones wherever the other rows
-        of ``ξ`` are zero.
-
-        Args:
-            rows: Parameter name (one of :meth:`row_tables`) → the rows kept (indices along
-                dimension 0).
-
-        Returns:
-            A new :class:`Perturbation` sharing the symmetry pieces (or ``self`` when ``rows``
-            is empty).
-        """
-        if not rows:
-            return self
-        tables = self.row_tables()
-        k = self._rest_piece
-        assert k is not None or not tables
-        cut: dict[int, Tensor] = {}
-        for name, r in rows.items():
-            if name not in tables:
-                raise ValueError(
-                    f"{name!r} is not a whole table of the straight-line rest piece; "
-                    f"the tables are {sorted(tables)}"
-                )
-            c = tables[name]
-            cut[c] = r.to(device=self.pieces[k].geometry.point[c].device, dtype=torch.long)
-        piece = self.pieces[k]
-        g = piece.geometry
-        full = g.point
-        new_g = g.with_rows(cut)
-        new = copy.copy(self)
-        new.pieces = list(self.pieces)
-        new.pieces[k] = Piece(
-            piece.name,
-            _row_positions(piece, cut, full),
-            new_g,
-            new_g,
-            piece.order,
-        )
-        new._assembly = copy.copy(self._assembly)
-        new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
-        return new
 
     @property
     def pulls_back(self) -> bool:

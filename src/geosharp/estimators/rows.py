@@ -24,18 +24,104 @@ starts and the average case perturb every row and are not restricted.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.pieces import Piece, Xi, _row_positions
 
-__all__ = ["MAX_ROW_SHARE", "BatchRows", "table_modules"]
+if TYPE_CHECKING:  # rows.py is imported by perturbation.py (RowCut is one of its bases)
+    from geosharp.estimators.assembly import _Assembly
+    from geosharp.estimators.perturbation import Perturbation
+
+__all__ = ["MAX_ROW_SHARE", "BatchRows", "RowCut", "table_modules"]
 
 #: A table is cut only if the batch reaches at most this share of its rows.
 MAX_ROW_SHARE = 0.75
+
+
+class RowCut:
+    """A perturbation restricted to the rows of its tables that a batch reaches.
+
+    A mixin of :class:`~geosharp.estimators.perturbation.Perturbation`: it reads ``pieces``,
+    the rest piece and the assembly.
+    """
+
+    pieces: list[Piece]
+    _rest_piece: int | None
+    _assembly: _Assembly
+    straight_rest: bool
+
+    def row_tables(self) -> dict[str, int]:
+        """The parameters :meth:`on_rows` can cut: name → component of the rest piece.
+
+        Whole 2-D (or higher) parameters of a straight-line rest piece, e.g. embedding tables.
+        """
+        k = self._rest_piece
+        if k is None or not self.straight_rest:
+            return {}
+        a = self._assembly
+        point = self.pieces[k].geometry.point
+        return {
+            a.names[j]: c
+            for c, (j, whole) in enumerate(a.layout)
+            if whole and point[c].dim() >= 2 and c not in a.rows
+        }
+
+    def on_rows(self, rows: Mapping[str, Tensor]) -> Perturbation:
+        """This perturbation with some tables restricted to the rows a batch reaches.
+
+        An embedding table's rows that no input of a batch looks up get no gradient at any
+        perturbation, so an ascent that starts at ``ξ = 0`` never moves them: they stay exactly
+        ``w``. Their part of every per-step pass over ``ξ`` (norms, the Riemannian gradient,
+        momentum, ``θ′``) is work with a known result, and their part of every ξ-sized buffer
+        memory with a known content. The restricted perturbation holds, for each table, only
+        the rows given (its component of the rest piece is ``w[rows]``); its perturbed table is
+        ``w`` with those rows replaced. Its norms equal the full ones wherever the other rows
+        of ``ξ`` are zero.
+
+        Args:
+            rows: Parameter name (one of :meth:`row_tables`) → the rows kept (indices along
+                dimension 0).
+
+        Returns:
+            A new :class:`Perturbation` sharing the symmetry pieces (or ``self`` when ``rows``
+            is empty).
+        """
+        if not rows:
+            return self
+        tables = self.row_tables()
+        k = self._rest_piece
+        assert k is not None or not tables
+        cut: dict[int, Tensor] = {}
+        for name, r in rows.items():
+            if name not in tables:
+                raise ValueError(
+                    f"{name!r} is not a whole table of the straight-line rest piece; "
+                    f"the tables are {sorted(tables)}"
+                )
+            c = tables[name]
+            cut[c] = r.to(device=self.pieces[k].geometry.point[c].device, dtype=torch.long)
+        piece = self.pieces[k]
+        g = piece.geometry
+        full = g.point
+        new_g = g.with_rows(cut)
+        new = copy.copy(self)
+        new.pieces = list(self.pieces)
+        new.pieces[k] = Piece(
+            piece.name,
+            _row_positions(piece, cut, full),
+            new_g,
+            new_g,
+            piece.order,
+        )
+        new._assembly = copy.copy(self._assembly)
+        new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
+        return new
 
 
 def table_modules(model: nn.Module, pert: Perturbation) -> dict[str, nn.Embedding]:
