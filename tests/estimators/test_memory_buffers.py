@@ -415,3 +415,52 @@ def test_buffer_bytes_counts_a_cut_table_as_its_rows_and_its_perturbed_copy():
     xi, held = cut.buffer_bytes()
     assert xi == (3 * 16 + 16 * 3 + 3) * 4
     assert held == 3 * 16 * 4 + 50 * 16 * 4  # w[rows], and the perturbed table
+
+
+def test_no_buffer_budget_keeps_the_best_direction_always_with_the_same_ascent():
+    """``buffer_budget=None`` keeps the direction even where the default would not (the
+    encoder's factorizations outweigh its blocks), with the same iterates and no more passes;
+    a bad budget is refused before any work."""
+    from geosharp.estimators.apgd import best_direction_rule
+
+    model = _encoder()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 10, 32, generator=g), torch.randn(8, 10, 32, generator=g)
+    kw = dict(measure="geodesic", rho=0.05, steps=20, cache=False)
+    a = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], **kw)
+    b = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], buffer_budget=None, **kw)
+    assert a.traces == b.traces and a.value == b.value
+    assert b.n_backward <= a.n_backward and b.n_forward <= a.n_forward
+    assert a.settings["buffer_budget"] == 4 and b.settings["buffer_budget"] is None
+    pert = Perturbation(gs.find_symmetries(model), dict(model.named_parameters()))
+    assert best_direction_rule(pert) is None
+    assert best_direction_rule(pert, budget=None) is True
+    assert best_direction_rule(pert, budget=1e9) is True
+    assert best_direction_rule(pert, low_memory=True, budget=None) is None
+    with pytest.raises(ValueError, match="buffer_budget must be a finite number > 0"):
+        gs.sharpness(model, nn.functional.mse_loss, [(x, y)], buffer_budget=0, **kw)
+    with pytest.raises(TypeError, match="buffer_budget must be a number"):
+        gs.sharpness(model, nn.functional.mse_loss, [(x, y)], buffer_budget="all", **kw)
+
+
+def test_measure_cli_buffer_budget_flag(capsys):
+    """``geosharp measure --buffer-budget N|none`` reaches gs.sharpness; a bad one is refused."""
+    import argparse
+
+    from geosharp.measure.cli_parser import add_parser
+
+    parser = add_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args(["m.pt", "d.csv"]).buffer_budget == 4
+    assert parser.parse_args(["m.pt", "d.csv", "--buffer-budget", "none"]).buffer_budget is None
+    assert parser.parse_args(["m.pt", "d.csv", "--buffer-budget", "6"]).buffer_budget == 6.0
+    for bad in ("0", "-1", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m.pt", "d.csv", "--buffer-budget", bad])
+        assert f"expected a number > 0 or 'none', got '{bad}'" in capsys.readouterr().err
+    model = _model()
+    x = torch.randn(16, N, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(16) % 3
+    kw = dict(measures=["adaptive-l2"], rhos=[0.1], steps=3)
+    rep = gs.measure(model, [(x, y)], buffer_budget=None, **kw)
+    assert rep.settings["buffer_budget"] is None and rep.rows[0].value is not None
+    assert "buffer_budget" not in gs.measure(model, [(x, y)], **kw).settings

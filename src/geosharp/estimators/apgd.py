@@ -36,24 +36,29 @@ LossFn = Callable[[Xi, "bool | Callable[[float], bool]"], "tuple[float, Xi | Non
 BUFFER_BUDGET = 4
 
 
-def best_direction_rule(pert: Perturbation, low_memory: bool = False) -> bool | None:
-    """The ``keep_best_direction`` of :func:`autopgd` within :data:`BUFFER_BUDGET`.
+def best_direction_rule(
+    pert: Perturbation, low_memory: bool = False, budget: float | None = BUFFER_BUDGET
+) -> bool | None:
+    """The ``keep_best_direction`` of :func:`autopgd` within ``budget`` buffers.
 
     Keeping the best iterate's direction always holds four perturbation-sized buffers once
     the best iterate is older than ``ξ_{k−1}``; with what the perturbation holds beside its
     iterates (:meth:`Perturbation.buffer_bytes`: block base points, factorizations, gathered
-    weights) that must fit in :data:`BUFFER_BUDGET` parameter-sized buffers, or the direction
-    is kept only while free (three buffers, one extra forward and backward per restart from
-    an older best iterate). ``low_memory`` always takes the second.
+    weights) that must fit in ``budget`` parameter-sized buffers (default
+    :data:`BUFFER_BUDGET`; ``None``: no bound), or the direction is kept only while free
+    (three buffers, one extra forward and backward per restart from an older best iterate).
+    ``low_memory`` always takes the second.
 
     Returns:
         ``True`` (keep always) or ``None`` (while free).
     """
     if low_memory:
         return None
+    if budget is None:
+        return True
     xi, held = pert.buffer_bytes()
     # to a hundredth of a buffer (small masks and scalars are not worth a recomputation)
-    return True if 4 * xi + held <= (BUFFER_BUDGET + 0.01) * pert.param_bytes else None
+    return True if 4 * xi + held <= (budget + 0.01) * pert.param_bytes else None
 
 
 def checkpoints(n_iters: int) -> list[int]:

@@ -151,6 +151,7 @@ def _execute(args: argparse.Namespace) -> int:
         trace_method=args.trace_method,
         check=not args.no_check,
         low_memory=args.low_memory,
+        buffer_budget=args.buffer_budget,
         progress=False if args.no_progress else None,
         log=_say,
         warn=_warn,

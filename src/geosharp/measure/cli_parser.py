@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from geosharp.estimators.apgd import BUFFER_BUDGET
 from geosharp.measure.core import (
     DEFAULT_CURVATURE_ITERS,
     DEFAULT_CURVATURE_PROBES,
@@ -20,6 +21,20 @@ from geosharp.measure.core import (
 from geosharp.measure.lm import SOURCE_COLS, TARGET_COLS, TASKS, TXT_MODES
 
 __all__ = ["add_parser"]
+
+
+def _buffer_budget(text: str) -> float | None:
+    """``--buffer-budget``: a positive number of buffers, or ``none`` (no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'none', got {text!r}")
+    return value
+
 
 _EPILOG = """\
 examples:
@@ -143,6 +158,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "the same iterates) and the symmetry blocks' geometry runs its products in the "
         "model's dtype instead of float64 (values move by ~1e-5 relative in float32): one "
         "parameter-sized buffer less (benchmarks/README.md)",
+    )
+    m.add_argument(
+        "--buffer-budget",
+        type=_buffer_budget,
+        default=BUFFER_BUDGET,
+        metavar="N|none",
+        help="parameter-sized buffers a worst-case ascent may hold above a plain "
+        "forward+backward to keep its best iterate's direction for restarts (default "
+        f"{BUFFER_BUDGET}; 'none': always kept, the fewest passes, e.g. on a GPU with "
+        "memory to spare; the values do not change)",
     )
     m.add_argument(
         "--iters",

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp.estimators.apgd import BUFFER_BUDGET
 from geosharp.estimators.curvature import curvature
 from geosharp.estimators.relative_flatness import relative_flatness
 from geosharp.estimators.sharpness import _to_device, sharpness
@@ -112,6 +113,7 @@ def measure(
     check: bool = True,
     space: ParameterSpace | None = None,
     low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
@@ -148,6 +150,8 @@ def measure(
         space: Precomputed :func:`geosharp.find_symmetries` result.
         low_memory: Pass ``low_memory=True`` to :func:`geosharp.sharpness` (one
             parameter-sized buffer fewer, a few extra passes, float32 block geometry).
+        buffer_budget: :func:`geosharp.sharpness`'s ``buffer_budget`` (``None``: the best
+            iterate's direction kept always, the fewest passes).
         progress: Progress bars (default: when stderr is a terminal).
         log: Called with each informational message (summary, check) as it happens.
         warn: Called with each warning (default: :func:`warnings.warn` with
@@ -221,6 +225,7 @@ def measure(
         say,
         _warn,
         low_memory=low_memory,
+        buffer_budget=buffer_budget,
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -231,6 +236,7 @@ def measure(
         "loss": loss_name,
         "check": check,
         **({"low_memory": True} if low_memory else {}),
+        **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
         **({"curvature": curv} if any(s.measure == "curvature" for s in specs) else {}),
         **_model_settings(model, space),
     }
@@ -382,6 +388,7 @@ def _measure_cells(
     say: Callable[[str], None],
     warn: Callable[..., None],
     low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
 ) -> list[MeasureRow]:
     """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
     n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
@@ -394,7 +401,9 @@ def _measure_cells(
             for rho in rhos if spec.uses_rho else [None]:
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={rho}")
-                extra = {"low_memory": True} if low_memory else {}
+                extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
+                if buffer_budget != BUFFER_BUDGET:
+                    extra["buffer_budget"] = buffer_budget
                 row = _measure_one(
                     model,
                     loss_fn,
@@ -441,6 +450,7 @@ def _measure_one(
     progress: bool,
     curv: Mapping[str, Any],
     low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
 ) -> MeasureRow:
     t0 = time.perf_counter()
     try:
@@ -481,6 +491,7 @@ def _measure_one(
                 seed=seed,
                 space=space,
                 low_memory=low_memory,
+                buffer_budget=buffer_budget,
                 progress=progress,
             )
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
