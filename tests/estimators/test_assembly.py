@@ -84,7 +84,7 @@ def test_the_written_parts_adjoint_is_the_views_own_to_second_order(name, monkey
     results = []
     for hand in (True, False):
         if not hand:
-            monkeypatch.setattr(assembly, "_hand_adjoint", lambda inputs: False)
+            monkeypatch.setattr(assembly, "_reverse_mode_only", lambda inputs: False)
         leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
         flat = [t for x in leaves for t in x]
         w = [t.requires_grad_(True) for t in _random([tuple(torch.empty(s) for s in shapes)], 5)[0]]

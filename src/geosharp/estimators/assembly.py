@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from geosharp.geometry.gl_endpoint import _reverse_mode_only
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions
@@ -255,7 +256,7 @@ class _Assembly:
             values = torch.split(torch.index_select(source, 0, self.index), self.gathered_sizes)
             return {j: v.view(self.shapes[j]) for j, v in zip(self.gathered, values, strict=True)}
         inputs = [v for k in self.sym_pieces for v in moved[k]] + [rest[c] for c in self.mixed]
-        if _hand_adjoint(inputs):
+        if _reverse_mode_only(inputs):  # else the views' own autograd (torch.func, duals)
             out = _WriteParts.apply(self, dtype, device, *inputs)
             return dict(zip(self.gathered, out, strict=True))
         return self._write(inputs, dtype, device)
@@ -329,20 +330,6 @@ class _Assembly:
                         g = g.index_select(0, self.rows[c][0])
                     out[self.rest_piece][c] = g
         return out
-
-
-def _hand_adjoint(inputs: Sequence[Tensor]) -> bool:
-    """Whether :class:`_WriteParts` serves: a reverse-mode gradient of the written parts.
-
-    Not under a ``torch.func`` transform nor with forward-mode dual tensors (it has no ``jvp``
-    or ``vmap`` rule; the views' own autograd serves those), and not without a gradient.
-    """
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-        return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return all(unpack(t).tangent is None for t in inputs)
 
 
 class _WriteParts(torch.autograd.Function):

@@ -566,22 +566,13 @@ class GLGeometry(Geometry):
         return held
 
 
-#: The one-call functions of :mod:`geosharp.geometry.gl_functional`, served from here too.
-_FUNCTIONAL = (
-    "christoffel",
-    "geodesic",
-    "inner",
-    "norm_sq",
-    "project",
-    "random_tangent",
-    "riemannian_grad",
-)
-
-
 def __getattr__(name: str) -> object:
-    """``gl.geodesic(G, H, …)`` and the other one-call functions (imported on first use)."""
-    if name in _FUNCTIONAL:
-        from geosharp.geometry import gl_functional
+    """``gl.geodesic(G, H, …)`` and the other one-call functions, imported on first use.
 
+    They are :mod:`~geosharp.geometry.gl_functional`'s (its ``__all__``).
+    """
+    from geosharp.geometry import gl_functional
+
+    if name in gl_functional.__all__:
         return getattr(gl_functional, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,8 @@ them. :func:`_christoffel` is the plain form the tests compare them with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -143,17 +145,23 @@ def _add_eye(B: Tensor, s: float) -> Tensor:
 
 
 def _hand_backward(xG: Tensor, xH: Tensor) -> bool:
-    """Whether :class:`_Order2Endpoint` may serve: a reverse-mode gradient in ``ξ``.
+    """Whether :class:`_Order2Endpoint` may serve: a reverse-mode gradient in ``ξ``."""
+    return _reverse_mode_only((xG, xH))
 
-    Not under a ``torch.func`` transform, nor with forward-mode dual tensors: it has no ``jvp``
-    or ``vmap`` rule, and plain autograd serves those.
+
+def _reverse_mode_only(inputs: Sequence[Tensor]) -> bool:
+    """Whether a hand-written ``autograd.Function`` backward may serve these inputs.
+
+    Only a reverse-mode gradient of some input: not under a ``torch.func`` transform, nor with
+    forward-mode dual tensors (such a Function has no ``jvp`` or ``vmap`` rule, and plain
+    autograd serves those), and not without a gradient to take.
     """
-    if not (torch.is_grad_enabled() and (xG.requires_grad or xH.requires_grad)):
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    fwd = torch.autograd.forward_ad
-    return fwd.unpack_dual(xG).tangent is None and fwd.unpack_dual(xH).tangent is None
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return all(unpack(t).tangent is None for t in inputs)
 
 
 def _sym(X: Tensor) -> Tensor:
