@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from geosharp.symmetry.adapters import (
-    Adapter,
+from geosharp.symmetry.adapter_kit import (
     _all_linear,
     _check_width,
     _first_int,
@@ -43,6 +42,7 @@ from geosharp.symmetry.adapters import (
     qk_norm_note,
     rotary_spec,
 )
+from geosharp.symmetry.adapters import Adapter
 from geosharp.symmetry.specs import Claim, ParamSlice, RotarySpec
 
 __all__ = [
