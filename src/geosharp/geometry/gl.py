@@ -62,7 +62,7 @@ from geosharp.geometry._validate import (
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.gl_action import act, act_tangent
 from geosharp.geometry.gl_endpoint import _add_mm, _christoffel, _order2_endpoint
-from geosharp.geometry.gl_factors import RankCheck, _gram, check_rank, factorize, sampling_roots
+from geosharp.geometry.gl_factors import _gram, check_rank, factorize, sampling_roots
 
 __all__ = ["CHUNK_ELEMENTS", "DEFAULT_EPS", "GLGeometry", "act", "act_tangent"]
 
@@ -159,7 +159,11 @@ class GLGeometry(Geometry):
         if hold_wide_point is None:
             hold_wide_point = self._tangent_dtype == self.compute_dtype
         self._G, self._H = G.to(self.compute_dtype), H.to(self.compute_dtype)
-        factors = factorize(self._G, self._H, self.metric, self.eps, self._rank_check(h))
+
+        def check(which: str, lam: Tensor) -> None:  # on both spectra, before any inverse
+            check_rank(lam, h, self.dtype, self.eps, which, self.name, self.head_names)
+
+        factors = factorize(self._G, self._H, self.metric, self.eps, check)
         #: Dtype of the factorizations (:meth:`_samplers` computes its square roots in it).
         self._factor_dtype = self.compute_dtype
         for key, value in factors.items():
@@ -219,14 +223,6 @@ class GLGeometry(Geometry):
         self._G, self._H = self.G.to(dtype), self.H.to(dtype)  # no copy in the model's dtype
         self.compute_dtype = dtype
         self._tangent_dtype = dtype
-
-    def _rank_check(self, h: int) -> RankCheck:
-        """The check :func:`~geosharp.geometry.gl_factors.factorize` runs on both spectra."""
-
-        def check(which: str, lam: Tensor) -> None:
-            check_rank(lam, h, self.dtype, self.eps, which, self.name, self.head_names)
-
-        return check
 
     # -- validation -----------------------------------------------------------------------------
     @property
