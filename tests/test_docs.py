@@ -90,7 +90,7 @@ def test_mkdocs_build_strict(tmp_path):
     if missing:
         pytest.skip(
             f"the docs packages are not installed ({', '.join(missing)}): "
-            "pip install -c constraints.txt -e '.[docs]', or make docs"
+            "make install (the lock), or pip install -e '.[docs]'"
         )
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "OMP_NUM_THREADS": "1"}

