@@ -10,7 +10,7 @@ import geosharp as gs
 from geosharp.studies.classifier import CLASSIFIER_CURVATURE, CurvaturePlan, curvature_specs
 from geosharp.studies.diagonal import DIAGONAL_CURVATURE, DiagonalConfig, DiagonalStudy
 from geosharp.studies.report import default_paper_match, measure_family
-from geosharp.studies.runner import MeasureSpec, run_study
+from geosharp.studies.runner import StudyMeasure, run_study
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
 
@@ -77,7 +77,7 @@ def test_specs():
     assert trace["probes"] == 3 and trace["trace_method"] == "hutchinson"
     assert "metric" not in specs[-1].kwargs and specs[-1].kwargs["of"] == "euclidean"
     assert "probes" not in curvature_specs(CurvaturePlan(trace_method="exact"))[1].kwargs
-    name = MeasureSpec({"measure": "curvature", "of": "adaptive", "quantity": "trace"}, (None,))
+    name = StudyMeasure({"measure": "curvature", "of": "adaptive", "quantity": "trace"}, (None,))
     assert name.name == "adaptive curvature trace"
     with pytest.raises(ValueError, match="quantity"):
         curvature_specs(CurvaturePlan(quantities=("top",)))

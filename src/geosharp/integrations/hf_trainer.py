@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -67,11 +68,11 @@ except ImportError as err:  # pragma: no cover - the [hf] extra brings transform
         "geosharp.integrations.hf_trainer needs transformers: pip install 'geosharp[hf]'"
     ) from err
 
+from geosharp.errors import MeasureError
 from geosharp.estimators.cache import clear_cache
 from geosharp.estimators.sharpness import SharpnessResult, sharpness
 from geosharp.measure.core import default_loss
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.names import MeasureSpec, parse_measure
+from geosharp.measures import Measure, parse_measure
 
 __all__ = [
     "IGNORE_INDEX",
@@ -172,8 +173,8 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
-def _parse_measure(text: Any) -> MeasureSpec:
-    """The measure as ``geosharp measure`` reads it (:func:`geosharp.measure.names.parse_measure`).
+def _parse_measure(text: Any) -> Measure:
+    """The measure as ``geosharp measure`` reads it (:func:`geosharp.measures.parse_measure`).
 
     Raises ``ValueError`` for a text that is not a measure, and for the measures the callback
     does not take: curvature, relative flatness, and the attention-only (``-blocks``) and
@@ -183,7 +184,7 @@ def _parse_measure(text: Any) -> MeasureSpec:
         spec = parse_measure(text)
     except MeasureError as err:
         raise ValueError(str(err)) from None
-    if spec.measure not in ("geodesic", "adaptive", "euclidean"):
+    if spec.family != "sharpness":
         raise ValueError(
             f"measure {text!r}: the callback measures sharpness (geodesic, adaptive, euclidean); "
             "curvature and relative flatness are measured with gs.curvature and "
@@ -266,6 +267,9 @@ class SharpnessCallback(TrainerCallback):
         self.rhos = {m: self._rho_of(m, rho) for m in self.measures}
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        unknown = sorted(set(sharpness_kwargs) - set(inspect.signature(sharpness).parameters))
+        if unknown:
+            raise TypeError(f"{unknown} are not settings of geosharp.sharpness")
         clash = sorted(set(sharpness_kwargs) & set(_OWN_SETTINGS))
         if clash:
             raise ValueError(
@@ -375,15 +379,10 @@ class SharpnessCallback(TrainerCallback):
             with torch.random.fork_rng(devices=devices):
                 for m, spec in self.specs.items():
                     try:
-                        res = sharpness(
+                        res = spec.run(
                             model,
                             loss_fn,
                             pairs,
-                            measure=spec.measure,
-                            metric=spec.metric or "inv",
-                            order=spec.order,
-                            kind=spec.kind,
-                            norm=spec.norm,
                             rho=self.rhos[m],
                             steps=self.steps,
                             progress=False,

@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from geosharp._io import torch_save_atomically
 from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
-from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.runner import Study, StudyMeasure
 from geosharp.studies.store import Store
 
 __all__ = [
@@ -155,8 +155,8 @@ class CurvaturePlan:
 CLASSIFIER_CURVATURE = CurvaturePlan(probes=20)
 
 
-def curvature_specs(plan: CurvaturePlan) -> list[MeasureSpec]:
-    """The :class:`MeasureSpec` of every (measure, quantity) of ``plan`` (``rhos = (None,)``).
+def curvature_specs(plan: CurvaturePlan) -> list[StudyMeasure]:
+    """The :class:`StudyMeasure` of every (measure, quantity) of ``plan`` (``rhos = (None,)``).
 
     Raises:
         ValueError: On an unknown measure or quantity.
@@ -180,7 +180,7 @@ def curvature_specs(plan: CurvaturePlan) -> list[MeasureSpec]:
             else:
                 kw.update(iters=plan.iters, tol=plan.tol)
             kw["seed"] = plan.seed
-            specs.append(MeasureSpec(kw, (None,)))
+            specs.append(StudyMeasure(kw, (None,)))
     return specs
 
 
@@ -476,7 +476,7 @@ class ClassifierStudy(Study):
             )
         return summary_row(balance(model, key_bias=kb), ascents)
 
-    def plan(self) -> list[MeasureSpec]:
+    def plan(self) -> list[StudyMeasure]:
         """Every measure of the study at its three ρ (:func:`standard_plan`), then curvature."""
         specs = standard_plan(self.cfg, head=self.head)
         if self.curvature is not None:
@@ -624,7 +624,7 @@ def _with_budget(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "steps": cfg.steps}
 
 
-def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
+def standard_plan(cfg: Any, head: str) -> list[StudyMeasure]:
     """The measurement plan shared by Studies 2 and 3.
 
     Args:
@@ -634,7 +634,7 @@ def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
         head: Module path of the classification head (relative flatness).
 
     Returns:
-        The :class:`MeasureSpec` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
+        The :class:`StudyMeasure` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
         case); the ablations for ``cfg.ablations`` — order 1 (on the grid of the same metric at
         order 2) and no corrected norm; average-case adaptive, inv and mix; relative flatness.
 
@@ -644,15 +644,15 @@ def standard_plan(cfg: Any, head: str) -> list[MeasureSpec]:
     if not set(cfg.ablations) <= {"inv", "mix"}:
         raise ValueError(f"ablations must be a subset of ('inv', 'mix'), got {cfg.ablations!r}")
 
-    def spec(key: str, **change: Any) -> MeasureSpec:
+    def spec(key: str, **change: Any) -> StudyMeasure:
         kwargs = _with_budget(cfg, {**RADIUS_FAMILIES[key], **change})
-        return MeasureSpec(kwargs, getattr(cfg, f"rhos_{key}"))
+        return StudyMeasure(kwargs, getattr(cfg, f"rhos_{key}"))
 
     specs = [spec(key) for key in ["adaptive_l2", "adaptive_linf", "inv", "mix"]]
     specs += [spec(metric, order=1) for metric in cfg.ablations]
     specs += [spec(f"{metric}_adaptivenorm") for metric in cfg.ablations]
     specs += [spec(key) for key in ["average_adaptive", "average_inv", "average_mix"]]
-    specs.append(MeasureSpec({"measure": "relative_flatness", "layer": head}, (None,)))
+    specs.append(StudyMeasure({"measure": "relative_flatness", "layer": head}, (None,)))
     return specs
 
 

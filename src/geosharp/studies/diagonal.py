@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from geosharp._io import torch_save_atomically
 from geosharp.models import DiagonalNet
 from geosharp.studies.classifier import CurvaturePlan, curvature_specs
-from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.runner import Study, StudyMeasure
 from geosharp.studies.store import Store
 
 #: Kendall τ reported by the paper for this population (SPEC §7).
@@ -380,15 +380,15 @@ class DiagonalStudy(Study):
         """Mean squared error."""
         return _mse(outputs, targets)
 
-    def plan(self) -> list[MeasureSpec]:
+    def plan(self) -> list[StudyMeasure]:
         """Adaptive ℓ2, geodesic inv/mix (exact and order-2 geodesics) at every ρ; curvature."""
         rhos = tuple(self.cfg.rhos)
         steps = self.cfg.steps
-        specs = [MeasureSpec({"measure": "adaptive", "steps": steps}, rhos)]
+        specs = [StudyMeasure({"measure": "adaptive", "steps": steps}, rhos)]
         for order in ("exact", 2):
             for metric in ("inv", "mix"):
                 kw = {"measure": "geodesic", "metric": metric, "order": order, "steps": steps}
-                specs.append(MeasureSpec(kw, rhos))
+                specs.append(StudyMeasure(kw, rhos))
         if self.curvature is not None:
             specs += curvature_specs(self.curvature)
         return specs

@@ -27,10 +27,7 @@ from torch import Tensor, nn
 
 import geosharp
 from geosharp._io import atomic_write_bytes
-from geosharp.estimators import relative_flatness, sharpness
-from geosharp.estimators.curvature import curvature
-from geosharp.estimators.sharpness import measure_name
-from geosharp.measure.core import curvature_name
+from geosharp.measures import Measure, from_kwargs
 from geosharp.studies.report import ReportPaths, write_report
 from geosharp.studies.sections import RESULT_FILES
 from geosharp.studies.store import Store
@@ -38,46 +35,30 @@ from geosharp.studies.store import Store
 
 @dataclass(frozen=True)
 class StudyMeasure:
-    """One measure of a plan, evaluated at every ρ of ``rhos``.
-
-    Not to be confused with :class:`geosharp.measure.names.MeasureSpec`, a measure as a user
-    writes it for ``geosharp measure``; this is the keyword arguments a study passes on.
+    """One measure of a plan, evaluated at every ρ of ``rhos``, with the study's settings.
 
     Attributes:
-        kwargs: Keyword arguments of :func:`geosharp.sharpness` (without ``rho``), or
-            ``{"measure": "relative_flatness", "layer": ...}``, or ``{"measure": "curvature",
-            "of": "geodesic"|"adaptive"|"euclidean", "quantity": "lambda_max"|"lambda_min"|
-            "trace", ...}`` with the other keyword arguments of :func:`geosharp.curvature`
-            (one quantity per spec; ``of`` is its ``measure``).
+        kwargs: The measure's identifying keyword arguments (``{"measure": "adaptive"}``,
+            ``{"measure": "curvature", "of": "geodesic", "quantity": "trace"}``,
+            ``{"measure": "relative_flatness", "layer": ...}``; read by
+            :func:`geosharp.measures.from_kwargs`) and the run's settings (steps, samples, ε,
+            …), as the study's store records them.
         rhos: Radii (worst case) or standard deviations (average case); ``(None,)`` for
-            relative flatness and curvature.
+            measures without ρ.
     """
 
     kwargs: dict[str, Any]
     rhos: tuple[float | None, ...]
 
     @property
+    def measure(self) -> Measure:
+        """The :class:`~geosharp.measures.Measure` of :attr:`kwargs`."""
+        return from_kwargs(self.kwargs)
+
+    @property
     def name(self) -> str:
         """Canonical measure name, e.g. ``"geodesic-inv-o2 worst l2"``."""
-        kw = self.kwargs
-        if kw.get("measure") == "relative_flatness":
-            return "relative_flatness"
-        if kw.get("measure") == "curvature":
-            return curvature_name(kw.get("of", "geodesic"), kw.get("metric", "inv"), kw["quantity"])
-        return measure_name(
-            kw.get("measure", "geodesic"),
-            kw.get("metric", "inv"),
-            kw.get("order", 2),
-            kw.get("kind", "worst"),
-            kw.get("norm", "l2"),
-            kw.get("corrected_norm", True),
-            kw.get("perturb", "all"),
-        )
-
-
-MeasureSpec = StudyMeasure
-"""Deprecated alias of :class:`StudyMeasure` (its former name, easily confused with
-:class:`geosharp.measure.names.MeasureSpec`, a parsed user measure)."""
+        return self.measure.name
 
 
 @dataclass
@@ -249,34 +230,24 @@ def run_study(
         loaded: dict[str, nn.Module] = {}
         for row, spec, rho in _progress(jobs, progress, "sharpness"):
             settings = {**spec.kwargs, "rho": rho}
-            if store.has_measurement(row["model_id"], spec.name, rho, settings) or (
-                spec.kwargs.get("measure") == "curvature"
-                and _has_curvature_row(store, row["model_id"], spec.name, settings)
-            ):
+            measure = spec.measure
+            if _has_row(store, row["model_id"], measure.name, rho, settings):
                 summary.reused += 1
                 continue
             if row["model_id"] not in loaded:
                 loaded.clear()
                 loaded[row["model_id"]] = study.load(row)
             model = loaded[row["model_id"]]
-            kw = dict(spec.kwargs)
             try:
-                if kw.get("measure") == "relative_flatness":
-                    kw.pop("measure")
-                    res = relative_flatness(model, study.loss_fn, batches, **kw)
-                elif kw.get("measure") == "curvature":
-                    kw.pop("measure")
-                    res = _curvature_row(model, study, batches, **kw)
-                else:
-                    res = sharpness(
+                outcome = measure.outcome(
+                    measure.run(
                         model,
                         study.loss_fn,
                         batches,
                         rho=rho,
-                        progress=False,
-                        key_bias=study.key_bias,
-                        **kw,
+                        **{**spec.kwargs, "progress": False, "key_bias": study.key_bias},
                     )
+                )
             except (FloatingPointError, ValueError, RuntimeError) as err:
                 # Recorded as a failed row (value NULL, the error in its settings): the report
                 # lists it, and a rerun does not repeat a deterministic failure.
@@ -297,12 +268,12 @@ def run_study(
                 row["model_id"],
                 spec.name,
                 rho,
-                {**settings, **res.stats()} if isinstance(res, _CurvatureRow) else settings,
-                res.value,
-                res.per_batch,
-                res.clean_losses,
-                time_s=res.time_s,
-                seed=kw.get("seed", 0),
+                {**settings, **outcome.stats},
+                outcome.value,
+                outcome.per_batch,
+                outcome.clean_losses,
+                time_s=outcome.time_s,
+                seed=spec.kwargs.get("seed", 0),
             )
             summary.measured += 1
         if report:
@@ -310,33 +281,6 @@ def run_study(
             summary.report = make_report(out, store)
     summary.time_s = time.perf_counter() - t0
     return summary
-
-
-@dataclass
-class _CurvatureRow:
-    """One quantity of a :class:`geosharp.CurvatureResult`, shaped as the store records it.
-
-    ``trace_stderr`` and ``per_batch_trace_stderr`` (the trace row only) are the Hutchinson /
-    Hutch++ standard errors of the value and of every batch; :meth:`stats` is what the row's
-    ``settings`` JSON records of them (results of the measurement, not part of its identity:
-    :data:`RESULT_STATS` names the keys that :func:`_settings_identity` leaves out).
-    """
-
-    value: float
-    per_batch: list[float]
-    clean_losses: list[float]
-    time_s: float
-    trace_stderr: float | None = None
-    per_batch_trace_stderr: list[float] = field(default_factory=list)
-
-    def stats(self) -> dict[str, Any]:
-        """``{"trace_stderr": …, "per_batch_trace_stderr": […]}`` for a trace row, else ``{}``."""
-        if self.trace_stderr is None:
-            return {}
-        return {
-            "trace_stderr": float(self.trace_stderr),
-            "per_batch_trace_stderr": [float(v) for v in self.per_batch_trace_stderr],
-        }
 
 
 #: Keys of a row's ``settings`` that are results of the measurement (the trace's standard
@@ -348,10 +292,14 @@ def _settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in RESULT_STATS}
 
 
-def _has_curvature_row(store: Store, model_id: str, measure: str, settings: dict[str, Any]) -> bool:
-    """Whether a curvature row of these settings is stored (its stats keys aside)."""
-    if store.has_measurement(model_id, measure, None, settings):
+def _has_row(
+    store: Store, model_id: str, measure: str, rho: float | None, settings: dict[str, Any]
+) -> bool:
+    """Whether a row of these settings is stored (the stats keys of its outcome aside)."""
+    if store.has_measurement(model_id, measure, rho, settings):
         return True
+    if rho is not None:  # rows with a radius carry no stats (Measure.outcome)
+        return False
     cur = store.conn.execute(
         "SELECT settings FROM measurements WHERE model_id = ? AND measure = ? AND rho IS NULL",
         (model_id, measure),
@@ -364,40 +312,6 @@ def _has_curvature_row(store: Store, model_id: str, measure: str, settings: dict
         if json.dumps(_settings_identity(stored), sort_keys=True, default=str) == want:
             return True
     return False
-
-
-def _curvature_row(
-    model: nn.Module,
-    study: Study,
-    batches: list[tuple[Any, Any]],
-    *,
-    quantity: str,
-    of: str = "geodesic",
-    **kwargs: Any,
-) -> _CurvatureRow:
-    """:func:`geosharp.curvature` of one quantity, with the study's loss and key-bias setting.
-
-    The trace row carries the trace's standard error (overall and per batch).
-    """
-    res = curvature(
-        model,
-        study.loss_fn,
-        batches,
-        measure=of,
-        quantities=(quantity,),
-        progress=False,
-        key_bias=study.key_bias,
-        **kwargs,
-    )
-    is_trace = quantity == "trace"
-    return _CurvatureRow(
-        res.values[quantity],
-        list(res.per_batch[quantity]),
-        list(res.clean_losses),
-        res.time_s,
-        trace_stderr=res.trace_stderr if is_trace else None,
-        per_batch_trace_stderr=list(res.per_batch_trace_stderr) if is_trace else [],
-    )
 
 
 def environment() -> dict[str, Any]:

@@ -29,7 +29,7 @@ import torch
 from geosharp._io import atomic_write_text
 from geosharp.estimators import sharpness
 from geosharp.stats import correlation_summary, tau_difference
-from geosharp.studies.runner import MeasureSpec, Study
+from geosharp.studies.runner import Study, StudyMeasure
 from geosharp.studies.sections import Section
 from geosharp.studies.store import Store
 from geosharp.symmetry import find_symmetries, reparametrize
@@ -75,7 +75,7 @@ class SymmetryTestRow:
     output_rel_change: float
 
 
-def default_specs(study: Study) -> list[tuple[MeasureSpec, float]]:
+def default_specs(study: Study) -> list[tuple[StudyMeasure, float]]:
     """The worst-case adaptive and order-2 geodesic measures of the plan, at their middle ρ."""
     out = []
     for spec in study.plan():
@@ -118,7 +118,7 @@ def symmetry_test(
     *,
     scales: tuple[float, float] = (0.1, 10.0),
     seed: int = 0,
-    specs: Sequence[tuple[MeasureSpec, float]] | None = None,
+    specs: Sequence[tuple[StudyMeasure, float]] | None = None,
     n_boot: int = 2000,
     log: Callable[[str], None] | None = None,
 ) -> tuple[list[SymmetryTestRow], str]:

@@ -66,7 +66,7 @@ from geosharp.studies.classifier import (
     read_diagnostics,
     rho_rule_grid,
 )
-from geosharp.studies.runner import MeasureSpec
+from geosharp.studies.runner import StudyMeasure
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import ViTMNISTStudy
 
@@ -320,14 +320,14 @@ class VitOrbitStudy(ViTMNISTStudy):
         return self.checkpoint_state(model), metrics
 
     # -- measuring ------------------------------------------------------------------------------
-    def plan(self) -> list[MeasureSpec]:
+    def plan(self) -> list[StudyMeasure]:
         """The families of :data:`FAMILIES` at their three ρ, then relative flatness."""
         c = self.cfg
         specs = []
         for key, kw in FAMILIES.items():
             budget = {"samples": c.samples} if kw.get("kind") == "average" else {"steps": c.steps}
-            specs.append(MeasureSpec({**kw, **budget}, getattr(c, f"rhos_{key}")))
-        specs.append(MeasureSpec({"measure": "relative_flatness", "layer": self.head}, (None,)))
+            specs.append(StudyMeasure({**kw, **budget}, getattr(c, f"rhos_{key}")))
+        specs.append(StudyMeasure({"measure": "relative_flatness", "layer": self.head}, (None,)))
         return specs
 
     def load(self, row: dict[str, Any]) -> nn.Module:
@@ -565,7 +565,7 @@ def analyse(out_dir: str | Path) -> dict[str, Any]:
     }
     names = {}
     for key, kw in FAMILIES.items():
-        names[key] = MeasureSpec(dict(kw), ()).name
+        names[key] = StudyMeasure(dict(kw), ()).name
     measures = sorted({m for m, _ in values}, key=lambda n: (n == "relative_flatness", n))
     result: dict[str, Any] = {"groups": {g: len(v) for g, v in groups.items()}}
 

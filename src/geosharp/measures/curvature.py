@@ -1,0 +1,182 @@
+"""Curvature measures: the Hessian spectrum on the quotient (SPEC §9), one quantity each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from geosharp.errors import MeasureError
+from geosharp.estimators.curvature import curvature
+from geosharp.measures.base import Measure, Outcome, accepted, grammar, register
+
+__all__ = ["Curvature", "curvature_name"]
+
+_OF = {
+    "geodesic": "geodesic",
+    "geo": "geodesic",
+    "adaptive": "adaptive",
+    "ada": "adaptive",
+    "euclidean": "euclidean",
+    "eucl": "euclidean",
+}
+_QUANTITIES = {
+    "lmax": "lambda_max",
+    "lambda_max": "lambda_max",
+    "lambdamax": "lambda_max",
+    "λmax": "lambda_max",
+    "lmin": "lambda_min",
+    "lambda_min": "lambda_min",
+    "lambdamin": "lambda_min",
+    "λmin": "lambda_min",
+    "trace": "trace",
+    "tr": "trace",
+}
+_NOT_CURVATURE = {"o1", "1", "o2", "2", "exact", "oexact", "worst", "average", "avg", "l2", "linf"}
+
+
+def curvature_name(measure: str, metric: str, quantity: str) -> str:
+    """Canonical name of a curvature measure: :attr:`geosharp.CurvatureResult.measure` + quantity.
+
+    Args:
+        measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
+        metric: Block metric of the geodesic measure (ignored otherwise).
+        quantity: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
+
+    Example:
+        >>> curvature_name("geodesic", "mix", "trace")
+        'geodesic-mix curvature trace'
+        >>> curvature_name("euclidean", "", "lambda_max")
+        'euclidean curvature lambda_max'
+    """
+    base = f"geodesic-{metric or 'inv'}" if measure == "geodesic" else measure
+    return f"{base} curvature {quantity}"
+
+
+@register
+@dataclass(frozen=True)
+class Curvature(Measure):
+    """One quantity of the Hessian spectrum of a measure's geometry (no ρ).
+
+    Attributes:
+        of: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``: whose Hessian.
+        metric: Block metric of geodesic curvature (``"inv"`` or ``"mix"``; ``""`` otherwise).
+        quantity: ``"lambda_max"``, ``"lambda_min"`` or ``"trace"``.
+
+    Example:
+        >>> Curvature.parse("curvature-mix-trace").name
+        'geodesic-mix curvature trace'
+        >>> Curvature.parse("curvature-euclidean-lmax").name
+        'euclidean curvature lambda_max'
+    """
+
+    of: str = "geodesic"
+    metric: str = "inv"
+    quantity: str = "lambda_max"
+
+    family: ClassVar[str] = "curvature"
+    uses_rho: ClassVar[bool] = False
+    keys: ClassVar[tuple[str, ...]] = ("curvature",)
+    grammar: ClassVar[str] = (
+        "a curvature measure is curvature[-geodesic|adaptive|euclidean][-inv|mix]-lmax|lmin|trace "
+        "(no rho), e.g. curvature-inv-lmax, curvature-euclidean-trace"
+    )
+    priority: ClassVar[int] = 10  # before sharpness: 'curvature-geodesic' names a family too
+
+    @classmethod
+    def claims(cls, text: str, toks: list[str]) -> bool:  # noqa: D102
+        return "curvature" in toks
+
+    @classmethod
+    def from_tokens(cls, text: str, toks: list[str]) -> Curvature:  # noqa: D102
+        if toks.count("curvature") > 1:
+            raise MeasureError(f"measure {text!r} names curvature twice: {grammar()}")
+        opts: dict[str, Any] = {}
+        for tok in toks:
+            if tok == "curvature":
+                continue
+            if tok in _OF:
+                key, value = "of", _OF[tok]
+            elif tok in ("inv", "mix"):
+                key, value = "metric", tok
+            elif tok in _QUANTITIES:
+                key, value = "quantity", _QUANTITIES[tok]
+            elif tok in _NOT_CURVATURE:
+                raise MeasureError(
+                    f"measure {text!r}: a curvature measure has no order, kind or norm (it is "
+                    "the Hessian spectrum on the quotient, SPEC §9: second-order geodesics, no "
+                    f"rho); {grammar()}"
+                )
+            else:
+                raise MeasureError(f"unknown option {tok!r} in measure {text!r}: {grammar()}")
+            if key in opts and opts[key] != value:
+                raise MeasureError(f"measure {text!r} gives the {key} twice: {grammar()}")
+            opts[key] = value
+        if "quantity" not in opts:
+            raise MeasureError(
+                f"measure {text!r}: say which curvature quantity, lmax (largest eigenvalue), "
+                f"lmin (smallest) or trace; {grammar()}"
+            )
+        of = opts.get("of", "geodesic")
+        if of != "geodesic" and "metric" in opts:
+            raise MeasureError(
+                f"measure {text!r}: the metric inv|mix belongs to geodesic curvature only; {of} "
+                "curvature has its own (element-wise) metric"
+            )
+        metric = opts.get("metric", "inv") if of == "geodesic" else ""
+        return cls(of=of, metric=metric, quantity=opts["quantity"])
+
+    @classmethod
+    def from_estimator_kwargs(cls, kwargs: Mapping[str, Any]) -> Curvature:  # noqa: D102
+        of = kwargs.get("of", "geodesic")
+        metric = kwargs.get("metric", "inv") if of == "geodesic" else ""
+        return cls(of=of, metric=metric, quantity=kwargs["quantity"])
+
+    @property
+    def name(self) -> str:  # noqa: D102
+        return curvature_name(self.of, self.metric, self.quantity)
+
+    def kwargs(self) -> dict[str, Any]:
+        """``{"measure": "curvature", "of": …, "metric": …, "quantity": …}``."""
+        return {
+            "measure": "curvature",
+            "of": self.of,
+            "metric": self.metric,
+            "quantity": self.quantity,
+        }
+
+    def run(
+        self,
+        model: Any,
+        loss_fn: Callable,
+        batches: Iterable,
+        *,
+        rho: float | None = None,
+        **settings: Any,
+    ) -> Any:
+        """:func:`geosharp.curvature` of this measure's quantity (``rho`` must be ``None``)."""
+        if rho is not None:
+            raise MeasureError(f"{self.name} takes no radius rho, got {rho}")
+        identity = {
+            "measure": self.of,
+            "metric": self.metric or "inv",
+            "quantities": (self.quantity,),
+        }
+        return curvature(model, loss_fn, batches, **{**accepted(curvature, settings), **identity})
+
+    def outcome(self, result: Any) -> Outcome:
+        """This quantity of a ``CurvatureResult``; the trace's standard errors as its stats."""
+        q = self.quantity
+        stats: dict[str, Any] = {}
+        if q == "trace":
+            stats = {
+                "trace_stderr": float(result.trace_stderr),
+                "per_batch_trace_stderr": [float(v) for v in result.per_batch_trace_stderr],
+            }
+        return Outcome(
+            value=result.values[q],
+            per_batch=list(result.per_batch[q]),
+            clean_losses=list(result.clean_losses),
+            time_s=result.time_s,
+            stats=stats,
+        )
