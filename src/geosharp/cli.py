@@ -6,14 +6,23 @@ Examples:
     geosharp report runs/diagonal
     geosharp measure ./my-bert-folder train.csv --report
     geosharp merge runs/all runs/shard1 runs/shard2
+    geosharp --debug study diagonal --out runs/x   # an error shows its traceback
+
+Every command that writes a folder checks that it can create and write it before any work
+(:func:`geosharp._io.ensure_writable_dir`); an error a user can fix, an operating system's
+error included (disk full, read-only, permission denied), ends as one line
+``geosharp: error: ...`` on stderr, never a traceback (``--debug`` shows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from geosharp._io import ensure_writable_dir, os_error_line, os_error_status, sqlite_os_error
 
 #: Threads of ``geosharp study`` and ``geosharp symmetry-test`` without ``--threads``: one, so
 #: that two studies can run side by side on a 2-core machine without oversubscribing it.
@@ -197,6 +206,11 @@ _CURVATURE_HELP = (
     "rows are kept, only the curvature rows are added)"
 )
 
+_DEBUG_HELP = (
+    "show the full traceback of an error instead of its one line (also before the command: "
+    "geosharp --debug COMMAND ...)"
+)
+
 _LIBRARY_THREADS_HELP = (
     "CPU threads of torch and NumPy's BLAS (default: the libraries' own; statistics and plots only)"
 )
@@ -211,6 +225,13 @@ def _parser() -> argparse.ArgumentParser:
             "each under several measures and radii, and reports Kendall's tau against the "
             "generalization gap."
         ),
+        epilog="An error prints one line, geosharp: error: ...; --debug shows its traceback.",
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error instead of its one line (every command "
+        "also takes --debug after its name)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser(
@@ -325,6 +346,11 @@ def _parser() -> argparse.ArgumentParser:
     from geosharp.measure.cli import add_parser as add_measure_parser
 
     add_measure_parser(sub)
+    for command in (s, t, r, m):  # measure's parser has its own --debug
+        # SUPPRESS: a subcommand that is not given --debug keeps the top level's value
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP
+        )
     return p
 
 
@@ -347,9 +373,24 @@ def _check_requirements(name: str) -> None:
         )
 
 
-def _make_study(args: argparse.Namespace):
+#: What to do when a finished study's folder, written in place by ``symmetry-test``, is not
+#: writable.
+_IN_PLACE_FIX = "copy the study's folder somewhere writable and give that as --out"
+
+
+def _make_study(args: argparse.Namespace, out: Path):
+    """The study of ``args``, after the checks that need no work.
+
+    Its options, its packages, then its folder ``out``: created (``study``) and written to
+    before anything is built. ``symmetry-test`` works in a finished study's folder: a missing
+    one is not created (the test then says that it holds no study).
+    """
     _check_study_options(args)
     _check_requirements(args.name)
+    if args.command == "study":
+        ensure_writable_dir(out)
+    elif out.is_dir():
+        ensure_writable_dir(out, fix=_IN_PLACE_FIX)
     study = STUDIES[args.name][1](args)
     if getattr(args, "curvature", False):
         study.with_curvature()  # the study's own default curvature plan
@@ -360,7 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``geosharp`` command.
 
     Returns:
-        The exit status (0 on success, 2 on a usage error).
+        The exit status: 0 on success, 2 on bad input found before any work (an output folder
+        that cannot be written included), 1 on an operating system's error during the work
+        (disk full, ...), 130 if interrupted. Errors print one line (``--debug``: the
+        traceback).
     """
     args = _parser().parse_args(argv)
     from geosharp.studies.runner import Shard, report_from_folder, run_study
@@ -380,9 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("--models must be at least 2 (τ needs pairs of models)")
             if args.rho is not None and any(r <= 0 for r in args.rho):
                 raise ValueError("--rho values must be > 0")
-            study = _make_study(args)
-            out = args.out or Path("runs") / args.name
             shard = Shard.parse(args.shard) if args.shard else None
+            out = args.out or Path("runs") / args.name
+            study = _make_study(args, out)
             progress = False if args.no_progress else None
             summary = run_study(study, out, force=args.force, progress=progress, shard=shard)
             print(
@@ -398,8 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if not 0 < args.scale[0] <= args.scale[1]:
                 raise ValueError("--scale needs 0 < LOW <= HIGH")
-            study = _make_study(args)
             out = args.out or Path("runs") / args.name
+            study = _make_study(args, out)
             _, table = symmetry_test(
                 study,
                 out,
@@ -413,22 +457,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.export is not None:
                 from geosharp.studies.runner import export_study
 
+                ensure_writable_dir(args.export, "--export", keep=False)  # created once checked
                 paths = export_study(args.out, args.export)
             else:
+                if args.out.is_dir():  # rebuilt in place; a missing folder holds no study
+                    ensure_writable_dir(
+                        args.out, "OUT", fix="write the report elsewhere: --export DEST"
+                    )
                 paths = report_from_folder(args.out)
             print(f"report: {paths.html}")
         elif args.command == "merge":
             from geosharp.studies.merge import merge_shards
 
+            ensure_writable_dir(args.out, "OUT", keep=False)  # nothing written before the check
             merged = merge_shards(args.out, args.shards)
             print(f"report: {merged.report.html}")
-    except (StudyMismatchError, ValueError, FileNotFoundError) as err:
-        print(f"geosharp: error: {err}", file=sys.stderr)
-        return 2
+    except (StudyMismatchError, ValueError, OSError, sqlite3.Error) as err:
+        said = None if args.debug else _error_line(err)
+        if said is None:
+            raise
+        print(f"geosharp: error: {said[0]}", file=sys.stderr)
+        return said[1]
     except KeyboardInterrupt:
         print(_interrupted(args), file=sys.stderr)
         return 130
     return 0
+
+
+def _error_line(err: Exception) -> tuple[str, int] | None:
+    """The one line of an error the user can act on, and the exit status; ``None``: a bug.
+
+    Our own messages (a :class:`ValueError`, :class:`StudyMismatchError`, an :class:`OSError`
+    raised with a message) exit 2, found before the work; an operating system's error, or
+    SQLite's that stands for one (disk full, read-only), exits 1 and says what to do.
+    """
+    if isinstance(err, sqlite3.Error):
+        os_err = sqlite_os_error(err)
+        if os_err is None:
+            return None  # a bug of the database code: its traceback
+        err = os_err
+    if isinstance(err, OSError):
+        return os_error_line(err), os_error_status(err)
+    return str(err), 2
 
 
 def _interrupted(args: argparse.Namespace) -> str:

@@ -176,6 +176,7 @@ def test_read_only_file_system_is_found_by_the_write_probe(tmp_path, monkeypatch
         check_out_dir(tmp_path / "out")
     assert str(info.value) == (
         f"cannot write to the output folder {tmp_path / 'out'} (--out): Read-only file system"
+        " — choose another --out"
     )
 
 

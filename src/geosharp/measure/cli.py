@@ -2,7 +2,8 @@
 
 :func:`add_parser` adds the subcommand to the ``geosharp`` parser and :func:`run` executes it;
 every error a user can cause ends as ``geosharp: error: ...`` on stderr and exit status 2,
-never a traceback (``--debug`` shows it).
+an operating system's error during the work (disk full, ...) as one such line and exit status
+1, never a traceback (``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from geosharp._io import OutputFolderError, ensure_writable_dir, os_error_line, os_error_status
 from geosharp.measure.cli_parser import add_parser as add_parser
 from geosharp.measure.core import (
     DEFAULT_MEASURES,
@@ -78,31 +80,17 @@ def _needs_head(model_spec: str, task: str = "classification") -> bool:
 def check_out_dir(out: Path) -> None:
     """Fail at once, in one line, if the output folder cannot be created or written to.
 
-    Creates the folder (and its parents) and writes and removes a temporary file in it, so a
-    run that would measure for minutes and then fail to write its results fails before any
-    work instead.
+    Creates the folder (and its parents) and writes and removes a temporary file in it
+    (:func:`geosharp._io.ensure_writable_dir`, the check of every command), so a run that would
+    measure for minutes and then fail to write its results fails before any work instead.
 
     Raises:
         MeasureError: If the folder cannot be created or a file cannot be written in it.
     """
-    import tempfile
-
-    out = Path(out).expanduser()
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise MeasureError(
-            f"cannot create the output folder {out} (--out): {err.strerror or err}"
-        ) from err
-    if not out.is_dir():
-        raise MeasureError(f"the output folder {out} (--out) is a file, not a folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".geosharp-write-test-"):
-            pass
-    except OSError as err:
-        raise MeasureError(
-            f"cannot write to the output folder {out} (--out): {err.strerror or err}"
-        ) from err
+        ensure_writable_dir(out, "--out")
+    except OutputFolderError as err:
+        raise MeasureError(str(err)) from err
 
 
 def _label_map_line(label_map: dict[str, int]) -> str:
@@ -350,8 +338,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``geosharp measure`` with parsed arguments.
 
     Returns:
-        0 on success, 1 if some measurement failed (the others are reported), 2 on bad input,
-        130 if interrupted.
+        0 on success, 1 if some measurement failed (the others are reported) or the operating
+        system failed during the work (disk full, ...), 2 on bad input, 130 if interrupted.
     """
     try:
         return _execute(args)
@@ -361,7 +349,10 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         if getattr(args, "debug", False):
             raise
-        known = isinstance(err, (MeasureError, ValueError, OSError, ImportError))
+        if isinstance(err, OSError):  # its own message (exit 2) or the system's (exit 1)
+            print(f"geosharp: error: {os_error_line(err)}", file=sys.stderr)
+            return os_error_status(err)
+        known = isinstance(err, (MeasureError, ValueError, ImportError))
         text = str(err) if known else f"{type(err).__name__}: {err} (--debug shows the traceback)"
         print(f"geosharp: error: {text}", file=sys.stderr)
         return 2

@@ -270,5 +270,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="measure even if the invariance self-check fails (not recommended)",
     )
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
-    m.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    m.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,  # not given: the value of geosharp --debug measure ...
+        help="show the full traceback of an error instead of its one line (also before the "
+        "command: geosharp --debug measure ...)",
+    )
     return m
