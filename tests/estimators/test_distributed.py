@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import geosharp as gs
+from geosharp.demos.torchrun import demo_problem
 from geosharp.estimators.distributed import (
     BatchSplit,
     batch_seed,
-    demo_problem,
     init_distributed,
     is_active,
 )
@@ -74,7 +74,7 @@ def _assert_same(dp: dict, ref: gs.SharpnessResult) -> None:
 def test_torchrun_two_processes_equal_one_process(tmp_path):
     out = tmp_path / "dp"
     _torchrun(
-        ["-m", "geosharp.estimators.distributed", "--out", str(out), "--steps", "10"], out.parent
+        ["-m", "geosharp.demos.torchrun", "--out", str(out), "--steps", "10"], out.parent
     )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]

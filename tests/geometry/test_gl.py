@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from geosharp.geometry import gl, gl_factors
+from geosharp.geometry import gl, gl_factors, gl_functional
 from geosharp.geometry.gl import GLGeometry
 
 from .reference import (
@@ -253,9 +253,13 @@ def test_geodesic_is_differentiable_in_xi(order):
 def test_float32_and_functional_api_agree_with_float64():
     G, H, g = random_block((2,), N, M, h, seed=17)
     xi = (0.1 * rand_like(G, g), 0.1 * rand_like(H, g))
-    ref = gl.geodesic(G, H, *gl.project(G, H, *xi, metric="inv"), metric="inv", order=2)
+    ref = gl_functional.geodesic(
+        G, H, *gl_functional.project(G, H, *xi, metric="inv"), metric="inv", order=2
+    )
     f32 = [t.float() for t in (G, H, *xi)]
-    got = gl.geodesic(*f32[:2], *gl.project(*f32, metric="inv"), metric="inv", order=2)
+    got = gl_functional.geodesic(
+        *f32[:2], *gl_functional.project(*f32, metric="inv"), metric="inv", order=2
+    )
     assert got[0].dtype == torch.float32
     assert rel(got[0].double(), ref[0]) < 1e-5  # float32 roundoff on O(10) condition numbers
 
@@ -288,7 +292,7 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="xi_G must have the shape of G"):
         GLGeometry(G, H).project((H, H))
     with pytest.raises(ValueError, match="steps must be"):
-        gl.geodesic(G, H, G, H, order="exact", steps=0)
+        gl_functional.geodesic(G, H, G, H, order="exact", steps=0)
 
 
 def test_singular_gram_at_zero_eps_suggests_damping():

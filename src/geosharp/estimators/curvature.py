@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp.estimators.distributed import batch_seed
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.estimators.sharpness import (
     MEASURES,
@@ -513,8 +514,6 @@ def curvature(
     lanczos_iters: list[int] = []
     grad_norms: list[float] = []
     clean: list[float] = []
-    from geosharp.estimators.distributed import batch_seed
-
     with eval_mode(model):
         for b, batch in _progress(enumerate(batches), progress, name):
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:

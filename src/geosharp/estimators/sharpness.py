@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET, autopgd, best_direction_rule
 from geosharp.estimators.cache import CACHE
+from geosharp.estimators.distributed import BatchSplit, batch_seed
 from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
 from geosharp.symmetry import ParameterSpace, find_symmetries
@@ -428,9 +429,6 @@ def sharpness(
     counter = {"forward": 0, "backward": 0}
     per_batch, clean, perturbed, traces = [], [], [], []
     name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
-    # Imported here: `python -m geosharp.estimators.distributed` runs that module as a script.
-    from geosharp.estimators.distributed import BatchSplit, batch_seed
-
     split = BatchSplit(batches, distributed, t0=t0, theta=[base[n] for n in space.param_names])
     local = list(split.local())
     per_batch_passes = (1 + samples) if kind == "average" else (1 + steps * restarts)

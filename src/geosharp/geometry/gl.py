@@ -20,9 +20,9 @@ Everything is batched over any leading dimensions (e.g. ``layers × heads``), di
 and dtype/device agnostic. :class:`GLGeometry` factorizes the base point once
 (:mod:`~geosharp.geometry.gl_factors`: eigendecompositions of the ``h × h`` Gram matrices) and
 runs the order-2 endpoint of :mod:`~geosharp.geometry.gl_endpoint`; the group action ``act``,
-``act_tangent`` is :mod:`~geosharp.geometry.gl_action`'s, and the one-call functions
-(``gl.geodesic(G, H, ξ_G, ξ_H)``, …) of :mod:`~geosharp.geometry.gl_functional`, which build a
-geometry per call, are served from here too.
+``act_tangent`` is :mod:`~geosharp.geometry.gl_action`'s; the one-call functions
+(``gl_functional.geodesic(G, H, ξ_G, ξ_H)``, …) of :mod:`~geosharp.geometry.gl_functional` build
+a geometry per call.
 
 Example:
     >>> import torch
@@ -560,15 +560,3 @@ class GLGeometry(Geometry):
             held = tuple(t.to(self.compute_dtype) for t in pair)
             self.__dict__["_sampler_pair"] = held
         return held
-
-
-def __getattr__(name: str) -> object:
-    """``gl.geodesic(G, H, …)`` and the other one-call functions, imported on first use.
-
-    They are :mod:`~geosharp.geometry.gl_functional`'s (its ``__all__``).
-    """
-    from geosharp.geometry import gl_functional
-
-    if name in gl_functional.__all__:
-        return getattr(gl_functional, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,14 +2,13 @@
 
 Conveniences over :class:`~geosharp.geometry.gl.GLGeometry` (which factorizes once and is
 what the estimators use): the metric, the horizontal projection, the Christoffel form, the
-geodesic endpoint, the Riemannian gradient and an isotropic sample, on raw ``(G, H)``. They are
-also importable from :mod:`geosharp.geometry.gl`.
+geodesic endpoint, the Riemannian gradient and an isotropic sample, on raw ``(G, H)``.
 
 Example:
     >>> import torch
-    >>> from geosharp.geometry import gl
+    >>> from geosharp.geometry import gl_functional
     >>> G, H = torch.eye(3, 2, dtype=torch.float64), torch.eye(4, 2, dtype=torch.float64)
-    >>> float(gl.norm_sq(G, H, G, H, metric="mix"))  # tr(M_H GᵀG) + tr(M_G HᵀH) = 2 + 2
+    >>> float(gl_functional.norm_sq(G, H, G, H, metric="mix"))  # tr(M_H GᵀG) + tr(M_G HᵀH) = 2 + 2
     4.0
 """
 

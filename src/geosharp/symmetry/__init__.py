@@ -27,13 +27,9 @@ from geosharp.symmetry.blocks import (
     TranslationBlock,
 )
 from geosharp.symmetry.find import find_symmetries
+from geosharp.symmetry.group import GroupElement, group_action, random_group_elements
 from geosharp.symmetry.hf_adapters import EXTRA_ADAPTERS
-from geosharp.symmetry.reparametrize import (
-    GroupElement,
-    group_action,
-    random_group_elements,
-    reparametrize,
-)
+from geosharp.symmetry.reparametrize import reparametrize
 from geosharp.symmetry.space import ParameterSpace
 from geosharp.symmetry.specs import (
     BlockSpec,

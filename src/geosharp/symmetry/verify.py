@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from geosharp.symmetry.reparametrize import group_action, random_group_elements
+from geosharp.symmetry.group import group_action, random_group_elements
 from geosharp.symmetry.space import ParameterSpace
 
 __all__ = [
@@ -107,8 +107,9 @@ def invariance_changes(
 ) -> tuple[list[float], list[float]]:
     """Relative output changes under random group elements and under random moves.
 
-    For every scale ``a``: the group element of :func:`~geosharp.symmetry.reparametrize`
-    (``generator`` seeded ``seed + i``) moves the outputs by ``‖f(g·w) − f(w)‖ / ‖f(w)‖``; a
+    For every scale ``a``: the group element of
+    :func:`~geosharp.symmetry.group.random_group_elements` (``generator`` seeded ``seed + i``)
+    moves the outputs by ``‖f(g·w) − f(w)‖ / ‖f(w)‖``; a
     random direction with, block by block, the same length as ``g·w − w`` moves them by the
     second number.
 
