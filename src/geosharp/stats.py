@@ -410,7 +410,7 @@ def granulated_kendall(
     measure rank the models like their gaps?".
 
     On a complete grid (every combination of hyperparameter values trained) this is Jiang et
-    al.'s Eq. (4)–(5) exactly: every group holds one model per value of ``i``, ψ_i averages over
+    al.'s definition exactly: every group holds one model per value of ``i``, ψ_i averages over
     all ``∏_{j≠i} |Θ_j|`` groups and Ψ over all hyperparameters. Departures from a grid are
     handled as follows:
 
