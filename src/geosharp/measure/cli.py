@@ -9,7 +9,6 @@ an operating system's error during the work (disk full, ...) as one such line an
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,21 +61,6 @@ def _validate(args: argparse.Namespace) -> None:
         raise MeasureError(f"--threads must be >= 1, got {args.threads}")
 
 
-def _needs_head(model_spec: str, task: str = "classification") -> bool:
-    """Whether ``model_spec`` is a Hugging Face folder without a head for ``task``."""
-    from geosharp.measure.model_loading import _is_base_architecture, _lm_head
-
-    cfg = Path(model_spec).expanduser() / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        archs = json.loads(cfg.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError) as err:
-        raise MeasureError(f"cannot read {cfg}: {err}") from err
-    arch = archs[0] if archs else None
-    return _is_base_architecture(arch) or (task == "classification" and _lm_head(arch))
-
-
 def check_out_dir(out: Path) -> None:
     """Fail at once, in one line, if the output folder cannot be created or written to.
 
@@ -93,42 +77,23 @@ def check_out_dir(out: Path) -> None:
         raise MeasureError(str(err)) from err
 
 
-def _label_map_line(label_map: dict[str, int]) -> str:
-    shown = ", ".join(f"{k!r} → {v}" for k, v in list(label_map.items())[:20])
-    more = f", … ({len(label_map)} in all)" if len(label_map) > 20 else ""
-    return f"labels: text labels mapped to class ids: {shown}{more}"
-
-
 def _execute(args: argparse.Namespace) -> int:
     import torch
 
-    from geosharp.measure.lm_tasks import detect_task
-    from geosharp.measure.model_loading import check_model_spec
-    from geosharp.measure.resolve import resolve_device, resolve_dtype
+    from geosharp.measure.pipeline import ModelSource, load_for_measure, options_from_args
 
     _validate(args)
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype)
-    samples = None if args.samples == 0 else args.samples
-    loss = _loss(args.loss)  # fail on an unknown name before loading anything
-
-    check_model_spec(args.model)  # before reading any data
-    task, why = detect_task(args.model, base=args.base, forced=args.task)
-    if task != "classification" and isinstance(loss, str) and loss.strip().lower() == "mse":
-        raise MeasureError(f"--loss mse does not fit the {task} task (a cross-entropy over tokens)")
-    _say(f"task: {task} ({why})")
-    table, num_labels, label2id = _read_labels(args, task, samples)
-    loaded = _load_model(args, task, device, dtype, num_labels, label2id)
-    data = _load_batches(args, task, loaded, table, samples, dtype)
-    flushed = _flush_unrepresentable(loaded.model, dtype)
+    opts = options_from_args(args)
+    source = ModelSource(args.model, weights=args.weights, base=args.base)
+    ready = load_for_measure(source, opts, say=_say, warn=_warn)
 
     report = measure(
-        loaded.model,
-        data.batches,
-        loss,
+        ready.model,
+        ready.batches,
+        ready.loss,
         measures=args.measures or list(DEFAULT_MEASURES),
         rhos=args.rho or list(DEFAULT_RHOS),
         steps=args.steps,
@@ -144,180 +109,15 @@ def _execute(args: argparse.Namespace) -> int:
         log=_say,
         warn=_warn,
     )
-    report.warnings[:0] = [*loaded.notes, *data.warnings] + (
-        [f"{sum(flushed.values())} weight(s) with 1/w² overflowing {dtype} were set to 0"]
-        if flushed
-        else []
-    )
-    report.settings = {
-        "model": loaded.name,
-        "model_kind": loaded.kind,
-        "task": task,
-        "task_reason": why,
-        "weights": args.weights,
-        "data": data.description,
-        "batch_size": args.batch_size,
-        "samples": data.n_samples,
-        "max_length": args.max_length,
-        **({"n_tokens": data.n_tokens} if data.n_tokens is not None else {}),
-        **({"label_map": data.label_map} if data.label_map else {}),
-        **({"model_info": loaded.info} if loaded.info else {}),
-        **report.settings,
-    }
-    if not torch.cuda.is_available() and device.type == "cpu":
+    report.warnings[:0] = ready.warnings
+    report.settings = {**ready.settings(), **report.settings}
+    if not torch.cuda.is_available() and opts.device.type == "cpu":
         report.settings["threads"] = torch.get_num_threads()
     _write(report, args)
     if report.failed:
         _warn(f"{len(report.failed)} measurement(s) failed; see the table")
         return 1
     return 0
-
-
-# --------------------------------------------------------------------------------------------
-# the steps of _execute
-
-
-def _loss(spec: str | None) -> Any:
-    """``--loss``: a name (checked now) or ``module:function`` (imported now)."""
-    from geosharp.measure.losses import resolve_loss
-    from geosharp.measure.resolve import import_callable
-
-    if spec not in (None, "auto") and ":" in spec:
-        return import_callable(spec, "loss function")
-    resolve_loss(spec)
-    return spec
-
-
-def _read_labels(args: argparse.Namespace, task: str, samples: int | None) -> tuple:
-    """A classification table read once: ``(table, num_labels, label2id)`` for a fresh head.
-
-    The label column is checked first, so a missing one is named before a missing task head.
-    """
-    from geosharp.measure.data_files import _columns, data_kind, infer_num_labels, read_table
-
-    table, rows = None, None
-    num_labels, label2id = args.num_labels, None
-    kind = data_kind(args.data)  # a missing data path fails here, before the model loads
-    if task == "classification" and kind in (
-        "csv",
-        "jsonl",
-        "json",
-        "parquet",
-        "hf_dataset",
-        "txt",
-    ):
-        table = read_table(args.data, split=args.split, limit=samples)
-        rows = table[0]
-        if not rows:
-            raise MeasureError(f"the data set {args.data} is empty: it holds no rows")
-        col = args.label_col or "label"
-        cols = _columns(rows)
-        if col not in cols:  # say so first, before "no task head" or anything else
-            raise MeasureError(
-                f"{Path(args.data).name} has no label column {col!r} (columns: "
-                f"{', '.join(cols)}); name it with --label-col"
-                + (
-                    ", or measure a language-model loss with --task causal-lm or seq2seq"
-                    if args.label_col is None
-                    else ""
-                )
-            )
-    if _needs_head(args.model, task) and num_labels is None and rows is not None:
-        col = args.label_col or "label"
-        values = [r.get(col) for r in rows[:samples] if r.get(col) not in (None, "")]
-        if values:
-            num_labels, label2id = infer_num_labels(values)
-    return table, num_labels, label2id
-
-
-def _load_model(
-    args: argparse.Namespace,
-    task: str,
-    device: Any,
-    dtype: Any,
-    num_labels: int | None,
-    label2id: dict[str, int] | None,
-) -> Any:
-    """The :class:`~geosharp.measure.model_loading.LoadedModel`, its notes and size said."""
-    from geosharp.measure.model_loading import load_model
-
-    loaded = load_model(
-        args.model,
-        weights=args.weights,
-        device=device,
-        dtype=dtype,
-        num_labels=num_labels,
-        label2id=label2id,
-        seed=args.seed,
-        task=task,
-        base=args.base,
-    )
-    for note in loaded.notes:
-        _warn(note)
-    n_params = sum(p.numel() for p in loaded.model.parameters())
-    n_train = sum(p.numel() for p in loaded.model.parameters() if p.requires_grad)
-    trainable = f" ({n_train:,} trainable)" if n_train != n_params else ""
-    _say(
-        f"model: {loaded.name}, {n_params:,} parameters{trainable}, {dtype} on {device}".replace(
-            "torch.", ""
-        )
-    )
-    for line in loaded.info:
-        _say(line)
-    return loaded
-
-
-def _load_batches(
-    args: argparse.Namespace, task: str, loaded: Any, table: Any, samples: int | None, dtype: Any
-) -> Any:
-    """The :class:`~geosharp.measure.data_loading.DataSet` of the task, its warnings said."""
-    from geosharp.measure.data_loading import load_data
-    from geosharp.measure.lm import load_lm_data, load_seq2seq_data
-
-    common = {
-        "batch_size": args.batch_size,
-        "samples": samples,
-        "max_length": args.max_length,
-        "split": args.split,
-        "tokenizer": args.tokenizer,
-        "dtype": dtype,
-    }
-    if task == "causal-lm":
-        data = load_lm_data(
-            args.data, loaded, text_col=args.text_col, txt_mode=args.txt_mode, **common
-        )
-    elif task == "seq2seq":
-        data = load_seq2seq_data(
-            args.data, loaded, source_col=args.source_col, target_col=args.target_col, **common
-        )
-    else:
-        data = load_data(
-            args.data, loaded, text_col=args.text_col, label_col=args.label_col, table=table,
-            **common,
-        )  # fmt: skip
-    for w in data.warnings:
-        _warn(w)
-    _say(f"data: {data.description}")
-    for line in data.info:
-        _say(line)
-    if data.label_map:
-        _say(_label_map_line(data.label_map))
-    return data
-
-
-def _flush_unrepresentable(model: Any, dtype: Any) -> dict[str, int]:
-    """Set the weights whose ``1/w²`` overflows to 0, in place, with a warning."""
-    from geosharp.measure.checks import flush_unrepresentable
-
-    flushed = flush_unrepresentable(model)
-    if flushed:
-        where = ", ".join(f"{k} ({v})" for k, v in list(flushed.items())[:4])
-        _warn(
-            f"{sum(flushed.values())} weight(s) are so small that 1/w² overflows {dtype} "
-            f"({where}); they were set to 0, which freezes them in the adaptive ball (its radius "
-            "ρ|w| was below 1e-19 there anyway)".replace("torch.", "")
-        )
-    return flushed
 
 
 def _write(report: Any, args: argparse.Namespace) -> None:

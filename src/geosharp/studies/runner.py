@@ -62,6 +62,24 @@ class StudyMeasure:
 
 
 @dataclass
+class Prepared:
+    """A model ready to measure (:meth:`Study.prepare`).
+
+    Attributes:
+        model: The model.
+        batches: The batches it is measured on.
+        loss_fn: ``loss_fn(outputs, targets)``.
+        settings: Further run settings of its measures (e.g. ``{"space": …}``), not recorded
+            as part of a measurement's identity.
+    """
+
+    model: nn.Module
+    batches: list[tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], Tensor]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Shard:
     """Part ``k`` of ``n`` (1-based) of a population: models ``k−1, k−1+n, …``."""
 
@@ -141,6 +159,15 @@ class Study(ABC):
     @abstractmethod
     def plan(self) -> list[StudyMeasure]:
         """Measures × ρ, fixed before looking at any τ."""
+
+    def prepare(self, row: dict[str, Any], batches: list[tuple[Any, Any]]) -> Prepared:
+        """The model of a store row, ready to measure, with its batches and loss.
+
+        Default: :meth:`load` with the study's shared ``batches`` (:meth:`batches`) and
+        :meth:`loss_fn`. A population whose models need batches of their own (a tokenizer per
+        model) or settings of their own (a symmetry space proven on data) overrides it.
+        """
+        return Prepared(self.load(row), batches, self.loss_fn)
 
     def settings(self) -> dict[str, Any]:
         """Human-readable settings for the report (default: the config)."""
@@ -227,7 +254,7 @@ def run_study(
                 for rho in spec.rhos:
                     jobs.append((row, spec, rho))
         say(f"measuring {len(jobs)} (model, measure, rho) rows")
-        loaded: dict[str, nn.Module] = {}
+        loaded: dict[str, Prepared] = {}
         for row, spec, rho in _progress(jobs, progress, "sharpness"):
             settings = {**spec.kwargs, "rho": rho}
             measure = spec.measure
@@ -236,16 +263,17 @@ def run_study(
                 continue
             if row["model_id"] not in loaded:
                 loaded.clear()
-                loaded[row["model_id"]] = study.load(row)
-            model = loaded[row["model_id"]]
+                loaded[row["model_id"]] = study.prepare(row, batches)
+            ready = loaded[row["model_id"]]
+            run_settings = {"progress": False, "key_bias": study.key_bias, **ready.settings}
             try:
                 outcome = measure.outcome(
                     measure.run(
-                        model,
-                        study.loss_fn,
-                        batches,
+                        ready.model,
+                        ready.loss_fn,
+                        ready.batches,
                         rho=rho,
-                        **{**spec.kwargs, "progress": False, "key_bias": study.key_bias},
+                        **{**spec.kwargs, **run_settings},
                     )
                 )
             except (FloatingPointError, ValueError, RuntimeError) as err:
