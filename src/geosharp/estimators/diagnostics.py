@@ -64,7 +64,6 @@ from torch import Tensor, nn
 from geosharp.estimators.apgd import autopgd, best_direction_rule
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import (
     DiagonalPair,
@@ -405,14 +404,11 @@ def budget_split(pert: Perturbation, xi: Xi) -> dict[str, float]:
     total = torch.zeros(len(names), dtype=torch.float64, device=device)
     for piece, x in zip(pert.pieces, xi, strict=True):
         geom = piece.norm_geometry
-        if isinstance(geom, FixedGeometry):
+        if geom.is_trivial:
             continue
         index = piece.index
-        if isinstance(geom, (ElementwiseGeometry, EuclideanGeometry)):
-            if isinstance(geom, EuclideanGeometry):
-                contrib = tuple(t.square() for t in x)
-            else:
-                contrib = geom.coordinate_norm_sq(x)
+        contrib = geom.coordinate_norm_sq(x)
+        if contrib is not None:
             for c, idx in zip(contrib, index, strict=True):
                 total.index_add_(0, labels[idx.reshape(-1)], c.reshape(-1).to(torch.float64))
             continue

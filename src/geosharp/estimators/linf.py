@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from geosharp.estimators.pieces import Piece, Xi
-from geosharp.geometry import ElementwiseGeometry
 from geosharp.geometry.elementwise import draw_like
 
 __all__ = ["LinfBox"]
@@ -25,8 +24,7 @@ class LinfBox:
 
     @staticmethod
     def _abs_w(p: Piece) -> tuple[Tensor, ...] | None:
-        g = p.geometry
-        return g.abs_w_parts() if isinstance(g, ElementwiseGeometry) else None
+        return p.geometry.box_scale()
 
     def sign_direction(self, egrad: Xi) -> Xi:
         """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""

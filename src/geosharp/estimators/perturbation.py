@@ -48,7 +48,6 @@ from geosharp.geometry import (
     EuclideanGeometry,
     FixedGeometry,
     Geometry,
-    GLGeometry,
 )
 from geosharp.geometry.base import euclidean_pairing
 from geosharp.symmetry import ParameterSpace
@@ -227,12 +226,9 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
         out = []
         for p, e in zip(self.pieces, egrad, strict=True):
             g = p.norm_geometry
-            if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
-                out.append(g.riemannian_grad_(tuple(e)))
-            elif isinstance(g, EuclideanGeometry):
-                out.append(tuple(e))
-            else:
-                out.append(g.horizontal_grad(e))
+            out.append(
+                g.horizontal_grad_(e) if inplace and p.geometry is g else g.horizontal_grad(e)
+            )
         return out
 
     def ascent_direction(
@@ -272,7 +268,7 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
             if exact:  # before an in-place direction overwrites e
                 for j, x in xs:
                     add(1 + j, euclidean_pairing(e, x))
-            if inplace and isinstance(g, ElementwiseGeometry) and p.geometry is g:
+            if inplace and p.geometry is g:
                 d, n = g.ascent_direction_(tuple(e))
             else:
                 d, n = g.ascent_direction(e)
@@ -378,21 +374,7 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
         diagonal pairs are left to autograd: their derivative at 0 is the identity only up to
         rounding.
         """
-        for p in self.pieces:
-            g = p.geometry
-            if isinstance(g, FixedGeometry):
-                continue
-            if isinstance(g, GLGeometry):
-                same = (
-                    type(g).geodesic is GLGeometry.geodesic
-                    and type(g).iterate_endpoint is GLGeometry.iterate_endpoint
-                )
-                if same and p.order in (1, 2):
-                    continue
-            elif type(g) in (ElementwiseGeometry, EuclideanGeometry) and p.order == 1:
-                continue
-            return False
-        return True
+        return all(p.geometry.pulls_back(p.order) for p in self.pieces)
 
     @property
     def rest_index(self) -> int | None:
@@ -410,7 +392,7 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
         out = self._assembly.pull_back(self.pieces, grads)
         xi: Xi = []
         for p, comps in zip(self.pieces, out, strict=True):
-            if isinstance(p.geometry, FixedGeometry):
+            if p.geometry.is_trivial:
                 xi.append(p.geometry.zeros())
             else:
                 xi.append(tuple(t.to(p.geometry.tangent_dtype) for t in comps))
@@ -427,10 +409,7 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
         if k is None:
             return False
         piece = self.pieces[k]
-        g = piece.geometry
-        if isinstance(g, ElementwiseGeometry):
-            return piece.order == 1
-        return isinstance(g, EuclideanGeometry)
+        return piece.geometry.is_straight(piece.order)
 
     @contextlib.contextmanager
     def applied(self, xi: Xi) -> Iterator[Xi]:

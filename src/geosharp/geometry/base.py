@@ -73,6 +73,14 @@ class Geometry(ABC):
         """
         return self.project(self.riemannian_grad(egrad))
 
+    def horizontal_grad_(self, egrad: Tangent) -> Tangent:
+        """:meth:`horizontal_grad`, free to overwrite ``egrad`` (no copy where a geometry can)."""
+        return self.horizontal_grad(egrad)
+
+    def ascent_direction_(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
+        """:meth:`ascent_direction`, free to overwrite ``egrad`` (no copy where a geometry can)."""
+        return self.ascent_direction(egrad)
+
     def ascent_direction(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
         """The ascent direction ``d = P(g⁻¹ e)`` and its squared norm ``⟨d, d⟩`` (0-dim).
 
@@ -85,7 +93,33 @@ class Geometry(ABC):
             return d, euclidean_pairing(egrad, d)
         return d, self.norm_sq(d).sum()
 
+    def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...] | None:
+        """``‖ξ‖²`` split over the coordinates, where the metric is diagonal; else ``None``.
+
+        Where it is not ``None`` its entries add up to :meth:`norm_sq`.
+        """
+        return None
+
+    def box_scale(self) -> tuple[Tensor, ...] | None:
+        """The half-widths of this geometry's ℓ∞ box per unit radius, or ``None`` for ``1``.
+
+        The box ``|ξ_i| ≤ ρ·s_i`` (SPEC §2): ``|w_i|`` for the adaptive geometry.
+        """
+        return None
+
     # -- geodesics --------------------------------------------------------------------------
+    def pulls_back(self, order: int | str) -> bool:
+        """Whether the endpoint of this ``order`` has exactly the identity as its derivative at 0.
+
+        Then ``∂L/∂ξ`` at ``ξ = 0`` is ``∂L/∂θ`` (no backward through the endpoint). RK4 and
+        closed forms are the identity there only up to rounding: ``False`` by default.
+        """
+        return False
+
+    def is_straight(self, order: int | str) -> bool:
+        """Whether the endpoint of this ``order`` is the straight line ``w + ξ`` itself."""
+        return False
+
     @abstractmethod
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """Christoffel quadratic form ``Γ_p(ξ, ξ)`` with the metric evaluated at ``point``."""

@@ -229,6 +229,22 @@ class ElementwiseGeometry(Geometry):
         e = self._check(egrad, "egrad")
         return self.ascent_direction_(tuple(t.clone() for t in e))
 
+    def horizontal_grad_(self, egrad: Tangent) -> Tangent:
+        """``e ⊙ w²`` in place (:meth:`riemannian_grad_`): zero on frozen coordinates already."""
+        return self.riemannian_grad_(tuple(egrad))
+
+    def box_scale(self) -> tuple[Tensor, ...]:
+        """``|w|``: the adaptive box ``|ξ_i| ≤ ρ|w_i|``."""
+        return self.abs_w_parts()
+
+    def pulls_back(self, order: int | str) -> bool:
+        """At order 1 (``w + ξ``)."""
+        return order == 1
+
+    def is_straight(self, order: int | str) -> bool:
+        """At order 1 (``w + ξ``)."""
+        return order == 1
+
     def _w2(self, k: int) -> Tensor:
         """``w²`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
         return self._zero_frozen_(self.point[k].square(), k)
@@ -364,6 +380,22 @@ class EuclideanGeometry(Geometry):
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
         """Identity."""
         return self._check(egrad, "egrad")
+
+    def horizontal_grad(self, egrad: Tangent) -> Tangent:
+        """``e`` itself: no metric, no symmetry."""
+        return tuple(egrad)
+
+    def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...]:
+        """``ξ_i²``."""
+        return tuple(t.square() for t in xi)
+
+    def pulls_back(self, order: int | str) -> bool:
+        """At order 1 (``w + ξ``)."""
+        return order == 1
+
+    def is_straight(self, order: int | str) -> bool:
+        """Always: straight lines are the geodesics."""
+        return True
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """Zero: straight lines are the geodesics."""

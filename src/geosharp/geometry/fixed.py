@@ -68,6 +68,10 @@ class FixedGeometry(Geometry):
         check_order(order)
         return tuple(p + 0 * x for p, x in zip(self.point, xi, strict=True))
 
+    def pulls_back(self, order: int | str) -> bool:
+        """``True``: the endpoint is the base point, and the gradient there is zero."""
+        return True
+
     def random_tangent(
         self, generator: torch.Generator | None = None, scale: float = 1.0, horizontal: bool = True
     ) -> Tangent:

@@ -492,6 +492,17 @@ class GLGeometry(Geometry):
         gG, gH = _christoffel(G, H, xG, xH, MG_inv, MH_inv, self.metric)
         return gG.to(out_dtype), gH.to(out_dtype)
 
+    def pulls_back(self, order: int | str) -> bool:
+        """At orders 1 and 2 (``θ₀ + ξ − ½Γ(ξ, ξ)``, ``Γ`` quadratic), unless overridden.
+
+        A subclass that replaces the endpoint is left to autograd.
+        """
+        same = (
+            type(self).geodesic is GLGeometry.geodesic
+            and type(self).iterate_endpoint is GLGeometry.iterate_endpoint
+        )
+        return same and order in (1, 2)
+
     def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """Geodesic endpoint at ``t = 1`` (order 1, 2 or ``"exact"``); see :class:`Geometry`.
 
