@@ -11,10 +11,13 @@ Example:
 """
 
 from geosharp import geometry
+from geosharp._version import __version__
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.measure import measure
+from geosharp.measures import Measure, parse_measure
+from geosharp.studies.population import study
 from geosharp.symmetry import (
     GLBlock,
     ParameterSpace,
@@ -23,11 +26,10 @@ from geosharp.symmetry import (
     reparametrize,
 )
 
-__version__ = "0.1.0.dev0"
-
 __all__ = [
     "CurvatureResult",
     "GLBlock",
+    "Measure",
     "ParameterSpace",
     "SharpnessResult",
     "__version__",
@@ -38,7 +40,9 @@ __all__ = [
     "find_symmetries",
     "geometry",
     "measure",
+    "parse_measure",
     "relative_flatness",
     "reparametrize",
     "sharpness",
+    "study",
 ]

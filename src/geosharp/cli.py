@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from geosharp._io import ensure_writable_dir, os_error_line, os_error_status, sqlite_os_error
+from geosharp.studies.population_cli import is_manifest
 
 #: Threads of ``geosharp study`` and ``geosharp symmetry-test`` without ``--threads``: one, so
 #: that two studies can run side by side on a 2-core machine without oversubscribing it.
@@ -245,7 +246,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "name",
         choices=sorted(STUDIES),
-        help="; ".join(f"{k}: {v[0]}" for k, v in sorted(STUDIES.items())),
+        help="; ".join(f"{k}: {v[0]}" for k, v in sorted(STUDIES.items()))
+        + "; or your own population: geosharp study MANIFEST.csv --data DATA (see "
+        "geosharp study MANIFEST.csv -h)",
     )
     s.add_argument("--out", type=Path, default=None, help="output folder (default: runs/NAME)")
     s.add_argument(
@@ -406,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         (disk full, ...), 130 if interrupted. Errors print one line (``--debug``: the
         traceback).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[1:] if argv[:1] == ["--debug"] else argv
+    if len(rest) >= 2 and rest[0] == "study" and is_manifest(rest[1]):
+        return _population(rest[1:], debug="--debug" in argv)
     args = _parser().parse_args(argv)
     from geosharp.studies.runner import Shard, report_from_folder, run_study
     from geosharp.studies.store import StudyMismatchError
@@ -482,6 +489,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_interrupted(args), file=sys.stderr)
         return 130
     return 0
+
+
+def _population(argv: Sequence[str], debug: bool) -> int:
+    """``geosharp study MANIFEST ...`` (:mod:`geosharp.studies.population_cli`)."""
+    from geosharp.studies.population_cli import run
+    from geosharp.studies.store import StudyMismatchError
+
+    args = argparse.Namespace(command="study", name=argv[0], out=None)
+    try:
+        args, status = run([a for a in argv if a != "--debug"])
+        return status
+    except (StudyMismatchError, ValueError, OSError, sqlite3.Error) as err:
+        said = None if debug else _error_line(err)
+        if said is None:
+            raise
+        print(f"geosharp: error: {said[0]}", file=sys.stderr)
+        return said[1]
+    except KeyboardInterrupt:
+        args.out = args.out or Path("runs") / Path(argv[0]).stem
+        print(_interrupted(args), file=sys.stderr)
+        return 130
 
 
 def _error_line(err: Exception) -> tuple[str, int] | None:

@@ -20,7 +20,7 @@ from geosharp.measure.core import (
 )
 from geosharp.measure.lm import SOURCE_COLS, TARGET_COLS, TASKS, TXT_MODES
 
-__all__ = ["add_parser"]
+__all__ = ["add_data_arguments", "add_parser"]
 
 
 def _buffer_budget(text: str) -> float | None:
@@ -80,113 +80,19 @@ case, 20 Auto-PGD steps, at rho 0.01, 0.1 and 1 (the paper reports no rho; one d
 """
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add ``measure`` to the subparsers ``sub`` of the ``geosharp`` command.
+def add_data_arguments(m: argparse.ArgumentParser) -> None:
+    """The options of how a model's data are read: ``geosharp measure``'s and a population's.
 
-    Returns:
-        The new parser.
+    ``--task``, the batching (``--batch-size``, ``--samples``, ``--max-length``), the columns,
+    the tokenizer, the PEFT base, a fresh head's classes, the loss, the device and the dtype
+    (read by :func:`geosharp.measure.pipeline.options_from_args`).
     """
-    m = sub.add_parser(
-        "measure",
-        help="measure the sharpness of one trained model (HF folder, saved model, or builder)",
-        description=textwrap.fill(
-            "Measure the sharpness of one trained model on its data under several measures and "
-            "radii. Before measuring, the symmetry blocks found are printed and a self-check "
-            "runs: the clean loss must be finite and the model's outputs unchanged under a "
-            "random re-parametrization of the blocks (else a wrong adapter would be measured). "
-            "Results: a table here, results.json and results.csv in --out, and with --report "
-            "an HTML page with the per-batch loss-ascent curves.",
-            width=92,
-        ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    m.add_argument(
-        "model",
-        help="a Hugging Face model folder (config.json), a PEFT adapter folder "
-        "(adapter_config.json), a torch.save(model) or torch.jit.save file, or module:function "
-        "building the model (with --weights)",
-    )
-    m.add_argument(
-        "data",
-        help="a Hugging Face datasets folder, a .csv/.tsv/.jsonl/.json/.parquet file of text "
-        "and labels (causal-lm: of text; seq2seq: of source and target texts), a .txt corpus "
-        "(causal-lm), an .npz of arrays, or module:function returning (inputs, targets) batches",
-    )
     m.add_argument(
         "--task",
         default="auto",
         choices=("auto", *TASKS),
         help="what the loss is (default auto: causal-lm for *ForCausalLM/*LMHeadModel "
         "configs, seq2seq for encoder-decoder configs, else classification); see below",
-    )
-    m.add_argument("--weights", default=None, help="a state dict to load into the model")
-    m.add_argument(
-        "--measures",
-        nargs="+",
-        default=None,
-        metavar="MEASURE",
-        help=f"measures (default: {' '.join(DEFAULT_MEASURES)})",
-    )
-    m.add_argument(
-        "--rho",
-        type=float,
-        nargs="+",
-        default=None,
-        help=f"radii (default: {' '.join(f'{r:g}' for r in DEFAULT_RHOS)})",
-    )
-    m.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"
-    )
-    m.add_argument(
-        "--eps",
-        type=float,
-        default=0.0,
-        help="damping ε of the symmetry blocks' metrics: the geodesic measures invert the Gram "
-        "matrices GᵀG + εI of every GL(h) block (one per attention head's query-key and "
-        "value-output factors; also the diagonal-pair metrics). Default 0: exactly invariant. "
-        "Set it only if a measure fails because a block's Gram matrix is singular (a head "
-        "with rank-deficient weights, e.g. pruned or zero-initialized), to about 1e-6 times "
-        "the block's typical squared weight; the invariance then holds up to about that much",
-    )
-    m.add_argument(
-        "--low-memory",
-        action="store_true",
-        help="trade time and float32 precision for memory (gs.sharpness(low_memory=True)): "
-        "Auto-PGD keeps the best iterate's direction only while it costs no buffer "
-        "(recomputed at a restart from an older one: a few extra forward+backward passes, "
-        "the same iterates) and the symmetry blocks' geometry runs its products in the "
-        "model's dtype instead of float64 (values move by ~1e-5 relative in float32): one "
-        "parameter-sized buffer less (benchmarks/README.md)",
-    )
-    m.add_argument(
-        "--buffer-budget",
-        type=_buffer_budget,
-        default=BUFFER_BUDGET,
-        metavar="N|none",
-        help="parameter-sized buffers a worst-case ascent may hold above a plain "
-        "forward+backward to keep its best iterate's direction for restarts (default "
-        f"{BUFFER_BUDGET}; 'none': always kept, the fewest passes, e.g. on a GPU with "
-        "memory to spare; the values do not change)",
-    )
-    m.add_argument(
-        "--iters",
-        type=int,
-        default=DEFAULT_CURVATURE_ITERS,
-        help=f"curvature lmax/lmin: most Lanczos iterations per batch ({DEFAULT_CURVATURE_ITERS})",
-    )
-    m.add_argument(
-        "--probes",
-        type=int,
-        default=DEFAULT_CURVATURE_PROBES,
-        help=f"curvature trace: Hutchinson probes per batch ({DEFAULT_CURVATURE_PROBES})",
-    )
-    m.add_argument(
-        "--trace-method",
-        default="hutchinson",
-        choices=("hutchinson", "hutch++", "exact"),
-        help="curvature trace: hutchinson (with its standard error), hutch++ or exact (one "
-        "product per coordinate: small models only)",
     )
     m.add_argument(
         "--batch-size",
@@ -258,6 +164,110 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype", default="float32", help="float32, float64 or bfloat16 (default float32)"
     )
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``measure`` to the subparsers ``sub`` of the ``geosharp`` command.
+
+    Returns:
+        The new parser.
+    """
+    m = sub.add_parser(
+        "measure",
+        help="measure the sharpness of one trained model (HF folder, saved model, or builder)",
+        description=textwrap.fill(
+            "Measure the sharpness of one trained model on its data under several measures and "
+            "radii. Before measuring, the symmetry blocks found are printed and a self-check "
+            "runs: the clean loss must be finite and the model's outputs unchanged under a "
+            "random re-parametrization of the blocks (else a wrong adapter would be measured). "
+            "Results: a table here, results.json and results.csv in --out, and with --report "
+            "an HTML page with the per-batch loss-ascent curves.",
+            width=92,
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument(
+        "model",
+        help="a Hugging Face model folder (config.json), a PEFT adapter folder "
+        "(adapter_config.json), a torch.save(model) or torch.jit.save file, or module:function "
+        "building the model (with --weights)",
+    )
+    m.add_argument(
+        "data",
+        help="a Hugging Face datasets folder, a .csv/.tsv/.jsonl/.json/.parquet file of text "
+        "and labels (causal-lm: of text; seq2seq: of source and target texts), a .txt corpus "
+        "(causal-lm), an .npz of arrays, or module:function returning (inputs, targets) batches",
+    )
+    m.add_argument("--weights", default=None, help="a state dict to load into the model")
+    m.add_argument(
+        "--measures",
+        nargs="+",
+        default=None,
+        metavar="MEASURE",
+        help=f"measures (default: {' '.join(DEFAULT_MEASURES)})",
+    )
+    m.add_argument(
+        "--rho",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"radii (default: {' '.join(f'{r:g}' for r in DEFAULT_RHOS)})",
+    )
+    m.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"
+    )
+    m.add_argument(
+        "--eps",
+        type=float,
+        default=0.0,
+        help="damping ε of the symmetry blocks' metrics: the geodesic measures invert the Gram "
+        "matrices GᵀG + εI of every GL(h) block (one per attention head's query-key and "
+        "value-output factors; also the diagonal-pair metrics). Default 0: exactly invariant. "
+        "Set it only if a measure fails because a block's Gram matrix is singular (a head "
+        "with rank-deficient weights, e.g. pruned or zero-initialized), to about 1e-6 times "
+        "the block's typical squared weight; the invariance then holds up to about that much",
+    )
+    m.add_argument(
+        "--low-memory",
+        action="store_true",
+        help="trade time and float32 precision for memory (gs.sharpness(low_memory=True)): "
+        "Auto-PGD keeps the best iterate's direction only while it costs no buffer "
+        "(recomputed at a restart from an older one: a few extra forward+backward passes, "
+        "the same iterates) and the symmetry blocks' geometry runs its products in the "
+        "model's dtype instead of float64 (values move by ~1e-5 relative in float32): one "
+        "parameter-sized buffer less (benchmarks/README.md)",
+    )
+    m.add_argument(
+        "--buffer-budget",
+        type=_buffer_budget,
+        default=BUFFER_BUDGET,
+        metavar="N|none",
+        help="parameter-sized buffers a worst-case ascent may hold above a plain "
+        "forward+backward to keep its best iterate's direction for restarts (default "
+        f"{BUFFER_BUDGET}; 'none': always kept, the fewest passes, e.g. on a GPU with "
+        "memory to spare; the values do not change)",
+    )
+    m.add_argument(
+        "--iters",
+        type=int,
+        default=DEFAULT_CURVATURE_ITERS,
+        help=f"curvature lmax/lmin: most Lanczos iterations per batch ({DEFAULT_CURVATURE_ITERS})",
+    )
+    m.add_argument(
+        "--probes",
+        type=int,
+        default=DEFAULT_CURVATURE_PROBES,
+        help=f"curvature trace: Hutchinson probes per batch ({DEFAULT_CURVATURE_PROBES})",
+    )
+    m.add_argument(
+        "--trace-method",
+        default="hutchinson",
+        choices=("hutchinson", "hutch++", "exact"),
+        help="curvature trace: hutchinson (with its standard error), hutch++ or exact (one "
+        "product per coordinate: small models only)",
+    )
+    add_data_arguments(m)
     m.add_argument("--seed", type=int, default=0, help="seed of the check, starts and fresh heads")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     m.add_argument(

@@ -1,4 +1,4 @@
-"""The error and the warning every part of ``geosharp measure`` raises.
+"""The error and the warning every part of ``geosharp measure`` raises (:mod:`geosharp.errors`).
 
 :class:`MeasureError` is a bad input a user can fix (its message says how);
 :class:`MeasureWarning` is something about a measurement that did not stop it.
@@ -6,12 +6,6 @@
 
 from __future__ import annotations
 
+from geosharp.errors import MeasureError, MeasureWarning
+
 __all__ = ["MeasureError", "MeasureWarning"]
-
-
-class MeasureError(ValueError):
-    """Bad input to ``geosharp measure``: the message says what was wrong and what to do."""
-
-
-class MeasureWarning(UserWarning):
-    """Something a user should know about a measurement that did not stop it."""

@@ -51,18 +51,18 @@ class MeasureOptions:
     data: str
     task: str | None = None
     tokenizer: str | None = None
-    text_col: str | None = None
+    text_col: str = "text"
     label_col: str | None = None
     source_col: str | None = None
     target_col: str | None = None
-    txt_mode: str = "chunks"
+    txt_mode: str = "lines"
     split: str | None = None
-    batch_size: int = 16
-    samples: int | None = None
+    batch_size: int = 128
+    samples: int | None = 1024
     max_length: int = 128
     num_labels: int | None = None
     seed: int = 0
-    loss: str | None = None
+    loss: str | None = "auto"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
 

@@ -65,6 +65,7 @@ __all__ = [
     "diagnose_folder",
     "grids_text",
     "half_decade_grid",
+    "ladder_grid",
     "read_diagnostics",
     "save_atomically",
     "standard_plan",
@@ -746,21 +747,50 @@ def rho_rule_grid(
     from geosharp.estimators import sharpness
 
     batches = study.batches()
-    target = CALIBRATION_TARGET[kwargs.get("kind", "worst")]
+
+    def rise(rho: float) -> float:
+        return sharpness(
+            model,
+            study.loss_fn,
+            batches,
+            rho=rho,
+            progress=False,
+            key_bias=study.key_bias,
+            **kwargs,
+        ).value
+
+    return ladder_grid(rise, kwargs.get("kind", "worst"), key, start, max_evals, log)
+
+
+def ladder_grid(
+    rise: Callable[[float], float],
+    kind: str,
+    key: str,
+    start: float = 0.01,
+    max_evals: int = 12,
+    log: Callable[[str], None] | None = None,
+) -> tuple[float, ...]:
+    """The ρ rule on any measurement: walk the ladder ``ρ = 10^{k/2}`` to the target, then grid.
+
+    Args:
+        rise: ρ → the pilot's sharpness at ρ (a failure to measure counts as ``inf``).
+        kind: ``"worst"`` or ``"average"`` (the target of :data:`CALIBRATION_TARGET`).
+        key: Name of the family, for the log.
+        start: First radius of the ladder.
+        max_evals: Most evaluations.
+        log: Where each evaluation is reported, or ``None``.
+
+    Returns:
+        :func:`half_decade_grid` of the ladder point whose rise is closest to the target in log
+        scale.
+    """
+    target = CALIBRATION_TARGET[kind]
     k = round(2 * math.log10(start))
     seen: dict[int, float] = {}
     direction = 0
     for _ in range(max_evals):
         try:
-            value = sharpness(
-                model,
-                study.loss_fn,
-                batches,
-                rho=10 ** (k / 2),
-                progress=False,
-                key_bias=study.key_bias,
-                **kwargs,
-            ).value
+            value = rise(10 ** (k / 2))
         except (FloatingPointError, ValueError):
             value = math.inf
         seen[k] = value

@@ -285,7 +285,10 @@ def read_manifest(
                 hparams={c: _number(r.get(c)) for c in hparam_names},
             )
             if check_model is not None:
-                check_model(row)
+                try:
+                    check_model(row)
+                except MeasureError as err:
+                    raise MeasureError(f"{where} row {line} ({label}): {err}") from err
         except MeasureError as err:
             if not skip_bad:
                 raise

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-import geosharp
 from geosharp._io import atomic_write_bytes
+from geosharp._version import __version__
 from geosharp.measures import Measure, from_kwargs
 from geosharp.studies.report import ReportPaths, write_report
 from geosharp.studies.sections import RESULT_FILES
@@ -349,7 +349,7 @@ def environment() -> dict[str, Any]:
     that the report says what produced its numbers.
     """
     return {
-        "geosharp": geosharp.__version__,
+        "geosharp": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),

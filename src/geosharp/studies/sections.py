@@ -249,6 +249,7 @@ FOLDER_SECTION_PROVIDERS: list[str | FolderSectionProvider] = [
     "geosharp.studies.symmetry_test:folder_sections",  # symmetry_test.csv
     diagnostics_sections,  # diagnostics.csv
     json_sections,  # sections.json
+    "geosharp.studies.population_sections:population_sections",  # manifest.json, models.json
 ]
 
 
@@ -263,6 +264,8 @@ RESULT_FILES: list[str] = [
     SECTIONS_FILE,
     "analysis.md",  # a study's preregistered analysis (e.g. Study 4)
     "PREREGISTRATION.md",
+    "manifest.json",  # a population study's manifest record (geosharp study MANIFEST)
+    "models.json",  # its models' architectures and symmetry blocks
 ]
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-import geosharp
 from geosharp._io import atomic_write_text
+from geosharp._version import __version__
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -68,7 +68,7 @@ class StudyMismatchError(ValueError):
 
 def versions() -> dict[str, str]:
     """Versions recorded with every measurement."""
-    return {"geosharp": geosharp.__version__, "torch": torch.__version__}
+    return {"geosharp": __version__, "torch": torch.__version__}
 
 
 def _key(settings: Mapping[str, Any]) -> str:

@@ -1,0 +1,165 @@
+"""``geosharp study MANIFEST --data DATA --out OUT``: the command line of a population study.
+
+``geosharp study`` takes the name of a built-in study or a manifest file; :func:`is_manifest`
+tells them apart, :func:`parser` reads a manifest study's options (``geosharp measure``'s data
+options, its measure grammar, the study's resume, shard and report options) and :func:`run`
+executes it (:func:`geosharp.studies.population.run_population`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["MANIFEST_SUFFIXES", "is_manifest", "parser", "run"]
+
+#: What a manifest's file name ends with.
+MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")
+
+_EPILOG = """\
+the manifest: one row per model
+  model            a Hugging Face folder, a PEFT adapter folder, a torch.save file, or
+                   module:function (with a weights column); paths relative to the manifest
+  base, weights    optional: the base of a PEFT adapter, the weights of module:function
+  name (or id)     optional: the model's name in the results (default: model)
+  the gap          gap, or train_error+test_error, or train_accuracy+test_accuracy, or
+                   train_loss+test_loss (--gap picks one when several are there)
+  anything else    a hyperparameter (granulated tau and the CMI score in the report)
+
+radii (--rho, decided and recorded before any tau):
+  auto | auto:NAME               the rho rule on a pilot model (default: the first model)
+  0.01 0.1 1                     one grid for every measure
+  adaptive=0.1,0.3 geodesic=0.01,0.03   one grid per family (geodesic, adaptive, euclidean)
+                                        or per measure (geodesic-mix-o2=...)
+
+examples:
+  geosharp study runs.csv --data train.csv --text-col sentence --out runs/mine
+  geosharp study runs.csv --data train.csv --rho 0.01 0.0316 0.1 --measures adaptive geodesic-inv
+  geosharp study lora.jsonl --data corpus.txt --base ./llama --task causal-lm --out runs/lora
+"""
+
+
+def is_manifest(name: str) -> bool:
+    """Whether ``geosharp study NAME`` names a manifest file rather than a built-in study."""
+    return Path(name).suffix.lower() in MANIFEST_SUFFIXES
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of ``geosharp study MANIFEST``."""
+    from geosharp.measure.cli_parser import add_data_arguments
+    from geosharp.studies.population import DEFAULT_POPULATION_MEASURES
+
+    p = argparse.ArgumentParser(
+        prog="geosharp study MANIFEST",
+        description=textwrap.fill(
+            "Measure every model of a manifest (its generalization gap and hyperparameters "
+            "beside it) on the same data, as geosharp measure does one, and report Kendall's "
+            "tau between each measure and the gap, with bootstrap CIs, granulated tau and the "
+            "conditional mutual information score. Everything is stored in OUT/study.sqlite as "
+            "soon as it is finished: rerunning the same command resumes.",
+            width=92,
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("manifest", help="a .csv, .tsv, .jsonl or .parquet file, one row per model")
+    p.add_argument("--data", required=True, help="the data every model is measured on")
+    p.add_argument("--out", type=Path, default=None, help="output folder (runs/<manifest name>)")
+    p.add_argument(
+        "--measures",
+        nargs="+",
+        default=list(DEFAULT_POPULATION_MEASURES),
+        metavar="MEASURE",
+        help=f"measures (default: {' '.join(DEFAULT_POPULATION_MEASURES)})",
+    )
+    p.add_argument("--rho", nargs="+", default=None, metavar="R", help="radii: see below")
+    p.add_argument("--steps", type=int, default=20, help="Auto-PGD steps per batch (20)")
+    p.add_argument("--eps", type=float, default=0.0, help="Gram damping of the blocks (0)")
+    p.add_argument(
+        "--gap", default=None, choices=("gap", "error", "accuracy", "loss"), help="the gap rule"
+    )
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="measure the other models when one does not load (listed in the report)",
+    )
+    p.add_argument("--no-check", action="store_true", help="no invariance self-check per model")
+    p.add_argument("--curvature", action="store_true", help="also the default curvature plan")
+    p.add_argument("--seed", type=int, default=0, help="seed of the self-check and the ascent")
+    p.add_argument("--force", action="store_true", help="reuse a folder of another config")
+    p.add_argument("--shard", default=None, help="only this part k/n of the models")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of torch and BLAS")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_data_arguments(p)
+    return p
+
+
+def run(argv: Sequence[str]) -> tuple[argparse.Namespace, int]:
+    """Parse and run ``geosharp study MANIFEST ...`` (``argv`` without ``study``).
+
+    Errors are raised (the ``geosharp`` entry point turns them into one line).
+
+    Returns:
+        ``(args, 0)`` on success.
+    """
+    from geosharp._io import ensure_writable_dir
+    from geosharp.errors import MeasureError
+    from geosharp.measure.pipeline import options_from_args
+    from geosharp.studies.population import PopulationSettings, parse_rho, run_population
+    from geosharp.studies.runner import Shard
+
+    args = parser().parse_args(list(argv))
+    args.command = "study"
+    args.name = args.manifest
+    if args.steps < 1:
+        raise MeasureError(f"--steps must be >= 1, got {args.steps}")
+    for key in ("batch_size", "max_length"):
+        if getattr(args, key) < 1:
+            raise MeasureError(f"--{key.replace('_', '-')} must be >= 1")
+    if args.threads is not None:
+        from geosharp.cli import set_threads
+
+        set_threads(args.threads)
+    out = args.out or Path("runs") / Path(args.manifest).stem
+    args.out = out
+    shard = Shard.parse(args.shard) if args.shard else None
+    rho = parse_rho(args.rho)
+    opts = options_from_args(args)
+    options = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
+    settings = PopulationSettings(
+        manifest=args.manifest,
+        options=options,
+        measures=tuple(args.measures),
+        rho=rho,
+        steps=args.steps,
+        eps=args.eps,
+        seed=args.seed,
+        curvature=args.curvature,
+        gap=args.gap,
+        base=args.base,
+        skip_bad=args.skip_bad,
+        check=not args.no_check,
+    )
+    ensure_writable_dir(out)
+    progress = False if args.no_progress else None
+    summary = run_population(
+        settings, out, force=args.force, progress=progress, shard=shard, log=_say
+    )
+    print(
+        f"{Path(args.manifest).name}: measured {summary.measured}, reused {summary.reused} "
+        f"rows in {summary.time_s:.1f} s"
+    )
+    if summary.report is not None:
+        print(f"report: {summary.report.html}")
+        print(f"tau table: {summary.report.tau_table}")
+        print(f"results: {out / 'results.csv'}")
+    return args, 0
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,297 @@
+"""Your own population: geosharp study MANIFEST and gs.study on small real populations.
+
+Four tiny BERT classifiers saved with their tokenizer (Hugging Face folders), a manifest of
+their accuracies and hyperparameters, a CSV of text and labels: the τ of summary.json is the
+τ of results.csv against the manifest's gaps, every value is gs.sharpness of that model with
+the same settings, a killed run resumes without recomputing, two shards merged are one run,
+and bad manifests are refused before any model is measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sqlite3
+
+import pytest
+import torch
+
+import geosharp as gs
+from geosharp.cli import main
+from geosharp.errors import MeasureError
+from geosharp.measures import parse_measure
+from geosharp.stats import kendall_tau_a
+from geosharp.studies.population import PopulationSettings, parse_rho, run_population, study
+from geosharp.studies.runner import Shard
+
+from ..measure.conftest import CORPUS, make_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+ROWS = [  # model, train_accuracy, test_accuracy, lr, width
+    ("bert-a", 1.00, 0.70, 0.1, 1),
+    ("bert-b", 0.95, 0.80, 0.01, 1),
+    ("bert-c", 0.90, 0.85, 0.1, 2),
+    ("bert-d", 0.99, 0.75, 0.01, 2),
+]
+OPTS = dict(batch_size=4, samples=8, max_length=16, device="cpu", dtype="float32")
+MEASURES = ("adaptive-l2", "geodesic-inv-o2")
+
+
+@pytest.fixture(scope="module")
+def population(tmp_path_factory):
+    root = tmp_path_factory.mktemp("population")
+    tok = make_tokenizer()
+    for i, (name, *_rest) in enumerate(ROWS):
+        cfg = transformers.BertConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=32,
+            max_position_embeddings=32,
+            num_labels=2,
+            pad_token_id=tok.pad_token_id,
+        )
+        torch.manual_seed(i)
+        model = transformers.BertForSequenceClassification(cfg)
+        model.save_pretrained(root / "models" / name)
+        tok.save_pretrained(root / "models" / name)
+    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for i, text in enumerate((CORPUS * 2)[:8]):
+            w.writerow([text, i % 2])
+    with (root / "manifest.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "train_accuracy", "test_accuracy", "lr", "width"])
+        for name, tr, te, lr, width in ROWS:
+            w.writerow([f"models/{name}", tr, te, lr, width])
+    return root
+
+
+def settings(root, **change):
+    from geosharp.measure.resolve import resolve_device, resolve_dtype
+
+    opts = {**OPTS, "device": resolve_device("cpu"), "dtype": resolve_dtype("float32")}
+    base = dict(
+        manifest=str(root / "manifest.csv"),
+        options={"data": str(root / "data.csv"), "seed": 0, **opts},
+        measures=MEASURES,
+        rho=parse_rho(["0.01", "0.1"]),
+        steps=3,
+    )
+    return PopulationSettings(**{**base, **change})
+
+
+@pytest.fixture(scope="module")
+def finished(population, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    lines: list[str] = []
+    summary = run_population(settings(population), out, progress=False, log=lines.append)
+    return out, summary, lines
+
+
+def read_results(out):
+    with (out / "results.csv").open(encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def gaps():
+    return {f"models/{name}": tr - te for name, tr, te, *_ in ROWS}
+
+
+def test_tau_of_the_summary_is_the_tau_of_results_and_manifest(finished):
+    out, summary, lines = finished
+    assert summary.measured == 4 * 2 * 2 and summary.failures == []
+    rows = read_results(out)
+    assert len(rows) == 16
+    cells = json.loads((out / "summary.json").read_text())["cells"]
+    assert len(cells) == 4
+    g = gaps()
+    for cell in cells:
+        mine = sorted(
+            (r for r in rows if r["measure"] == cell["measure"] and float(r["rho"]) == cell["rho"]),
+            key=lambda r: r["model_id"],
+        )
+        t = [g[r["model_id"]] for r in mine]
+        s = [float(r["value"]) for r in mine]
+        assert cell["tau_a"] == pytest.approx(kendall_tau_a(t, s), abs=1e-12)
+    assert any("gap = train_accuracy − test_accuracy" in line for line in lines)
+    text = (out / "report.html").read_text(encoding="utf-8")
+    assert "train_accuracy − test_accuracy" in text
+    assert "Granulated τ per hyperparameter" in text and "Conditional mutual information" in text
+    assert "Models and their symmetry blocks" in text
+
+
+def test_each_value_is_gs_sharpness_of_that_model(finished, population):
+    out, _, _ = finished
+    from geosharp.measure.core import prepare_measurement
+    from geosharp.measure.pipeline import MeasureOptions, ModelSource, load_for_measure
+
+    s = settings(population)
+    opts = MeasureOptions(**s.options)
+    rows = read_results(out)
+    for name in ("bert-a", "bert-d"):
+        ready = load_for_measure(ModelSource(str(population / "models" / name)), opts)
+        checked = prepare_measurement(ready.model, ready.batches, ready.loss)
+        for text in MEASURES:
+            m = parse_measure(text)
+            res = gs.sharpness(
+                checked.model,
+                checked.loss_fn,
+                checked.batches,
+                rho=0.1,
+                steps=3,
+                seed=0,
+                **m.kwargs(),
+            )
+            (row,) = [
+                r
+                for r in rows
+                if r["model_id"] == f"models/{name}"
+                and r["measure"] == m.name
+                and float(r["rho"]) == 0.1
+            ]
+            assert float(row["value"]) == pytest.approx(res.value, rel=1e-6, abs=1e-9)
+
+
+def test_a_killed_run_resumes_without_recomputing(population, tmp_path):
+    out = tmp_path / "resume"
+    first = run_population(settings(population), out, progress=False, log=lambda _: None)
+    assert first.measured == 16
+    db = sqlite3.connect(out / "study.sqlite")
+    with db:
+        db.execute("DELETE FROM measurements WHERE model_id = 'models/bert-b'")
+    db.close()
+    again = run_population(settings(population), out, progress=False, log=lambda _: None)
+    assert (again.measured, again.reused) == (4, 12)
+
+
+def test_two_shards_merged_are_one_run(population, finished, tmp_path):
+    from geosharp.studies.merge import merge_shards
+
+    out, _, _ = finished
+    parts = []
+    for k in (1, 2):
+        part = tmp_path / f"shard{k}"
+        run_population(
+            settings(population), part, progress=False, shard=Shard(k, 2), log=lambda _: None
+        )
+        parts.append(part)
+    merged = tmp_path / "merged"
+    merge_shards(merged, parts, log=lambda _: None)
+    one = {(r["model_id"], r["measure"], r["rho"]): r["value"] for r in read_results(out)}
+    two = {(r["model_id"], r["measure"], r["rho"]): r["value"] for r in read_results(merged)}
+    assert one == two
+
+
+def test_the_python_call_returns_the_tau_table(population, tmp_path):
+    table = study(
+        population / "manifest.csv",
+        data=str(population / "data.csv"),
+        out=tmp_path / "py",
+        measures=["adaptive"],
+        rho=[0.05],
+        steps=2,
+        progress=False,
+        log=lambda _: None,
+        **OPTS,
+    )
+    assert [r["measure"] for r in table.rows] == ["adaptive worst l2"]
+    assert table.rows[0]["n_models"] == 4 and math.isfinite(table.rows[0]["tau_a"])
+    assert table.report is not None and table.report.is_file()
+    assert "adaptive worst l2" in str(table)
+    pytest.importorskip("pandas")
+    assert list(table.dataframe()["measure"]) == ["adaptive worst l2"]
+
+
+def test_rows_given_in_python(population, tmp_path, monkeypatch):
+    monkeypatch.chdir(population)
+    rows = [{"model": f"models/{n}", "gap": tr - te, "lr": lr} for n, tr, te, lr, _ in ROWS]
+    table = study(
+        rows,
+        data="data.csv",
+        out=tmp_path / "rows",
+        measures=["adaptive"],
+        rho=[0.05],
+        steps=2,
+        progress=False,
+        log=lambda _: None,
+        **OPTS,
+    )
+    assert table.rows[0]["n_models"] == 4
+
+
+def test_the_rho_rule_decides_before_any_tau(population, tmp_path):
+    lines: list[str] = []
+    s = settings(population, measures=("adaptive",), rho=parse_rho(["auto:models/bert-c"]))
+    run_population(s, tmp_path / "auto", progress=False, log=lines.append)
+    record = json.loads((tmp_path / "auto" / "manifest.json").read_text())
+    assert record["rho_rule"]["pilot"] == "models/bert-c"
+    (grid,) = record["rho_rule"]["grids"].values()
+    assert len(grid) == 3
+    assert any("the ρ rule on the pilot models/bert-c" in line for line in lines)
+    again: list[str] = []
+    run_population(s, tmp_path / "auto", progress=False, log=again.append)
+    assert any("the ρ rule's grids of" in line for line in again)  # reused, not re-run
+
+
+def test_cli_runs_a_manifest(population, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(
+        [
+            "study",
+            str(population / "manifest.csv"),
+            "--data",
+            str(population / "data.csv"),
+            "--out",
+            str(out),
+            "--measures",
+            "adaptive",
+            "--rho",
+            "0.05",
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--samples",
+            "8",
+            "--max-length",
+            "16",
+            "--device",
+            "cpu",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert (out / "report.html").is_file() and len(read_results(out)) == 4
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda rows: rows[:2], "2 usable model"),
+        (lambda rows: [*rows, rows[0]], "the same model as row 1"),
+        (lambda rows: [[*rows[0][:1], "", *rows[0][2:]], *rows[1:]], "train_accuracy is missing"),
+        (lambda rows: [["models/nowhere", *rows[0][1:]], *rows[1:]], "nowhere"),
+    ],
+)
+def test_bad_manifests_are_refused_before_any_model_is_measured(
+    population, tmp_path, capsys, edit, match
+):
+    rows = [[f"models/{n}", tr, te, lr, w] for n, tr, te, lr, w in ROWS]
+    path = population / f"bad-{abs(hash(match))}.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "train_accuracy", "test_accuracy", "lr", "width"])
+        w.writerows(edit(rows))
+    rc = main(["study", str(path), "--data", str(population / "data.csv"), "--out",
+               str(tmp_path / "bad"), "--rho", "0.1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("geosharp: error:") == 1 and match in err, err
+    assert not (tmp_path / "bad" / "study.sqlite").exists()
+    with pytest.raises(MeasureError, match=match):
+        run_population(settings(population, manifest=str(path)), tmp_path / "bad2")
