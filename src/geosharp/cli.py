@@ -411,8 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[1:] if argv[:1] == ["--debug"] else argv
-    if len(rest) >= 2 and rest[0] == "study" and is_manifest(rest[1]):
-        return _population(rest[1:], debug="--debug" in argv)
+    if len(rest) >= 2 and rest[0] in ("study", "symmetry-test") and is_manifest(rest[1]):
+        return _population(rest[0], rest[1:], debug="--debug" in argv)
     args = _parser().parse_args(argv)
     from geosharp.studies.runner import Shard, report_from_folder, run_study
     from geosharp.studies.store import StudyMismatchError
@@ -491,14 +491,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _population(argv: Sequence[str], debug: bool) -> int:
-    """``geosharp study MANIFEST ...`` (:mod:`geosharp.studies.population_cli`)."""
+def _population(command: str, argv: Sequence[str], debug: bool) -> int:
+    """``geosharp study|symmetry-test MANIFEST ...`` (:mod:`geosharp.studies.population_cli`)."""
     from geosharp.studies.population_cli import run
     from geosharp.studies.store import StudyMismatchError
 
-    args = argparse.Namespace(command="study", name=argv[0], out=None)
+    args = argparse.Namespace(command=command, name=argv[0], out=None)
     try:
-        args, status = run([a for a in argv if a != "--debug"])
+        args, status = run([a for a in argv if a != "--debug"], command)
         return status
     except (StudyMismatchError, ValueError, OSError, sqlite3.Error) as err:
         said = None if debug else _error_line(err)

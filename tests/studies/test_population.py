@@ -116,7 +116,7 @@ def test_tau_of_the_summary_is_the_tau_of_results_and_manifest(finished):
             key=lambda r: r["model_id"],
         )
         t = [g[r["model_id"]] for r in mine]
-        s = [float(r["value"]) for r in mine]
+        s = [float(r["reparametrized"]) for r in mine]
         assert cell["tau_a"] == pytest.approx(kendall_tau_a(t, s), abs=1e-12)
     assert any("gap = train_accuracy − test_accuracy" in line for line in lines)
     text = (out / "report.html").read_text(encoding="utf-8")
@@ -238,35 +238,50 @@ def test_the_rho_rule_decides_before_any_tau(population, tmp_path):
     assert any("the ρ rule's grids of" in line for line in again)  # reused, not re-run
 
 
-def test_cli_runs_a_manifest(population, tmp_path, capsys):
+def test_cli_runs_a_manifest_and_its_symmetry_test(population, tmp_path, capsys):
     out = tmp_path / "cli"
-    rc = main(
-        [
-            "study",
-            str(population / "manifest.csv"),
-            "--data",
-            str(population / "data.csv"),
-            "--out",
-            str(out),
-            "--measures",
-            "adaptive",
-            "--rho",
-            "0.05",
-            "--steps",
-            "2",
-            "--batch-size",
-            "4",
-            "--samples",
-            "8",
-            "--max-length",
-            "16",
-            "--device",
-            "cpu",
-            "--no-progress",
-        ]
-    )
+    args = [
+        str(population / "manifest.csv"),
+        "--data",
+        str(population / "data.csv"),
+        "--out",
+        str(out),
+        "--measures",
+        "adaptive",
+        "geodesic-inv-o2",
+        "--rho",
+        "0.05",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--samples",
+        "8",
+        "--max-length",
+        "16",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float64",
+        "--no-progress",
+    ]
+    rc = main(["study", *args])
     assert rc == 0, capsys.readouterr().err
-    assert (out / "report.html").is_file() and len(read_results(out)) == 4
+    assert (out / "report.html").is_file() and len(read_results(out)) == 8
+    rc = main(["symmetry-test", *args, "--scale", "2", "5"])
+    assert rc == 0, capsys.readouterr().err
+    with (out / "symmetry_test.csv").open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8
+    for r in rows:
+        change = abs(float(r["reparametrized"]) - float(r["original"])) / abs(float(r["original"]))
+        if r["measure"].startswith("geodesic"):
+            assert change < 1e-6, r  # float64: invariant up to roundoff
+    assert any(
+        abs(float(r["reparametrized"]) - float(r["original"])) > 0.05 * abs(float(r["original"]))
+        for r in rows
+        if r["measure"].startswith("adaptive")
+    )
 
 
 @pytest.mark.parametrize(

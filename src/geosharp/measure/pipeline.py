@@ -49,7 +49,7 @@ class MeasureOptions:
     """How the data of ``geosharp measure`` are read (its options of the same names)."""
 
     data: str
-    task: str | None = None
+    task: str = "auto"
     tokenizer: str | None = None
     text_col: str = "text"
     label_col: str | None = None

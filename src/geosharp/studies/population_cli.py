@@ -46,13 +46,13 @@ def is_manifest(name: str) -> bool:
     return Path(name).suffix.lower() in MANIFEST_SUFFIXES
 
 
-def parser() -> argparse.ArgumentParser:
-    """The options of ``geosharp study MANIFEST``."""
+def parser(command: str = "study") -> argparse.ArgumentParser:
+    """The options of ``geosharp study MANIFEST`` (or ``geosharp symmetry-test MANIFEST``)."""
     from geosharp.measure.cli_parser import add_data_arguments
     from geosharp.studies.population import DEFAULT_POPULATION_MEASURES
 
     p = argparse.ArgumentParser(
-        prog="geosharp study MANIFEST",
+        prog=f"geosharp {command} MANIFEST",
         description=textwrap.fill(
             "Measure every model of a manifest (its generalization gap and hyperparameters "
             "beside it) on the same data, as geosharp measure does one, and report Kendall's "
@@ -93,12 +93,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads of torch and BLAS")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    if command == "symmetry-test":
+        p.description = (
+            "Re-measure a finished population after a random equivalent re-parametrization of "
+            "every model (give the options the study was run with)."
+        )
+        p.add_argument("--scale", type=float, nargs=2, default=(0.1, 10.0), metavar=("LO", "HI"))
+        p.add_argument("--test-seed", type=int, default=0, help="seed of the group elements")
     add_data_arguments(p)
     return p
 
 
-def run(argv: Sequence[str]) -> tuple[argparse.Namespace, int]:
-    """Parse and run ``geosharp study MANIFEST ...`` (``argv`` without ``study``).
+def run(argv: Sequence[str], command: str = "study") -> tuple[argparse.Namespace, int]:
+    """Parse and run ``geosharp study MANIFEST ...`` (``argv`` without the command's name).
+
+    ``command="symmetry-test"`` re-measures the finished population of the same options after
+    random equivalent re-parametrizations (:func:`geosharp.studies.symmetry_test.symmetry_test`).
 
     Errors are raised (the ``geosharp`` entry point turns them into one line).
 
@@ -111,8 +121,8 @@ def run(argv: Sequence[str]) -> tuple[argparse.Namespace, int]:
     from geosharp.studies.population import PopulationSettings, parse_rho, run_population
     from geosharp.studies.runner import Shard
 
-    args = parser().parse_args(list(argv))
-    args.command = "study"
+    args = parser(command).parse_args(list(argv))
+    args.command = command
     args.name = args.manifest
     if args.steps < 1:
         raise MeasureError(f"--steps must be >= 1, got {args.steps}")
@@ -143,6 +153,8 @@ def run(argv: Sequence[str]) -> tuple[argparse.Namespace, int]:
         skip_bad=args.skip_bad,
         check=not args.no_check,
     )
+    if command == "symmetry-test":
+        return args, _symmetry_test(settings, args)
     ensure_writable_dir(out)
     progress = False if args.no_progress else None
     summary = run_population(
@@ -157,6 +169,22 @@ def run(argv: Sequence[str]) -> tuple[argparse.Namespace, int]:
         print(f"tau table: {summary.report.tau_table}")
         print(f"results: {out / 'results.csv'}")
     return args, 0
+
+
+def _symmetry_test(settings, args: argparse.Namespace) -> int:
+    from geosharp.studies.population import PopulationStudy
+    from geosharp.studies.symmetry_test import symmetry_test
+
+    if not 0 < args.scale[0] <= args.scale[1]:
+        raise ValueError("--scale needs 0 < LOW <= HIGH")
+    study = PopulationStudy(settings, log=_say)
+    study.decide_radii(args.out)
+    _, table = symmetry_test(
+        study, args.out, scales=tuple(args.scale), seed=args.test_seed, log=_say
+    )
+    print(table)
+    print(f"written: {args.out / 'symmetry_test.md'}, {args.out / 'symmetry_test.csv'}")
+    return 0
 
 
 def _say(msg: str) -> None:

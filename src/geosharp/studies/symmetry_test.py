@@ -157,23 +157,23 @@ def symmetry_test(
         todo = [(s, rho) for s, rho in specs if (row["model_id"], s.name) not in done]
         if not todo:
             continue
-        row = {**row, "checkpoint_path": str(out / row["checkpoint"])}
-        model = study.load(row)
-        space = find_symmetries(model, key_bias=study.key_bias)
+        if row.get("checkpoint"):
+            row = {**row, "checkpoint_path": str(out / row["checkpoint"])}
+        ready = study.prepare(row, batches)
+        model, loss_fn, data = ready.model, ready.loss_fn, ready.batches
+        space = ready.settings.get("space") or find_symmetries(model, key_bias=study.key_bias)
         gen = torch.Generator().manual_seed(seed + 1 + i)
         twin = reparametrize(model, generator=gen, scale=a, space=space)
-        change = _relative_output_change(model, twin, batches[0][0])
+        change = _relative_output_change(model, twin, data[0][0])
         for spec, rho in todo:
             kw = dict(spec.kwargs)
             original = stored.get((row["model_id"], spec.name, rho))
             if original is None:
                 original = sharpness(
-                    model, study.loss_fn, batches, rho=rho, progress=False, space=space, **kw
+                    model, loss_fn, data, rho=rho, progress=False, space=space, **kw
                 )
                 original = original.value
-            value = sharpness(
-                twin, study.loss_fn, batches, rho=rho, progress=False, space=space, **kw
-            ).value
+            value = sharpness(twin, loss_fn, data, rho=rho, progress=False, space=space, **kw).value
             new = SymmetryTestRow(
                 row["model_id"], spec.name, rho, a, row["gap"], original, value, change
             )
