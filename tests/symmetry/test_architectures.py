@@ -36,7 +36,7 @@ DT = torch.float64
 # float32 (Falcon's and BLOOM's softmax) is judged against a random move (tests/invariance.py)
 RTOL = 1e-10
 D, B, H, FFN, V = 32, 4, 8, 37, 64
-README = Path(__file__).resolve().parents[2] / "README.md"
+COVERAGE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
 
 Ref = dict[str, tuple[Tensor, Tensor]]
 
@@ -781,11 +781,11 @@ def test_sweep_has_no_false_claim_and_finds_blocks(sweep_rows):
         assert row.counts.get("VO", 0) >= 1, row.name
 
 
-def test_readme_section_is_the_generated_table(sweep_rows):
-    text = README.read_text(encoding="utf-8")
+def test_the_coverage_page_is_the_generated_table(sweep_rows):
+    text = COVERAGE_PAGE.read_text(encoding="utf-8")
     table = coverage.render_table(sweep_rows)
     assert coverage.replace_section(text, table) == text, (
-        "README coverage table is stale: run `python -m geosharp.demos.coverage --write README.md`"
+        "the coverage table is stale: run `python -m geosharp.demos.coverage --write docs/architectures.md`"
     )
 
 

@@ -17,8 +17,8 @@ and its tolerance is the float32 one. Changes are reported in coarse bands (``< 
 Run::
 
     python -m geosharp.demos.coverage                    # print the table
-    python -m geosharp.demos.coverage --write README.md  # refresh the README section
-    python -m geosharp.demos.coverage --check README.md  # exit 1 if the README is stale
+    python -m geosharp.demos.coverage --write docs/architectures.md  # refresh the table
+    python -m geosharp.demos.coverage --check docs/architectures.md  # exit 1 if it is stale
 """
 
 from __future__ import annotations
@@ -680,33 +680,33 @@ def replace_section(text: str, table: str) -> str:
     """``text`` with the part between :data:`START_MARKER` and :data:`END_MARKER` replaced.
 
     Args:
-        text: The README text.
+        text: The page's text.
         table: The new content (the rendered table).
 
     Returns:
-        The new README text.
+        The new text.
 
     Raises:
         ValueError: If the markers are missing or out of order.
     """
     start, end = text.find(START_MARKER), text.find(END_MARKER)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no {START_MARKER} … {END_MARKER} section")
+        raise ValueError(f"the page has no {START_MARKER} … {END_MARKER} section")
     return text[: start + len(START_MARKER)] + "\n" + table + text[end:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the coverage table; optionally check or rewrite a README section.
+    """Print the coverage table; optionally check or rewrite its section of a page.
 
     Args:
         argv: Command-line arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 1 if ``--check`` found a stale README or a claim was false.
+        The exit status: 1 if ``--check`` found a stale table or a claim was false.
     """
     parser = argparse.ArgumentParser(prog="python -m geosharp.demos.coverage")
-    parser.add_argument("--check", metavar="README", help="exit 1 if the README section differs")
-    parser.add_argument("--write", metavar="README", help="replace the README section")
+    parser.add_argument("--check", metavar="PAGE", help="exit 1 if the page's table differs")
+    parser.add_argument("--write", metavar="PAGE", help="replace the page's table")
     parser.add_argument("--only", nargs="*", help="measure only these architectures")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
