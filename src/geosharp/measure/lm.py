@@ -44,7 +44,8 @@ from geosharp.measure.data_loading import (
     _check_batch_size,
     _length_limit,
     _load_function,
-    _tokenizer,
+    _tokenizer_and_source,
+    tokenizer_line,
 )
 from geosharp.measure.errors import MeasureError
 from geosharp.measure.lm_tasks import TASKS as TASKS
@@ -267,8 +268,9 @@ def load_lm_data(
     warns: list[str] = []
     seqs: list[list[int]]
     too_long = []
+    source = None
     if kind == "txt":
-        tok = _tokenizer(loaded, tokenizer, where)
+        tok, source = _tokenizer_and_source(loaded, tokenizer, where)
         max_length = _max_length(loaded, tok, max_length, warns)
         text = _read_txt(path)
         if txt_mode == "chunks":
@@ -290,7 +292,7 @@ def load_lm_data(
         rows = rows if samples is None else rows[:samples]
         cols = _columns(rows)
         if text_col in cols:
-            tok = _tokenizer(loaded, tokenizer, where)
+            tok, source = _tokenizer_and_source(loaded, tokenizer, where)
             max_length = _max_length(loaded, tok, max_length, warns)
             seqs = _encode(tok, _texts(rows, text_col, where, "text"))
             what = f"text column {text_col!r}"
@@ -325,6 +327,7 @@ def load_lm_data(
         raise MeasureError(
             f"the data set {spec} is empty: it holds no sequence of 2 tokens or more"
         )
+    info = [] if source is None else [tokenizer_line(loaded, tok, source, seqs[:batch_size], where)]
     _check_vocab(loaded, seqs, where)
     pad = _pad_id(tok)
     batches = []
@@ -340,6 +343,7 @@ def load_lm_data(
         n_samples=len(seqs),
         warnings=warns,
         n_tokens=n_tokens,
+        info=info,
     )
 
 
@@ -436,7 +440,7 @@ def load_seq2seq_data(
                 f"{where} has no {role} column {looked} (columns: {', '.join(cols)}); name it "
                 f"with --{role}-col"
             )
-    tok = _tokenizer(loaded, tokenizer, where)
+    tok, source = _tokenizer_and_source(loaded, tokenizer, where)
     warns: list[str] = []
     max_length = _max_length(loaded, tok, max_length, warns)
     sources = _encode(tok, _texts(rows, src, where, "source"))
@@ -465,6 +469,8 @@ def load_seq2seq_data(
         pairs = [(s, t) for s, t in pairs if s and t]
     if not pairs:
         raise MeasureError(f"the data set {spec} is empty: no row has a source and a target")
+    first = [seq for pair in pairs[:batch_size] for seq in pair]
+    info = [tokenizer_line(loaded, tok, source, first, where)]
     _check_vocab(loaded, [t for _, t in pairs], where)
     pad = _pad_id(tok)
     shift = _decoder_inputs(loaded.model)
@@ -493,4 +499,5 @@ def load_seq2seq_data(
         n_samples=len(pairs),
         warnings=warns,
         n_tokens=n_tokens,
+        info=info,
     )

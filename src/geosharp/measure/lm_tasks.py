@@ -20,7 +20,11 @@ from typing import Any
 import torch
 
 from geosharp.measure.errors import MeasureError
-from geosharp.measure.model_loading import LoadedModel, _load_hf
+from geosharp.measure.model_loading import (
+    LoadedModel,
+    _load_hf,
+    has_tokenizer_files,
+)
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [
@@ -257,7 +261,7 @@ def load_peft(
                 f"cannot load the adapter {folder} on {base_folder}: {type(err).__name__}: {err}"
             ) from err
     tokenizer = None
-    if any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer_files(folder):
         try:
             from transformers import AutoTokenizer
 
@@ -301,4 +305,11 @@ def load_peft(
         notes=inner.notes,
         info=[*inner.info, *info],
         task=task,
+        tokenizer_source=(
+            f"the adapter folder {folder}"
+            if tokenizer is not None
+            else f"the base model folder {base_folder}"
+            if inner.tokenizer is not None
+            else f"the adapter folder {folder} nor in the base model folder {base_folder}"
+        ),
     )

@@ -33,7 +33,48 @@ from geosharp.measure.resolve import (
 )
 from geosharp.models.hf import quiet_transformers
 
-__all__ = ["LoadedModel", "TorchScriptModule", "check_model_spec", "load_model", "load_state_dict"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "LoadedModel",
+    "TorchScriptModule",
+    "check_model_spec",
+    "has_tokenizer_files",
+    "load_model",
+    "load_state_dict",
+]
+
+#: A folder holds a tokenizer if it has one of these files (or a ``*.model``/``*.spm``
+#: SentencePiece or ``*.tiktoken`` file). Without one, ``AutoTokenizer`` of transformers 5 still
+#: returns a tokenizer built from ``config.json`` alone — a ``BertTokenizer`` of its 5 special
+#: tokens, which turns every word into ``[UNK]`` — so it is never asked for one.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+)
+_TOKENIZER_SUFFIXES = (".model", ".spm", ".tiktoken")
+
+
+def has_tokenizer_files(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a tokenizer file (:data:`TOKENIZER_FILES`, SentencePiece, ...).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> has_tokenizer_files(d)
+        False
+        >>> _ = (d / "tokenizer.json").write_text("{}")
+        >>> has_tokenizer_files(d)
+        True
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return False
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return True
+    return any(p.suffix in _TOKENIZER_SUFFIXES and p.is_file() for p in folder.iterdir())
 
 
 @dataclass
@@ -54,6 +95,9 @@ class LoadedModel:
         info: What was loaded, said without a warning (e.g. which parameters are trainable).
         task: The head the model was loaded with: ``"classification"``, ``"causal-lm"`` or
             ``"seq2seq"`` (``None`` for models that are not Hugging Face folders).
+        tokenizer_source: Where :attr:`tokenizer` was read, as said to the user (e.g. ``"the
+            model folder /m"``); where a folder without a tokenizer was looked in, that folder
+            (``tokenizer`` is then ``None``).
     """
 
     model: nn.Module
@@ -67,6 +111,7 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
     task: str | None = None
+    tokenizer_source: str | None = None
 
 
 class TorchScriptModule(nn.Module):
@@ -311,11 +356,12 @@ def _load_hf(
     if task in ("causal-lm", "seq2seq") and hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # no key/value cache in the outputs: the loss needs none
     tokenizer = None
-    with quiet_transformers():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception:
-            tokenizer = None
+    if has_tokenizer_files(folder):  # else transformers 5 builds a 5-token one from config.json
+        with quiet_transformers():
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            except Exception:
+                tokenizer = None
     cfg = model.config
     lm = task in ("causal-lm", "seq2seq")
     regression = not lm and (
@@ -334,6 +380,7 @@ def _load_hf(
         max_positions=getattr(cfg, "max_position_embeddings", None),
         notes=notes,
         task=task or "classification",
+        tokenizer_source=f"the model folder {folder}",
     )
 
 

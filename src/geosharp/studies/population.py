@@ -361,6 +361,7 @@ class PopulationStudy(Study):
 
     def prepare_row(self, row: ManifestRow) -> Prepared:
         """Load, tokenize and self-check one manifest row, and note its blocks."""
+        from geosharp.demos.coverage import block_counts
         from geosharp.measure.core import prepare_measurement
         from geosharp.measure.pipeline import ModelSource, load_for_measure
 
@@ -379,7 +380,8 @@ class PopulationStudy(Study):
             "model": ready.loaded.name,
             "kind": ready.loaded.kind,
             "task": ready.task,
-            "blocks": checked.space.summary().splitlines()[0],
+            "blocks": ", ".join(f"{n} {k}" for k, n in block_counts(checked.space).items())
+            or "none (every coordinate adaptive)",
             "clean_loss": sum(checked.clean_losses) / len(checked.clean_losses),
         }
         return Prepared(checked.model, checked.batches, checked.loss_fn, {"space": checked.space})
