@@ -34,6 +34,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from geosharp.measure.checks import (
 from geosharp.measure.checks import flush_unrepresentable as flush_unrepresentable
 from geosharp.measure.checks import unrepresentable_weights as unrepresentable_weights
 from geosharp.measure.errors import MeasureError, MeasureWarning
+from geosharp.measure.estimate import RunEstimate, batch_sizes, estimate_run
 from geosharp.measure.losses import IGNORE_INDEX as IGNORE_INDEX
 from geosharp.measure.losses import default_loss, resolve_loss
 from geosharp.measure.names import MeasureSpec, curvature_name
@@ -69,6 +71,7 @@ __all__ = [
     "DEFAULT_MEASURES",
     "DEFAULT_RHOS",
     "DEFAULT_STEPS",
+    "CheckedModel",
     "MeasureError",
     "MeasureReport",
     "MeasureRow",
@@ -78,6 +81,7 @@ __all__ = [
     "curvature_name",
     "default_loss",
     "measure",
+    "prepare_measurement",
     "resolve_loss",
     "still_rising",
 ]
@@ -190,25 +194,21 @@ def measure(
             warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
 
     specs, rhos, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
-    loss_fn, loss_name = resolve_loss(loss_fn)
-    batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
     if progress is None:
         progress = sys.stderr.isatty()
-    model, tiny = without_unrepresentable(model)
-    if tiny is not None:
-        space = None  # the copy has other parameter objects
-        _warn(tiny)
-
-    inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
-    space = _symmetry_space(model, space, inputs0 if check else None, say)
-    summary, note = space.summary(), adaptive_note(space)
-    say(summary)
-    say(note)
-    if space.numel() == 0:
-        raise MeasureError("the model has no trainable parameters (all have requires_grad=False)")
-    clean = clean_pass(model, loss_fn, batches)
-    say(f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all finite)")
-    invariance = self_check(model, inputs0, space, seed, say) if check else None
+    ready = prepare_measurement(
+        model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn
+    )
+    model, batches, loss_fn, loss_name = ready.model, ready.batches, ready.loss_fn, ready.loss_name
+    space, summary, note = ready.space, ready.summary, ready.adaptive_note
+    clean, invariance = ready.clean_losses, ready.invariance
+    extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
+    if buffer_budget != BUFFER_BUDGET:
+        extra["buffer_budget"] = buffer_budget
+    estimate = _estimate(
+        model, loss_fn, batches, specs, rhos, steps, curv, say,
+        eps=eps, seed=seed, space=space, extra=extra,
+    )  # fmt: skip
 
     rows = _measure_cells(
         model,
@@ -238,6 +238,12 @@ def measure(
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
         **({"curvature": curv} if any(s.measure == "curvature" for s in specs) else {}),
+        **batch_sizes(batches),
+        **(
+            {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
+            if estimate is not None
+            else {}
+        ),
         **_model_settings(model, space),
     }
     return MeasureReport(
@@ -252,6 +258,78 @@ def measure(
         warnings=notes,
         time_s=time.perf_counter() - t_start,
     )
+
+
+@dataclass
+class CheckedModel:
+    """A model checked and ready to measure (:func:`prepare_measurement`).
+
+    Attributes:
+        model: The model (a copy where weights whose ``1/w²`` overflows were set to 0).
+        batches: The batches, on the model's device.
+        loss_fn: The loss, resolved to a callable.
+        loss_name: Its name (``"auto: cross-entropy"``, …).
+        space: The symmetry blocks found (and proven on batch 0 with ``check``).
+        summary: ``space.summary()``.
+        adaptive_note: Which coordinates use the adaptive geometry.
+        clean_losses: The loss of every batch at the model's weights (all finite).
+        invariance: The self-check's report (``None`` without ``check``).
+    """
+
+    model: nn.Module
+    batches: list
+    loss_fn: Callable
+    loss_name: str
+    space: ParameterSpace
+    summary: str
+    adaptive_note: str
+    clean_losses: list[float]
+    invariance: Any
+
+
+def prepare_measurement(
+    model: nn.Module,
+    batches: Iterable[tuple[Any, Any]],
+    loss_fn: Callable | str | None = default_loss,
+    *,
+    space: ParameterSpace | None = None,
+    check: bool = True,
+    seed: int = 0,
+    say: Callable[[str], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> CheckedModel:
+    """Everything :func:`measure` does before its first measurement, for one model.
+
+    The loss resolved, the batches on the model's device, the weights whose ``1/w²`` overflows
+    flushed (on a copy), the symmetry blocks found and proven on batch 0, the clean loss of
+    every batch checked finite, and the self-check (a random re-parametrization of every
+    block must leave the outputs unchanged). A population study runs it for every model.
+
+    Raises:
+        MeasureError: If the loss is unknown, there are no batches or trainable parameters, a
+            clean loss is not finite, or the self-check fails.
+    """
+    say = say or (lambda _msg: None)
+    loss_fn, loss_name = resolve_loss(loss_fn)
+    batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
+    model, tiny = without_unrepresentable(model)
+    if tiny is not None:
+        space = None  # the copy has other parameter objects
+        if warn is not None:
+            warn(tiny)
+        else:
+            warnings.warn(tiny, MeasureWarning, stacklevel=2)
+    inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
+    space = _symmetry_space(model, space, inputs0 if check else None, say)
+    summary, note = space.summary(), adaptive_note(space)
+    say(summary)
+    say(note)
+    if space.numel() == 0:
+        raise MeasureError("the model has no trainable parameters (all have requires_grad=False)")
+    clean = clean_pass(model, loss_fn, batches)
+    say(f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all finite)")
+    invariance = self_check(model, inputs0, space, seed, say) if check else None
+    return CheckedModel(model, batches, loss_fn, loss_name, space, summary, note, clean, invariance)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,6 +449,48 @@ def adaptive_note(space: ParameterSpace, top: int = 8) -> str:
         rest_n = sum(v for _, v in items[top:])
         lines.append(f"  … {len(items) - top} more parameter patterns ({rest_n:,} coordinates)")
     return "\n".join(lines)
+
+
+def _estimate(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: list,
+    specs: list[MeasureSpec],
+    rhos: list[float],
+    steps: int,
+    curv: Mapping[str, Any],
+    say: Callable[[str], None],
+    *,
+    eps: float = 0.0,
+    seed: int = 0,
+    space: ParameterSpace | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> RunEstimate | None:
+    """Say the run's estimated time, and on a long CPU run what each option would cut it to.
+
+    Returns:
+        The :class:`~geosharp.measure.estimate.RunEstimate`; ``None`` if the pass failed.
+    """
+
+    def probe(spec: MeasureSpec, k: int) -> float:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():  # the real cells will say what the ascent has to say
+            warnings.simplefilter("ignore")
+            _measure_one(
+                model, loss_fn, batches[:1], spec, rhos[0], k, eps, seed, space, False, curv,
+                **(extra or {}),
+            )  # fmt: skip
+        return time.perf_counter() - t0
+
+    try:
+        est = estimate_run(model, loss_fn, batches, specs, rhos, steps, curv, probe)
+    except Exception as err:  # the measures will say what fails; an estimate is no reason to stop
+        say(f"time estimate: not available ({type(err).__name__}: {err})")
+        return None
+    say(est.line())
+    for line in est.advice():
+        say(line)
+    return est
 
 
 def _measure_cells(

@@ -22,7 +22,7 @@ from geosharp.estimators.curvature import CurvatureResult
 from geosharp.estimators.sharpness import SharpnessResult
 from geosharp.measure.names import MeasureSpec
 
-__all__ = ["MeasureReport", "MeasureRow"]
+__all__ = ["SIZE_FIELDS", "MeasureReport", "MeasureRow"]
 
 
 @dataclass
@@ -150,7 +150,16 @@ _CSV_FIELDS = (
     "stderr",
     "error",
     "per_batch",
+    "steps",
+    "samples",
+    "batch_size",
+    "max_length",
 )
+#: The sizes a run used, in every line of results.csv (after the columns of one row): Auto-PGD
+#: steps, samples, batch size and maximum length in tokens, as ``settings`` holds them (the
+#: command line's options; ``gs.measure`` alone: what the batches show, see
+#: :func:`~geosharp.measure.estimate.batch_sizes`). Empty where a run has none (no text).
+SIZE_FIELDS = ("steps", "samples", "batch_size", "max_length")
 
 
 def _g(x: float | None, digits: int = 4) -> str:
@@ -297,14 +306,38 @@ class MeasureReport:
         text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)
         return atomic_write_text(path, text + "\n")
 
+    def sizes(self) -> dict[str, int | None]:
+        """The sizes the run used (:data:`SIZE_FIELDS`), from :attr:`settings`.
+
+        ``samples`` falls back on :attr:`n_samples`, ``batch_size`` on the largest batch and
+        ``max_length`` on the longest input in tokens (what ``gs.measure`` records of its
+        batches); ``None`` where nothing says.
+        """
+        st = self.settings
+        pick = {
+            "steps": st.get("steps"),
+            "samples": st.get("samples", self.n_samples),
+            "batch_size": st.get("batch_size", st.get("largest_batch")),
+            "max_length": st.get("max_length", st.get("longest_input")),
+        }
+        return {
+            k: v if isinstance(v, int) and not isinstance(v, bool) else None
+            for k, v in pick.items()
+        }
+
     def to_csv(self) -> str:
-        """One CSV line per (measure, ρ); ``per_batch`` is a JSON list."""
+        """One CSV line per (measure, ρ); ``per_batch`` is a JSON list.
+
+        Every line ends with the run's sizes (:data:`SIZE_FIELDS`).
+        """
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS, lineterminator="\n")
         writer.writeheader()
+        sizes = self.sizes()
         for r in self.rows:
             d = _json_safe(r.to_dict())
             d["per_batch"] = json.dumps(d["per_batch"])
+            d.update(sizes)
             writer.writerow({k: "" if d[k] is None else d[k] for k in _CSV_FIELDS})
         return buf.getvalue()
 
