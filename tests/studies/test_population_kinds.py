@@ -47,7 +47,8 @@ def attention_model(seed: int) -> nn.Module:
     return layer.double().eval()
 
 
-def test_torch_save_files_on_an_npz(tmp_path):
+@pytest.mark.parametrize("curvature", [False, True])
+def test_torch_save_files_on_an_npz(tmp_path, curvature):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 5, 8, generator=g, dtype=torch.float64)
     import numpy as np
@@ -64,10 +65,17 @@ def test_torch_save_files_on_an_npz(tmp_path):
         measures=("adaptive", "geodesic-inv-o2"),
         rho=parse_rho(["0.05"]),
         steps=2,
+        curvature=curvature,
+        curvature_iters=3,
+        curvature_probes=2,
     )
     out = tmp_path / "out"
     summary = run_population(s, out, progress=False, log=lambda _: None)
-    assert summary.measured == 6 and not summary.failures
+    assert not summary.failures
+    cells = json.loads((out / "summary.json").read_text())["cells"]
+    curv = [c for c in cells if "curvature" in c["measure"]]
+    assert summary.measured == 6 + 3 * len(curv)
+    assert bool(curv) == curvature and all(c["rho"] is None for c in curv)
     models = json.loads((out / "models.json").read_text())
     assert set(models) == {"m0.pt", "m1.pt", "m2.pt"}
     assert models["m0.pt"]["blocks"] == "1 QK, 1 VO, 1 b_k"

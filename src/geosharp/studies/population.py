@@ -159,7 +159,10 @@ class PopulationSettings:
         steps: Auto-PGD steps.
         eps: Gram damping.
         seed: Seed of the self-check and of the ascent's starts.
-        curvature: Also measure the default curvature plan.
+        curvature: Also measure the curvature plan of the built-in studies (λ_max and trace of
+            geodesic inv and mix, adaptive and Euclidean curvature).
+        curvature_iters: Most Lanczos iterations per batch (λ).
+        curvature_probes: Hutchinson probes per batch (trace).
         gap: The gap rule (``--gap``), or ``None``: the first that fits.
         base: Base model of PEFT adapters without a ``base`` cell.
         skip_bad: Set aside rows whose model does not load, instead of failing.
@@ -174,6 +177,8 @@ class PopulationSettings:
     eps: float = 0.0
     seed: int = 0
     curvature: bool = False
+    curvature_iters: int = 50
+    curvature_probes: int = 100
     gap: str | None = None
     base: str | None = None
     skip_bad: bool = False
@@ -347,7 +352,12 @@ class PopulationStudy(Study):
         if self.cfg.curvature:
             from geosharp.studies.classifier import CurvaturePlan, curvature_specs
 
-            specs += curvature_specs(CurvaturePlan(seed=self.cfg.seed))
+            plan = CurvaturePlan(
+                iters=self.cfg.curvature_iters,
+                probes=self.cfg.curvature_probes,
+                seed=self.cfg.seed,
+            )
+            specs += curvature_specs(plan)
         return specs
 
     def _run_kwargs(self, m: Measure) -> dict[str, Any]:
@@ -534,7 +544,10 @@ def study(
         steps: Auto-PGD steps.
         eps: Gram damping.
         seed: Seed of the self-check and the ascent.
-        curvature: Also measure the default curvature plan.
+        curvature: Also measure the curvature plan of the built-in studies (λ_max and trace of
+            geodesic inv and mix, adaptive and Euclidean curvature).
+        curvature_iters: Most Lanczos iterations per batch (λ).
+        curvature_probes: Hutchinson probes per batch (trace).
         gap: The gap rule when several fit (``"gap"``, ``"error"``, ``"accuracy"``, ``"loss"``).
         base: Base model of PEFT adapters without a ``base`` column.
         skip_bad: Measure the rest when a row's model does not load (listed in the report).

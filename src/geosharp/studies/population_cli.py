@@ -86,7 +86,13 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
         help="measure the other models when one does not load (listed in the report)",
     )
     p.add_argument("--no-check", action="store_true", help="no invariance self-check per model")
-    p.add_argument("--curvature", action="store_true", help="also the default curvature plan")
+    p.add_argument(
+        "--curvature",
+        action="store_true",
+        help="also λ_max and the trace of geodesic inv and mix, adaptive and Euclidean curvature",
+    )
+    p.add_argument("--iters", type=int, default=50, help="curvature: Lanczos iterations (50)")
+    p.add_argument("--probes", type=int, default=100, help="curvature: Hutchinson probes (100)")
     p.add_argument("--seed", type=int, default=0, help="seed of the self-check and the ascent")
     p.add_argument("--force", action="store_true", help="reuse a folder of another config")
     p.add_argument("--shard", default=None, help="only this part k/n of the models")
@@ -126,7 +132,7 @@ def run(argv: Sequence[str], command: str = "study") -> tuple[argparse.Namespace
     args.name = args.manifest
     if args.steps < 1:
         raise MeasureError(f"--steps must be >= 1, got {args.steps}")
-    for key in ("batch_size", "max_length"):
+    for key in ("batch_size", "max_length", "iters", "probes"):
         if getattr(args, key) < 1:
             raise MeasureError(f"--{key.replace('_', '-')} must be >= 1")
     if args.threads is not None:
@@ -148,6 +154,8 @@ def run(argv: Sequence[str], command: str = "study") -> tuple[argparse.Namespace
         eps=args.eps,
         seed=args.seed,
         curvature=args.curvature,
+        curvature_iters=args.iters,
+        curvature_probes=args.probes,
         gap=args.gap,
         base=args.base,
         skip_bad=args.skip_bad,
