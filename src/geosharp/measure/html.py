@@ -62,6 +62,22 @@ _SETTING_LABELS = {
     "n_symmetry_blocks": "symmetry blocks",
     "n_group_factors": "group factors",
 }
+#: The short guide to the numbers under the results table (the long one: reading-results.md).
+_READING = (
+    "<p><b>Reading these numbers.</b> A worst-case value is the largest rise of the training "
+    "loss, L<sub>S</sub>(w′) − L<sub>S</sub>(w), that Auto-PGD found within the ball of radius ρ "
+    "around the measured weights, averaged over batches: a loss difference in the loss's own "
+    "units (nats for cross-entropy), to set against the clean loss below. It is a lower bound "
+    "of the true maximum, and a warning says when the ascent was still rising. ρ is relative "
+    "to the weights for adaptive and geodesic inv, but geodesic mix weighs a move of a head's "
+    "factors by the size of the head's product G Hᵀ (SPEC §4.1), so the same ρ is a move of "
+    "another size there — many times larger on heads with small weights, such as LoRA "
+    "adapters or freshly initialized layers — and its values can rise far faster with ρ. No "
+    "value is sharp or flat by itself: compare models at the same ρ, on the same data and "
+    "batch size, with the same measure. The documentation page <i>Reading one model's "
+    "results</i> (docs/reading-results.md in the geosharp repository) says how to choose ρ and "
+    "read each measure.</p>"
+)
 _NOTE_ROW = re.compile(r"^  (?P<pattern>\S+)\s+(?P<count>[\d,]+)$")
 
 
@@ -210,6 +226,7 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
             "</tr>"
         )
     out.append("</table>")
+    out.append(_READING)
 
     out.append("<h2>Self-check</h2>")
     inv = report.invariance
