@@ -7,7 +7,8 @@ warms up the caches) and multiplies it by the passes the plan needs: a worst-cas
 (``benchmarks/README.md``). On small models the per-step work of the geometry and of Python
 dominates instead, so where ``gs.measure`` hands it a ``probe`` each worst-case measure's step
 is timed on batch 0 instead (a 5-step less a 1-step ascent: four steps without the set-up, which
-the cache keeps for the real run; about 8 passes per measure, under 1 % of a default run). A
+the cache keeps for the real run; twice, the faster kept: about 16 passes per measure, about 1 %
+of a default run). A
 batch costs in proportion to its size (tokens, or elements of its input). On a machine busy
 with other work every timing is rough.
 :meth:`RunEstimate.line` says the result in one line, and :meth:`RunEstimate.advice`, for a long
@@ -32,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +58,8 @@ FORWARD_COST = 0.35
 AVERAGE_SAMPLES = 10
 #: The steps a probe times: a (1 + this)-step ascent less a 1-step one, so the set-up cancels.
 PROBE_STEPS = 4
+#: Times a probe is repeated (the fastest is kept).
+PROBE_REPEATS = 2
 #: A Hessian-vector product (curvature measures) in forward+backward passes.
 HVP_COST = 2.0
 
@@ -149,6 +153,8 @@ class RunEstimate:
         cells: ``(measure, ρ, seconds)`` of every cell, in order.
         step_s: The seconds of one ascent step on batch 0 of every worst-case measure that was
             timed (``probe``).
+        busy: ``(load average, CPU cores)`` when other work kept the machine busier than its
+            cores while timing (the timings are then rough), else ``None``.
     """
 
     n_cells: int
@@ -168,6 +174,7 @@ class RunEstimate:
     rows: list[int | None] = field(default_factory=list)
     cells: list[tuple[str, float | None, float]] = field(default_factory=list)
     step_s: dict[str, float] = field(default_factory=dict)
+    busy: tuple[float, int] | None = None
 
     def line(self) -> str:
         """One line: the cells, the passes and the time, e.g. ``9 cells × 20 steps × 8 ...``."""
@@ -188,6 +195,12 @@ class RunEstimate:
                 f", an ascent step {_span(self.step_s.values())}, timed on batch 0)"
                 if self.step_s
                 else ", an ascent step costs about 1.2 (adaptive) to 1.4 (geodesic) of them)"
+            )
+            + (
+                f"; rough: the machine is busy with other work (load average {self.busy[0]:.1f} "
+                f"on {self.busy[1]} cores)"
+                if self.busy
+                else ""
             )
         )
 
@@ -300,6 +313,15 @@ def _span(values: Any) -> str:
     return lo if lo == hi else f"{lo} to {hi}"
 
 
+def _busy() -> tuple[float, int] | None:
+    """``(load average, cores)`` if the last minute's load exceeds the cores, else ``None``."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # not on every platform
+        return None
+    return (load, cores) if load > cores else None
+
+
 def _round_down(n: int) -> int:
     """The largest power of two ≤ ``n`` (at least 1): option values a person would type."""
     return 1 << max(int(n).bit_length() - 1, 0)
@@ -363,9 +385,13 @@ def estimate_run(
     step_s: dict[str, float] = {}
     for spec in specs:
         if probe is not None and spec.uses_rho and spec.kind == "worst" and spec.name not in step_s:
-            one, five = probe(spec, 1), probe(spec, 1 + PROBE_STEPS)
-            if five > one:  # else the machine's noise swamped the steps: use the passes
-                step_s[spec.name] = (five - one) / PROBE_STEPS
+            # twice, keeping the faster: other work on the machine only ever slows a timing
+            diffs = [
+                (probe(spec, 1 + PROBE_STEPS) - probe(spec, 1)) / PROBE_STEPS
+                for _ in range(PROBE_REPEATS)
+            ]
+            if min(diffs) > 0:  # else the machine's noise swamped the steps: use the passes
+                step_s[spec.name] = min(diffs)
 
     def cost(spec: MeasureSpec) -> float:
         if spec.name in step_s:
@@ -402,4 +428,5 @@ def estimate_run(
         rows=rows,
         cells=named,
         step_s=step_s,
+        busy=_busy(),
     )
