@@ -24,7 +24,7 @@ from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
 from geosharp.measure.errors import MeasureError
 from geosharp.measure.losses import IGNORE_INDEX, _logits, uses_cross_entropy
 from geosharp.measure.names import MeasureSpec
-from geosharp.measure.results import MeasureRow
+from geosharp.measure.results import MeasureRow, rho_text
 from geosharp.symmetry import ParameterSpace
 
 __all__ = [
@@ -301,6 +301,11 @@ def still_rising(
     return last >= max(values) - tol and last - values[-2] > tol and last - values[-1 - k] > k * tol
 
 
+def _at(rho: float | None) -> str:
+    """`` at rho=1`` (as the table prints ρ), or nothing for a measure without ρ."""
+    return "" if rho is None else f" at rho={rho_text(rho)}"
+
+
 def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float) -> list[str]:
     """What a user should know about one measured row: it failed, or its ascent is suspect.
 
@@ -316,10 +321,10 @@ def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float
     """
     rising = sum(still_rising(t, loss_eps) for t in row.traces)
     if row.error is not None:
-        return [f"{row.measure} at rho={row.rho} failed: {row.error}"]
+        return [f"{row.measure}{_at(row.rho)} failed: {row.error}"]
     if 2 * rising > len(row.traces) > 0:
         return [
-            f"{row.measure} at rho={row.rho}: on {rising} of {len(row.traces)} "
+            f"{row.measure}{_at(row.rho)}: on {rising} of {len(row.traces)} "
             f"batch(es) the loss was still rising at the last of {steps} Auto-PGD "
             "steps, so the value is a lower bound; more --steps may find more"
         ]
@@ -330,7 +335,7 @@ def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float
         and all(len(t) > 1 and max(t) <= t[0] for t in row.traces)
     ):
         return [
-            f"{row.measure} at rho={row.rho}: the ascent never raised the loss on any "
+            f"{row.measure}{_at(row.rho)}: the ascent never raised the loss on any "
             "batch; the value 0 is suspicious (a vanishing gradient, or a metric that "
             "is not finite at these weights)"
         ]

@@ -520,7 +520,7 @@ def _measure_cells(
         for spec in specs:
             for rho in rhos if spec.uses_rho else [None]:
                 if bar is not None:
-                    bar.set_postfix_str(f"{spec.name} rho={rho}")
+                    bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
                 extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
                 if buffer_budget != BUFFER_BUDGET:
                     extra["buffer_budget"] = buffer_budget
@@ -630,6 +630,7 @@ def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:
         "n_diagonal_pairs": len(space.diagonal_pairs),
         "n_symmetry_blocks": len(space.blocks),
         "n_group_factors": space.n_group_factors,
+        "symmetry_groups": sorted({type(b).family for b in space.blocks}),
         "device": str(first.device),
         "dtype": str(first.dtype).replace("torch.", ""),
     }

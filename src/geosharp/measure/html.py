@@ -53,7 +53,8 @@ _SETTING_LABELS = {
     "eps": "ε (Gram-matrix damping)",
     "check": "invariance self-check",
     "n_params": "parameters",
-    "n_gl_heads": "GL(h) heads",
+    "n_gl_heads": "GL heads (attention GL(h), rotary, LoRA GL(r))",
+    "symmetry_groups": "symmetry block kinds",
     "largest_batch": "largest batch (samples)",
     "longest_input": "longest input (tokens)",
     "estimated_time_s": "estimated time before measuring (s)",
@@ -61,6 +62,16 @@ _SETTING_LABELS = {
     "n_diagonal_pairs": "diagonal pairs",
     "n_symmetry_blocks": "symmetry blocks",
     "n_group_factors": "group factors",
+}
+#: How the self-check draws a random element of each kind of block (``settings["symmetry_groups"]``
+#: names the kinds; the ``random_element`` methods of :mod:`geosharp.symmetry.blocks`).
+_GROUP_DRAWS = {
+    "GL(h) blocks": "attention heads, GL(h): A = a·N(0, 1)<sup>h×h</sup>",
+    "LoRA GL(r) blocks": "LoRA adapters, GL(r): M = a·N(0, 1)<sup>r×r</sup> acting by (B M⁻¹, M A)",
+    "rotary Q/K blocks": "rotary Q/K heads, the rotary commutant: a·(x I₂ + y J₂) per rotation "
+    "plane, x, y ~ N(0, 1), and a·N(0, 1) on features not rotated",
+    "diagonal pairs": "diagonal pairs, GL(1): α = a·N(0, 1) per coordinate",
+    "key-bias translations (held fixed)": "key biases: a translation t = a·N(0, 1)",
 }
 #: The short guide to the numbers under the results table (the long one: reading-results.md).
 _READING = (
@@ -115,6 +126,19 @@ def _display(value: Any) -> str:
     if isinstance(value, (list, tuple, set)):
         return ", ".join(_display(v) for v in value) if value else "none"
     return str(value)
+
+
+def _draws(settings: Mapping[str, Any]) -> str:
+    """How the self-check drew the group elements of the kinds of blocks the model has.
+
+    Example:
+        >>> _draws({"symmetry_groups": ["LoRA GL(r) blocks"]})
+        'LoRA adapters, GL(r): M = a·N(0, 1)<sup>r×r</sup> acting by (B M⁻¹, M A)'
+        >>> _draws({}).startswith("attention heads, GL(h)")
+        True
+    """
+    kinds = settings.get("symmetry_groups") or ["GL(h) blocks"]
+    return "; ".join(_GROUP_DRAWS.get(k, html.escape(str(k))) for k in kinds)
 
 
 def _adaptive_html(note: str) -> str:
@@ -239,9 +263,9 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
         out.append(
             f"<p><span class='{cls}'>{'PASSED' if inv.passed else 'FAILED'}</span>: every one of "
             f"the {inv.n_blocks} symmetry blocks found ({inv.n_factors} group factors) was "
-            "re-parametrized by a random element of its group (GL(h): A = a·N(0, 1)); the "
-            "relative change of the model's outputs was, beside that of a random move of the "
-            "same size</p>"
+            f"re-parametrized by a random element of its group ({_draws(report.settings)}); "
+            "the relative change of the model's outputs was, beside that of a random move of "
+            "the same size</p>"
             "<table><tr><th>scale a</th><th>‖f(g·w) − f(w)‖ / ‖f(w)‖</th>"
             "<th>random move</th></tr>"
             + "".join(

@@ -23,6 +23,7 @@ from geosharp.measure.errors import MeasureError
 from geosharp.measure.model_loading import (
     LoadedModel,
     _load_hf,
+    check_safetensors,
     has_tokenizer_files,
 )
 from geosharp.models.hf import quiet_transformers
@@ -239,6 +240,8 @@ def load_peft(
             f"{folder} has adapter_config.json but no adapter weights (adapter_model.safetensors "
             "or adapter_model.bin)"
         )
+    if (folder / names[0]).is_file():
+        check_safetensors(folder / names[0])
     try:
         import peft
     except ImportError as err:
@@ -293,6 +296,7 @@ def load_peft(
         f"adapter's {n_train:,} trainable parameters ({what}); the base model's {n_frozen:,} "
         "parameters are frozen"
     ]
+    info.append(_frozen_base_note(inner.model, peft_type))
     return LoadedModel(
         model=model.eval(),
         kind="peft",
@@ -312,4 +316,23 @@ def load_peft(
             if inner.tokenizer is not None
             else f"the adapter folder {folder} nor in the base model folder {base_folder}"
         ),
+    )
+
+
+def _frozen_base_note(base: torch.nn.Module, peft_type: str) -> str:
+    """Why the base model's attention symmetries play no part in an adapter's sharpness."""
+    rotary = any("rotary" in type(m).__name__.lower() for m in base.modules())
+    groups = "the rotary commutant of Q/K and GL(h) of V/O" if rotary else "GL(h) of Q/K and of V/O"
+    lora = peft_type.upper() == "LORA"
+    return (
+        f"note: the frozen base model's attention symmetries ({groups}, per head) are not in "
+        "play: only the adapter's weights are perturbed, and such a group element would have "
+        "to move the frozen base weights W_q, W_k, W_v, W_o too (in general a rank-r update "
+        "cannot absorb it), so it is no symmetry of the adapter's parameters"
+        + (
+            "; what is quotiented is GL(r) of each LoRA pair, (B M⁻¹, M A), which leaves B A "
+            "unchanged"
+            if lora
+            else ""
+        )
     )

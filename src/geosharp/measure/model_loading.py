@@ -38,6 +38,7 @@ __all__ = [
     "LoadedModel",
     "TorchScriptModule",
     "check_model_spec",
+    "check_safetensors",
     "has_tokenizer_files",
     "load_model",
     "load_state_dict",
@@ -75,6 +76,64 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         return True
     return any(p.suffix in _TOKENIZER_SUFFIXES and p.is_file() for p in folder.iterdir())
+
+
+def _corrupt(path: Path, why: str) -> MeasureError:
+    return MeasureError(f"the weights file {path} is corrupt or truncated: re-save it ({why})")
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Raise a one-line error if a ``.safetensors`` file is truncated or its header is corrupt.
+
+    Reads the header only (8 bytes of length, then JSON): the tensors it describes must end
+    exactly where the file does, as the safetensors library itself requires, so a file cut
+    short by a full disk or an interrupted copy is named, with what to do, before any loading.
+
+    Raises:
+        MeasureError: ``the weights file PATH is corrupt or truncated: re-save it (...)``.
+    """
+    import json
+    import struct
+
+    path = Path(path).expanduser()
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise _corrupt(path, f"it is {size:,} bytes long, shorter than a header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise _corrupt(
+                    path, f"its header says {n:,} header bytes, but the file has {size:,} bytes"
+                )
+            raw = fh.read(n)
+    except OSError as err:
+        raise MeasureError(f"cannot read the weights file {path}: {err.strerror or err}") from err
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+        ends = [
+            int(v["data_offsets"][1])
+            for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict)
+        ]
+    except (ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError) as err:
+        raise _corrupt(path, f"its header cannot be read: {err}") from err
+    data = size - 8 - n
+    end = max(ends, default=0)
+    if end != data:
+        raise _corrupt(
+            path,
+            f"its header describes {end:,} bytes of tensors, the file holds {data:,}",
+        )
+
+
+def _check_weight_files(folder: Path) -> None:
+    """:func:`check_safetensors` for every ``*.safetensors`` file of a model folder."""
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors(path)
 
 
 @dataclass
@@ -209,6 +268,8 @@ def load_state_dict(model: nn.Module, path: str | Path) -> list[str]:
     if not path.is_file():
         raise MeasureError(f"weights file not found: {path}")
     notes = []
+    if path.suffix == ".safetensors":
+        check_safetensors(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -329,11 +390,16 @@ def _load_hf(
             f"{folder} has a head with {config.num_labels} labels but {num_labels} were asked "
             "for (--num-labels); drop --num-labels or use a matching checkpoint"
         )
+    _check_weight_files(folder)
     torch.manual_seed(seed)  # a fresh head is drawn reproducibly
     with quiet_transformers():
         try:
             model, info = cls.from_pretrained(str(folder), output_loading_info=True, **kwargs)
         except Exception as err:
+            if type(err).__name__ == "SafetensorError":
+                raise MeasureError(
+                    f"a weights file in {folder} is corrupt or truncated: re-save it ({err})"
+                ) from err
             raise MeasureError(
                 f"cannot load the model in {folder} as {cls.__name__}: {type(err).__name__}: {err}"
             ) from err

@@ -22,7 +22,7 @@ from geosharp.estimators.curvature import CurvatureResult
 from geosharp.estimators.sharpness import SharpnessResult
 from geosharp.measure.names import MeasureSpec
 
-__all__ = ["SIZE_FIELDS", "MeasureReport", "MeasureRow"]
+__all__ = ["SIZE_FIELDS", "MeasureReport", "MeasureRow", "rho_text"]
 
 
 @dataclass
@@ -160,6 +160,21 @@ _CSV_FIELDS = (
 #: command line's options; ``gs.measure`` alone: what the batches show, see
 #: :func:`~geosharp.measure.estimate.batch_sizes`). Empty where a run has none (no text).
 SIZE_FIELDS = ("steps", "samples", "batch_size", "max_length")
+
+
+def rho_text(rho: float | None) -> str:
+    """ρ as the table prints it: ``1``, not ``1.0``; every other value exactly (shortest repr).
+
+    Example:
+        >>> [rho_text(r) for r in (1.0, 0.1, 0.01, 2, 1e-05, 0.123456789, None)]
+        ['1', '0.1', '0.01', '2', '1e-05', '0.123456789', '']
+    """
+    if rho is None:
+        return ""
+    rho = float(rho)
+    if rho.is_integer() and abs(rho) < 1e15:
+        return str(int(rho))
+    return repr(rho)
 
 
 def _g(x: float | None, digits: int = 4) -> str:
@@ -328,7 +343,8 @@ class MeasureReport:
     def to_csv(self) -> str:
         """One CSV line per (measure, ρ); ``per_batch`` is a JSON list.
 
-        Every line ends with the run's sizes (:data:`SIZE_FIELDS`).
+        ρ is written as the table prints it (:func:`rho_text`: ``1``, not ``1.0``), and every
+        line ends with the run's sizes (:data:`SIZE_FIELDS`).
         """
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS, lineterminator="\n")
@@ -337,6 +353,7 @@ class MeasureReport:
         for r in self.rows:
             d = _json_safe(r.to_dict())
             d["per_batch"] = json.dumps(d["per_batch"])
+            d["rho"] = rho_text(r.rho)
             d.update(sizes)
             writer.writerow({k: "" if d[k] is None else d[k] for k in _CSV_FIELDS})
         return buf.getvalue()
