@@ -13,9 +13,10 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.cli import main
-from geosharp.measure import DEFAULT_MEASURES, DEFAULT_RHOS, MeasureError, MeasureSpec
+from geosharp.measure import DEFAULT_MEASURES, DEFAULT_RHOS, MeasureError
 from geosharp.measure.core import default_loss, unrepresentable_weights
 from geosharp.measure.loading import TorchScriptModule
+from geosharp.measures import parse_measure
 
 # --------------------------------------------------------------------------------------------
 # fixtures
@@ -192,7 +193,7 @@ def test_cli_tiny_bert_csv(bert_dir, tmp_path, capsys):
     assert "1 of 7 text(s) are longer than --max-length 16 tokens" in err
     res = json.loads((out_dir / "results.json").read_text())
     assert [r["measure"] for r in res["results"]] == [
-        MeasureSpec.parse(m).name for m in DEFAULT_MEASURES
+        parse_measure(m).name for m in DEFAULT_MEASURES
     ]
     for r in res["results"]:
         assert r["n_batches"] == 2 and r["value"] > 0 and r["error"] is None
@@ -448,7 +449,7 @@ def test_measure_default_plan_and_outputs(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rep = gs.measure(model, batches, steps=2)
     assert [(r.measure, r.rho) for r in rep.rows] == [
-        (MeasureSpec.parse(m).name, rho) for m in DEFAULT_MEASURES for rho in DEFAULT_RHOS
+        (parse_measure(m).name, rho) for m in DEFAULT_MEASURES for rho in DEFAULT_RHOS
     ]
     assert rep.settings["steps"] == 2 and rep.n_samples == 20 and rep.n_batches == 2
     assert rep.invariance.n_blocks == 0  # an MLP: nothing to re-parametrize
@@ -565,8 +566,8 @@ def test_unconverged_ascent_is_flagged():
     ],
 )
 def test_measure_spec_parse(text, name):
-    assert MeasureSpec.parse(text).name == name
-    assert MeasureSpec.parse(MeasureSpec.parse(text).name) == MeasureSpec.parse(text)
+    assert parse_measure(text).name == name
+    assert parse_measure(parse_measure(text).name) == parse_measure(text)
 
 
 @pytest.mark.parametrize(
@@ -574,7 +575,7 @@ def test_measure_spec_parse(text, name):
 )
 def test_measure_spec_rejects(text):
     with pytest.raises(MeasureError):
-        MeasureSpec.parse(text)
+        parse_measure(text)
 
 
 def test_default_loss_matches_torch():

@@ -73,9 +73,7 @@ def _assert_same(dp: dict, ref: gs.SharpnessResult) -> None:
 @needs_gloo
 def test_torchrun_two_processes_equal_one_process(tmp_path):
     out = tmp_path / "dp"
-    _torchrun(
-        ["-m", "geosharp.demos.torchrun", "--out", str(out), "--steps", "10"], out.parent
-    )
+    _torchrun(["-m", "geosharp.demos.torchrun", "--out", str(out), "--steps", "10"], out.parent)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     ref = _single(4, **WORST)

@@ -13,8 +13,9 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.cli import main
-from geosharp.measure import MeasureError, MeasureSpec
+from geosharp.measure import MeasureError
 from geosharp.measure.core import default_loss
+from geosharp.measures import Sharpness, parse_measure
 
 # --------------------------------------------------------------------------------------------
 # the grammar
@@ -36,9 +37,9 @@ from geosharp.measure.core import default_loss
     ],
 )
 def test_parse(text, name):
-    spec = MeasureSpec.parse(text)
-    assert spec.name == name and spec.measure == "curvature" and not spec.uses_rho
-    assert MeasureSpec.parse(spec.name) == spec  # the printed name reads back
+    spec = parse_measure(text)
+    assert spec.name == name and spec.family == "curvature" and not spec.uses_rho
+    assert parse_measure(spec.name) == spec  # the printed name reads back
 
 
 @pytest.mark.parametrize(
@@ -58,12 +59,14 @@ def test_parse(text, name):
 )
 def test_parse_rejects(text, match):
     with pytest.raises(MeasureError, match=match):
-        MeasureSpec.parse(text)
+        parse_measure(text)
 
 
 def test_sharpness_names_unchanged():
-    assert MeasureSpec.parse("geodesic-inv-o2").name == "geodesic-inv-o2 worst l2"
-    assert MeasureSpec.parse("adaptive-linf") == MeasureSpec("adaptive", "", 1, "worst", "linf")
+    assert parse_measure("geodesic-inv-o2").name == "geodesic-inv-o2 worst l2"
+    assert parse_measure("adaptive-linf") == Sharpness(
+        measure="adaptive", metric="", order=1, kind="worst", norm="linf"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def test_table_json_csv_html(report, tmp_path):
     table = rep.table()
     trace = rep.row("curvature-mix-trace")
     for text, *_ in CASES:
-        assert MeasureSpec.parse(text).name in table
+        assert parse_measure(text).name in table
     assert "HVPs" in table and "s.e." in table
     data = json.loads(rep.write_json(tmp_path / "r.json").read_text())
     by_name = {r["measure"]: r for r in data["results"]}

@@ -17,7 +17,7 @@ from torch import nn
 import geosharp as gs
 from geosharp.measure import estimate
 from geosharp.measure.estimate import RunEstimate, batch_sizes, estimate_run
-from geosharp.measure.names import MeasureSpec
+from geosharp.measures import parse_measure
 
 from .conftest import CORPUS
 
@@ -105,7 +105,7 @@ def test_advice_estimates_scale_with_the_options():
 def test_estimate_without_a_probe_counts_passes(monkeypatch):
     model, batches = mlp_batches()
     monkeypatch.setattr(estimate, "_timed_pass", lambda *a: 0.5)
-    specs = [MeasureSpec.parse(m) for m in ("adaptive", "geodesic-inv-o2")]
+    specs = [parse_measure(m) for m in ("adaptive", "geodesic-inv-o2")]
     est = estimate_run(model, nn.functional.cross_entropy, batches, specs, [0.1, 1.0], steps=10)
     assert (est.n_cells, est.passes, est.pass_s) == (4, 80.0, 0.5)
     # 2 batches × (10 steps × 1.2 or 1.4 passes + a forward of 0.35) × 0.5 s, 2 radii each

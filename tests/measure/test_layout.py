@@ -10,8 +10,6 @@ MOVED = {
     "geosharp.measure.core": {
         "MeasureError": "errors",
         "MeasureWarning": "errors",
-        "MeasureSpec": "names",
-        "curvature_name": "names",
         "IGNORE_INDEX": "losses",
         "default_loss": "losses",
         "resolve_loss": "losses",
@@ -78,5 +76,3 @@ def test_public_names_of_the_package_and_of_core():
     for name in core.__all__:
         getattr(core, name)
     assert gs.measure is core.measure
-    # the studies import this from core (studies/runner.py)
-    from geosharp.measure.core import curvature_name  # noqa: F401

@@ -1,5 +1,6 @@
-"""The measure-name grammar, ``geosharp.measure.names``: parsing, canonical names and the
-readings the study reports make of a name (family, paper family, the paired geodesic measures).
+"""The measure-name grammar (``geosharp.measures``): parsing and canonical names; and the
+readings the study reports make of a name (``geosharp.measure.names``: family, paper family,
+the paired geodesic measures).
 
 The report's readings are checked against the regular expressions ``studies/report.py`` used
 before it called these functions (copied here verbatim as the reference), on every canonical
@@ -11,15 +12,10 @@ import re
 
 import pytest
 
-from geosharp.measure import MeasureError, MeasureSpec, core, names
-from geosharp.measure.names import (
-    curvature_name,
-    default_paper_match,
-    is_geodesic_main,
-    measure_family,
-    measure_name,
-    parse_measure,
-)
+from geosharp.estimators.sharpness import measure_name
+from geosharp.measure import MeasureError, core, names
+from geosharp.measure.names import default_paper_match, is_geodesic_main, measure_family
+from geosharp.measures import Measure, curvature_name, parse_measure
 
 # --------------------------------------------------------------------------------------------
 # the reference: studies/report.py's regexes before the grammar module
@@ -161,7 +157,7 @@ def test_every_canonical_name_parses_back_to_itself(name):
     spec = parse_measure(name)
     assert spec.name == name
     assert parse_measure(spec.name) == spec
-    assert MeasureSpec.parse(name) == spec
+    assert Measure.parse(name) == spec
 
 
 def test_blocks_and_adaptivenorm_are_read():
@@ -199,9 +195,11 @@ def test_bad_measures_say_why(text, match):
 
 
 def test_the_grammar_is_the_one_of_core_and_the_callback():
-    """``core`` and the Trainer callback use the grammar module, not a copy of it."""
-    assert core.MeasureSpec is names.MeasureSpec
-    assert core.curvature_name is names.curvature_name
+    """``core`` and the Trainer callback use the grammar of ``geosharp.measures``, no copy."""
+    from geosharp import measures
+
+    assert core.parse_measure is measures.parse_measure
+    assert core.curvature_name is measures.curvature_name
     pytest.importorskip("transformers")
     from geosharp.integrations import hf_trainer
 

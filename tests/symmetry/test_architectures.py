@@ -785,7 +785,8 @@ def test_the_coverage_page_is_the_generated_table(sweep_rows):
     text = COVERAGE_PAGE.read_text(encoding="utf-8")
     table = coverage.render_table(sweep_rows)
     assert coverage.replace_section(text, table) == text, (
-        "the coverage table is stale: run `python -m geosharp.demos.coverage --write docs/architectures.md`"
+        "the coverage table is stale: run "
+        "`python -m geosharp.demos.coverage --write docs/architectures.md`"
     )
 
 

@@ -3,8 +3,8 @@
 :func:`measure` (in :mod:`~geosharp.measure.core`) is the pure measuring function: a model and
 a list of batches in, a :class:`MeasureReport` out, no files. One module per concern:
 
-* :mod:`~geosharp.measure.names`: the measure-name grammar (``"geodesic-inv-o2"`` →
-  :class:`MeasureSpec`, canonical names, the readings the study reports make of a name);
+* :mod:`~geosharp.measure.names`: the readings the study reports make of a measure's name (the
+  grammar and the measure objects are :mod:`geosharp.measures`');
 * :mod:`~geosharp.measure.losses`: the default and the named losses;
 * :mod:`~geosharp.measure.checks`: the self-check before measuring, the warnings after;
 * :mod:`~geosharp.measure.results`: :class:`MeasureRow`, :class:`MeasureReport`, the table,
@@ -37,7 +37,6 @@ from geosharp.measure.core import (
     MeasureError,
     MeasureReport,
     MeasureRow,
-    MeasureSpec,
     MeasureWarning,
     default_loss,
     measure,
@@ -50,7 +49,6 @@ __all__ = [
     "MeasureError",
     "MeasureReport",
     "MeasureRow",
-    "MeasureSpec",
     "MeasureWarning",
     "default_loss",
     "measure",

@@ -23,8 +23,8 @@ from geosharp.estimators.checks import InvarianceReport, check_invariance
 from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
 from geosharp.measure.errors import MeasureError
 from geosharp.measure.losses import IGNORE_INDEX, _logits, uses_cross_entropy
-from geosharp.measure.names import MeasureSpec
 from geosharp.measure.results import MeasureRow, rho_text
+from geosharp.measures import Measure
 from geosharp.symmetry import ParameterSpace
 
 __all__ = [
@@ -306,7 +306,7 @@ def _at(rho: float | None) -> str:
     return "" if rho is None else f" at rho={rho_text(rho)}"
 
 
-def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float) -> list[str]:
+def row_warnings(row: MeasureRow, spec: Measure, steps: int, loss_eps: float) -> list[str]:
     """What a user should know about one measured row: it failed, or its ascent is suspect.
 
     Args:
@@ -329,7 +329,7 @@ def row_warnings(row: MeasureRow, spec: MeasureSpec, steps: int, loss_eps: float
             "steps, so the value is a lower bound; more --steps may find more"
         ]
     if (
-        spec.kind == "worst"
+        spec.kwargs().get("kind") == "worst"
         and spec.uses_rho
         and row.value == 0.0
         and all(len(t) > 1 and max(t) <= t[0] for t in row.traces)

@@ -35,7 +35,7 @@ def _say(msg: str) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     """Fail on a bad option before anything is loaded (the measures are parsed here too)."""
-    from geosharp.measure.names import parse_measure
+    from geosharp.measures import parse_measure
 
     for text in args.measures or ():
         parse_measure(text)

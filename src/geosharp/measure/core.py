@@ -41,9 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.curvature import curvature
-from geosharp.estimators.relative_flatness import relative_flatness
-from geosharp.estimators.sharpness import _to_device, sharpness
+from geosharp.estimators.sharpness import _to_device
 from geosharp.measure.checks import (
     clean_pass,
     invariance_tol,
@@ -61,8 +59,8 @@ from geosharp.measure.errors import MeasureError, MeasureWarning
 from geosharp.measure.estimate import RunEstimate, batch_sizes, estimate_run
 from geosharp.measure.losses import IGNORE_INDEX as IGNORE_INDEX
 from geosharp.measure.losses import default_loss, resolve_loss
-from geosharp.measure.names import MeasureSpec, curvature_name
 from geosharp.measure.results import MeasureReport, MeasureRow, _g, _time
+from geosharp.measures import Measure, curvature_name, parse_measure
 from geosharp.symmetry import ParameterSpace, find_symmetries
 
 __all__ = [
@@ -75,7 +73,6 @@ __all__ = [
     "MeasureError",
     "MeasureReport",
     "MeasureRow",
-    "MeasureSpec",
     "MeasureWarning",
     "adaptive_note",
     "curvature_name",
@@ -106,7 +103,7 @@ def measure(
     batches: Iterable[tuple[Any, Any]],
     loss_fn: str | Callable[[Any, Any], Tensor] | None = None,
     *,
-    measures: Sequence[str | MeasureSpec] = DEFAULT_MEASURES,
+    measures: Sequence[str | Measure] = DEFAULT_MEASURES,
     rhos: Sequence[float] = DEFAULT_RHOS,
     steps: int = DEFAULT_STEPS,
     eps: float = 0.0,
@@ -139,8 +136,8 @@ def measure(
             same batches); ``inputs`` may be a tensor, a tuple or a dict of keyword arguments.
         loss_fn: ``None``/``"auto"`` (:func:`default_loss`), ``"ce"``, ``"mse"`` or a callable
             ``loss_fn(outputs, targets)`` → scalar.
-        measures: Measures as :meth:`MeasureSpec.parse` reads them (default: adaptive ℓ2,
-            geodesic inv and geodesic mix, worst case, order 2).
+        measures: Measure objects, or texts :func:`geosharp.measures.parse_measure` reads
+            (default: adaptive ℓ2, geodesic inv and geodesic mix, worst case, order 2).
         rhos: Radii (default ``0.01, 0.1, 1``, see the module docstring).
         steps: Auto-PGD iterations per batch (worst case).
         eps: Damping ε of the Gram matrices ``GᵀG + εI`` of the GL(h) blocks (0: exactly
@@ -237,7 +234,7 @@ def measure(
         "check": check,
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
-        **({"curvature": curv} if any(s.measure == "curvature" for s in specs) else {}),
+        **({"curvature": curv} if any(s.family == "curvature" for s in specs) else {}),
         **batch_sizes(batches),
         **(
             {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
@@ -338,19 +335,19 @@ def prepare_measurement(
 
 def _check_arguments(
     model: Any,
-    measures: Sequence[str | MeasureSpec],
+    measures: Sequence[str | Measure],
     rhos: Sequence[float],
     steps: Any,
     iters: Any,
     probes: Any,
     trace_method: Any,
-) -> tuple[list[MeasureSpec], list[float], dict[str, Any]]:
+) -> tuple[list[Measure], list[float], dict[str, Any]]:
     """The parsed measures, the radii and the curvature settings; raises on a bad argument."""
     if not isinstance(model, nn.Module):
         raise MeasureError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise MeasureError("the model has no parameters: there is nothing to perturb")
-    specs = [MeasureSpec.parse(m) for m in measures]
+    specs = [parse_measure(m) for m in measures]
     if not specs:
         raise MeasureError("no measures given: pass at least one (e.g. geodesic-inv-o2)")
     rhos = list(rhos)
@@ -365,7 +362,7 @@ def _check_arguments(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise MeasureError(f"steps must be an int >= 1, got {steps!r}")
     curv = {"iters": iters, "probes": probes, "trace_method": trace_method}
-    if any(s.measure == "curvature" for s in specs):
+    if any(s.family == "curvature" for s in specs):
         for key in ("iters", "probes"):
             n = curv[key]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -455,7 +452,7 @@ def _estimate(
     model: nn.Module,
     loss_fn: Callable,
     batches: list,
-    specs: list[MeasureSpec],
+    specs: list[Measure],
     rhos: list[float],
     steps: int,
     curv: Mapping[str, Any],
@@ -472,7 +469,7 @@ def _estimate(
         The :class:`~geosharp.measure.estimate.RunEstimate`; ``None`` if the pass failed.
     """
 
-    def probe(spec: MeasureSpec, k: int) -> float:
+    def probe(spec: Measure, k: int) -> float:
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # the real cells will say what the ascent has to say
             warnings.simplefilter("ignore")
@@ -497,7 +494,7 @@ def _measure_cells(
     model: nn.Module,
     loss_fn: Callable,
     batches: list,
-    specs: list[MeasureSpec],
+    specs: list[Measure],
     rhos: list[float],
     steps: int,
     eps: float,
@@ -561,7 +558,7 @@ def _measure_one(
     model: nn.Module,
     loss_fn: Callable,
     batches: list,
-    spec: MeasureSpec,
+    spec: Measure,
     rho: float | None,
     steps: int,
     eps: float,
@@ -573,52 +570,23 @@ def _measure_one(
     buffer_budget: float | None = BUFFER_BUDGET,
 ) -> MeasureRow:
     t0 = time.perf_counter()
+    settings = {
+        "steps": steps,
+        "eps": eps,
+        "seed": seed,
+        "space": space,
+        "progress": progress,
+        "low_memory": low_memory,
+        "buffer_budget": buffer_budget,
+        **curv,
+    }
     try:
-        if spec.measure == "relative_flatness":
-            res = relative_flatness(model, loss_fn, batches)
-        elif spec.measure == "curvature":
-            cres = curvature(
-                model,
-                loss_fn,
-                batches,
-                measure=spec.of,
-                metric=spec.metric or "inv",
-                quantities=(spec.quantity,),
-                iters=curv["iters"],
-                probes=curv["probes"],
-                trace_method=curv["trace_method"],
-                seed=seed,
-                eps=eps,
-                space=space,
-                progress=progress,
-            )
-            return MeasureRow.from_curvature(cres, spec.quantity)
-        else:
-            res = sharpness(
-                model,
-                loss_fn,
-                batches,
-                measure=spec.measure,
-                metric=spec.metric or "inv",
-                order=spec.order,
-                kind=spec.kind,
-                rho=rho,
-                steps=steps,
-                norm=spec.norm,
-                corrected_norm=spec.corrected_norm,
-                perturb=spec.perturb,
-                eps=eps,
-                seed=seed,
-                space=space,
-                low_memory=low_memory,
-                buffer_budget=buffer_budget,
-                progress=progress,
-            )
+        res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
         return MeasureRow(
             measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)
         )
-    return MeasureRow.from_result(res, rho)
+    return MeasureRow.of(spec, res, rho)
 
 
 def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:

@@ -20,11 +20,11 @@ Example:
     >>> import torch
     >>> from torch import nn
     >>> from geosharp.measure.estimate import estimate_run
-    >>> from geosharp.measure.names import MeasureSpec
+    >>> from geosharp.measures import parse_measure
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     >>> batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(2)]
     >>> est = estimate_run(model, nn.functional.cross_entropy, batches,
-    ...                    [MeasureSpec.parse("adaptive")], [0.01, 0.1], steps=20)
+    ...                    [parse_measure("adaptive")], [0.01, 0.1], steps=20)
     >>> est.n_cells, est.passes
     (2, 80.0)
     >>> est.line().startswith("time estimate: 2 cells × 20 steps × 2 batches ≈ 80 forward+")
@@ -43,8 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
-from geosharp.measure.names import MeasureSpec
 from geosharp.measure.results import _time
+from geosharp.measures import Measure
 
 __all__ = ["LONG_RUN_S", "PROBE_STEPS", "STEP_COST", "RunEstimate", "batch_sizes", "estimate_run"]
 
@@ -117,16 +117,17 @@ def batch_sizes(batches: Sequence[Any]) -> dict[str, int]:
     return out
 
 
-def _cell_cost(spec: MeasureSpec, steps: int, curv: Mapping[str, Any]) -> float:
+def _cell_cost(spec: Measure, steps: int, curv: Mapping[str, Any]) -> float:
     """Forward+backward passes of one (measure, ρ) cell on a batch of batch 0's size."""
-    if spec.measure == "curvature":
-        n = curv.get("iters", 50) if spec.quantity != "trace" else curv.get("probes", 100)
+    if spec.family == "curvature":
+        quantity = spec.kwargs()["quantity"]
+        n = curv.get("iters", 50) if quantity != "trace" else curv.get("probes", 100)
         return float(n) * HVP_COST + 1.0
-    if spec.measure == "relative_flatness":
+    if spec.family == "relative flatness":
         return 2.0
-    if spec.kind == "average":
+    if spec.kwargs().get("kind") == "average":
         return (1 + AVERAGE_SAMPLES) * FORWARD_COST
-    return steps * STEP_COST.get(spec.measure, 1.4) + FORWARD_COST
+    return steps * STEP_COST.get(spec.kwargs().get("measure", ""), 1.4) + FORWARD_COST
 
 
 @dataclass
@@ -348,11 +349,11 @@ def estimate_run(
     model: nn.Module,
     loss_fn: Callable,
     batches: Sequence[Any],
-    specs: Sequence[MeasureSpec],
+    specs: Sequence[Measure],
     rhos: Sequence[float],
     steps: int,
     curv: Mapping[str, Any] | None = None,
-    probe: Callable[[MeasureSpec, int], float] | None = None,
+    probe: Callable[[Measure, int], float] | None = None,
 ) -> RunEstimate:
     """Time one forward+backward pass of batch 0 and estimate the whole run from it.
 
@@ -384,7 +385,12 @@ def estimate_run(
     cells = [(s, r) for s in specs for r in (rhos if s.uses_rho else [None])]
     step_s: dict[str, float] = {}
     for spec in specs:
-        if probe is not None and spec.uses_rho and spec.kind == "worst" and spec.name not in step_s:
+        if (
+            probe is not None
+            and spec.uses_rho
+            and spec.kwargs().get("kind") == "worst"
+            and spec.name not in step_s
+        ):
             # twice, keeping the faster: other work on the machine only ever slows a timing
             diffs = [
                 (probe(spec, 1 + PROBE_STEPS) - probe(spec, 1)) / PROBE_STEPS
@@ -393,7 +399,7 @@ def estimate_run(
             if min(diffs) > 0:  # else the machine's noise swamped the steps: use the passes
                 step_s[spec.name] = min(diffs)
 
-    def cost(spec: MeasureSpec) -> float:
+    def cost(spec: Measure) -> float:
         if spec.name in step_s:
             return steps * step_s[spec.name] + FORWARD_COST * pass_s
         return _cell_cost(spec, steps, curv) * pass_s

@@ -20,7 +20,7 @@ from geosharp._io import atomic_write_text
 from geosharp.estimators.checks import InvarianceReport
 from geosharp.estimators.curvature import CurvatureResult
 from geosharp.estimators.sharpness import SharpnessResult
-from geosharp.measure.names import MeasureSpec
+from geosharp.measures import Measure, parse_measure
 
 __all__ = ["SIZE_FIELDS", "MeasureReport", "MeasureRow", "rho_text"]
 
@@ -95,6 +95,13 @@ class MeasureRow:
             n_forward=res.n_forward,
             n_backward=res.n_backward,
         )
+
+    @classmethod
+    def of(cls, measure: Measure, res: Any, rho: float | None) -> MeasureRow:
+        """The row of a measure's result: a ``SharpnessResult``, or its quantity of a curvature."""
+        if isinstance(res, CurvatureResult):
+            return cls.from_curvature(res, measure.kwargs()["quantity"])
+        return cls.from_result(res, rho)
 
     @classmethod
     def from_curvature(cls, res: CurvatureResult, quantity: str) -> MeasureRow:
@@ -232,12 +239,12 @@ class MeasureReport:
     time_s: float = 0.0
 
     def row(self, measure: str, rho: float | None = None) -> MeasureRow:
-        """The row of one measure (any spelling :meth:`MeasureSpec.parse` accepts) at ``rho``.
+        """The row of one measure at ``rho`` (any spelling that ``parse_measure`` reads).
 
         Raises:
             KeyError: If it was not measured.
         """
-        name = MeasureSpec.parse(measure).name
+        name = parse_measure(measure).name
         for r in self.rows:
             if r.measure == name and (rho is None or r.rho == rho):
                 return r

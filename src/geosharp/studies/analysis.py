@@ -20,12 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from geosharp.measure.names import (
-    default_paper_match,
-    is_geodesic_main,
-    measure_family,
-    parse_measure,
-)
+from geosharp.measure.names import default_paper_match, is_geodesic_main, measure_family
+from geosharp.measures import parse_measure
 from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 from geosharp.studies.formatting import rho_key
 
