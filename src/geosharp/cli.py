@@ -498,7 +498,7 @@ def _population(command: str, argv: Sequence[str], debug: bool) -> int:
 
     args = argparse.Namespace(command=command, name=argv[0], out=None)
     try:
-        args, status = run([a for a in argv if a != "--debug"], command)
+        args, status = run([a for a in argv if a != "--debug"], command, set_threads)
         return status
     except (StudyMismatchError, ValueError, OSError, sqlite3.Error) as err:
         said = None if debug else _error_line(err)

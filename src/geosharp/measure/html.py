@@ -215,7 +215,7 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
     Returns:
         The path written.
     """
-    import geosharp
+    from geosharp._version import __version__
 
     e = html.escape
     out = [
@@ -323,5 +323,5 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
         )
     out.append("</table>")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    out += page_end(geosharp.__version__, stamp)
+    out += page_end(__version__, stamp)
     return atomic_write_text(path, "\n".join(out))

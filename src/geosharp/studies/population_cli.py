@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["MANIFEST_SUFFIXES", "is_manifest", "parser", "run"]
@@ -110,7 +110,11 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
     return p
 
 
-def run(argv: Sequence[str], command: str = "study") -> tuple[argparse.Namespace, int]:
+def run(
+    argv: Sequence[str],
+    command: str = "study",
+    set_threads: Callable[[int], object] | None = None,
+) -> tuple[argparse.Namespace, int]:
     """Parse and run ``geosharp study MANIFEST ...`` (``argv`` without the command's name).
 
     ``command="symmetry-test"`` re-measures the finished population of the same options after
@@ -135,9 +139,7 @@ def run(argv: Sequence[str], command: str = "study") -> tuple[argparse.Namespace
     for key in ("batch_size", "max_length", "iters", "probes"):
         if getattr(args, key) < 1:
             raise MeasureError(f"--{key.replace('_', '-')} must be >= 1")
-    if args.threads is not None:
-        from geosharp.cli import set_threads
-
+    if args.threads is not None and set_threads is not None:
         set_threads(args.threads)
     out = args.out or Path("runs") / Path(args.manifest).stem
     args.out = out

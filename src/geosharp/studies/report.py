@@ -137,9 +137,9 @@ class _Analysis:
 
 
 def _geosharp_version() -> str:
-    import geosharp
+    from geosharp._version import __version__
 
-    return str(getattr(geosharp, "__version__", "unknown"))
+    return __version__
 
 
 def write_report(
