@@ -70,5 +70,10 @@ else
   echo "$mode venv ready: $venv"
   "${pip[@]}" freeze --all --exclude-editable | LC_ALL=C sort -f > "$venv/freeze.txt"
   # What differs from the lock, so an upstream move is met on purpose.
-  diff <(grep -v '^#' requirements.lock) "$venv/freeze.txt" | grep '^[<>]' || echo "(same as requirements.lock)"
+  if diff <(grep -v '^#' requirements.lock) "$venv/freeze.txt" > "$venv/lock.diff"; then
+    echo "(the same versions as requirements.lock)"
+  else
+    echo "differs from requirements.lock (< lock, > this venv):"
+    grep '^[<>]' "$venv/lock.diff"
+  fi
 fi

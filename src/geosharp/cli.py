@@ -384,14 +384,16 @@ _IN_PLACE_FIX = "copy the study's folder somewhere writable and give that as --o
 def _make_study(args: argparse.Namespace, out: Path):
     """The study of ``args``, after the checks that need no work.
 
-    Its options, its packages, then its folder ``out``: created (``study``) and written to
-    before anything is built. ``symmetry-test`` works in a finished study's folder: a missing
-    one is not created (the test then says that it holds no study).
+    Its options, its packages, then its folder ``out``: shown creatable and writable before
+    anything is built (and removed again if it was created here, so a study that then refuses,
+    e.g. for a missing data wheel, leaves nothing behind; the runner creates it). ``symmetry-test``
+    works in a finished study's folder: a missing one is not created (the test then says that it
+    holds no study).
     """
     _check_study_options(args)
     _check_requirements(args.name)
     if args.command == "study":
-        ensure_writable_dir(out)
+        ensure_writable_dir(out, keep=False)
     elif out.is_dir():
         ensure_writable_dir(out, fix=_IN_PLACE_FIX)
     study = STUDIES[args.name][1](args)

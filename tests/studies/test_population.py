@@ -116,7 +116,7 @@ def test_tau_of_the_summary_is_the_tau_of_results_and_manifest(finished):
             key=lambda r: r["model_id"],
         )
         t = [g[r["model_id"]] for r in mine]
-        s = [float(r["reparametrized"]) for r in mine]
+        s = [float(r["value"]) for r in mine]
         assert cell["tau_a"] == pytest.approx(kendall_tau_a(t, s), abs=1e-12)
     assert any("gap = train_accuracy − test_accuracy" in line for line in lines)
     text = (out / "report.html").read_text(encoding="utf-8")

@@ -60,10 +60,12 @@ def registered() -> tuple[type[Measure], ...]:
 
 def grammar() -> str:
     """The grammar of every registered measure, for error messages and ``--help``."""
-    parts = "; ".join(c.grammar for c in _REGISTRY if c.grammar)
+    shown = sorted(_REGISTRY, key=lambda c: -c.priority)  # sharpness first
+    parts = "; ".join(c.grammar for c in shown if c.grammar)
     return (
-        f"{parts}; tokens are separated by hyphens or spaces, case-insensitively, options in any "
-        "order; a name as a results table prints it is read too"
+        f"a measure is one of: {parts}; tokens are separated by hyphens or spaces, "
+        "case-insensitively, options in any order; a name as a results table prints it is "
+        "read too"
     )
 
 
