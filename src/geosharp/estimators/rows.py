@@ -1,4 +1,4 @@
-"""The embedding rows a batch reaches: an ascent from ``ξ = 0`` moves no other row (issue 11).
+"""The embedding rows a batch reaches: an ascent from ``ξ = 0`` moves no other row.
 
 A row of an embedding table that no input of a batch looks up gets no gradient at any
 perturbation. Auto-PGD from ``ξ = 0`` therefore keeps it at exactly zero through every step

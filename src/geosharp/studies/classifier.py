@@ -21,7 +21,7 @@ module only says what is its own (data, model, batches, learning-rate schedule):
   SPEC §9) for geodesic inv and mix, adaptive and Euclidean curvature, no ρ.
   ``study.with_curvature()`` adds them to the plan and records the :class:`CurvaturePlan` in
   the study's config; without it the plan and the config are those of the committed results.
-* **Diagnostics** (issue 14) — :meth:`ClassifierStudy.diagnose` and :func:`diagnose_folder`:
+* **Diagnostics** — :meth:`ClassifierStudy.diagnose` and :func:`diagnose_folder`:
   per model, the orbit position of every attention head
   (:func:`geosharp.estimators.diagnostics.balance`) and the Auto-PGD optima of adaptive ℓ2 and
   geodesic inv at the middle ρ of their grids (budget split, order-2 displacement:

@@ -203,7 +203,7 @@ def html_page(
         hp_keys.extend(k for k in model["hparams"] if k not in hp_keys)
     opt = [k for k in OPTIONAL_MODEL_FIELDS if any(k in m for m in models)]
     # Headers wrap at spaces (``label_smoothing`` → "label smoothing"), numbers align right:
-    # the table of a dozen hyperparameters fits the page's width (issue 13).
+    # the table of a dozen hyperparameters fits the page's width.
     head = ["model", *(k.replace("_", " ") for k in [*hp_keys, *opt]), gap_label]
     out.append('<table class="models">')
     out.append("<tr>" + "".join(f"<th>{e(str(h))}</th>" for h in head) + "</tr>")
