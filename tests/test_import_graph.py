@@ -123,11 +123,7 @@ def test_the_walker_reads_the_package():
 
 #: Cycles known and not yet taken apart, each with the reason it is still here. A new cycle, or
 #: a known one that grows, fails the test; a known one that is gone fails it too (remove it here).
-KNOWN = {
-    # lm_tasks needs the model loader's LoadedModel and _load_hf; load_model dispatches to
-    # lm_tasks' PEFT and task-model builders: the shared part wants a module of its own.
-    ("geosharp.measure.lm_tasks", "geosharp.measure.model_loading"),
-}
+KNOWN: set[tuple[str, ...]] = set()
 
 
 def test_no_import_cycle():

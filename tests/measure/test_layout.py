@@ -49,7 +49,7 @@ MOVED = {
     "geosharp.measure.lm": {
         "TASKS": "lm_tasks",
         "detect_task": "lm_tasks",
-        "load_peft": "lm_tasks",
+        "load_peft": "model_loading",
         "model_class": "lm_tasks",
         "read_adapter_config": "lm_tasks",
         "adapter_base": "lm_tasks",

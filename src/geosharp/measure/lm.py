@@ -24,9 +24,9 @@ A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) 
 base model folder (:func:`load_peft`): the base is frozen and the adapter's weights (LoRA A and
 B) are the trainable parameters, so sharpness is measured over the adapter alone.
 
-This module reads the data of the language-model tasks; choosing the task and loading PEFT
-adapters is :mod:`~geosharp.measure.lm_tasks`' (:func:`detect_task`, :func:`load_peft` and
-:data:`TASKS` are re-exported here).
+This module reads the data of the language-model tasks; choosing the task is
+:mod:`~geosharp.measure.lm_tasks`', loading PEFT adapters :mod:`~geosharp.measure.model_loading`'
+(:func:`detect_task`, :func:`load_peft` and :data:`TASKS` are re-exported here).
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from geosharp.measure.data_loading import (
 from geosharp.measure.errors import MeasureError
 from geosharp.measure.lm_tasks import TASKS as TASKS
 from geosharp.measure.lm_tasks import adapter_base as adapter_base
-from geosharp.measure.lm_tasks import detect_task, load_peft
+from geosharp.measure.lm_tasks import detect_task
 from geosharp.measure.lm_tasks import model_class as model_class
 from geosharp.measure.lm_tasks import read_adapter_config as read_adapter_config
 from geosharp.measure.losses import IGNORE_INDEX
-from geosharp.measure.model_loading import LoadedModel
+from geosharp.measure.model_loading import LoadedModel, load_peft
 
 __all__ = [
     "SOURCE_COLS",

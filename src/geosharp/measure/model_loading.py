@@ -1,13 +1,13 @@
 """Loading the model to measure: a Hugging Face folder, a PEFT adapter, a file, a function.
 
 Models: a Hugging Face model folder (``config.json``; loaded offline with
-``attn_implementation="eager"``), a PEFT adapter folder (``adapter_config.json``, loaded on its
-base model folder, see :mod:`~geosharp.measure.lm_tasks`), a file written by ``torch.jit.save`` or
-``torch.save(model)``, or ``module:function`` (``package.module:build`` or
-``path/to/file.py:build``) that builds the model, optionally with a state dict (``--weights``;
-``.pt``/``.pth``/``.bin`` or ``.safetensors``). :func:`load_model` returns a
-:class:`LoadedModel`: the module on its device and in its dtype, with what the data loading
-needs to know (tokenizer folder, number of labels, architecture).
+``attn_implementation="eager"``), a PEFT adapter folder (``adapter_config.json``, loaded on its base
+model folder by :func:`load_peft`: the base is frozen, the adapter's weights are the trainable
+parameters), a file written by ``torch.jit.save`` or ``torch.save(model)``, or ``module:function``
+(``package.module:build`` or ``path/to/file.py:build``) that builds the model, optionally with a
+state dict (``--weights``; ``.pt``/``.pth``/``.bin`` or ``.safetensors``). :func:`load_model`
+returns a :class:`LoadedModel`: the module on its device and in its dtype, with what the data
+loading needs to know (tokenizer folder, number of labels, architecture).
 
 A missing path, a checkpoint whose keys do not match, a folder without a task head and no
 ``--num-labels`` raise :class:`~geosharp.measure.errors.MeasureError` saying what to do.
@@ -16,6 +16,7 @@ A missing path, a checkpoint whose keys do not match, a folder without a task he
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.measure.errors import MeasureError
+from geosharp.measure.lm_tasks import adapter_base, detect_task, model_class, read_adapter_config
 from geosharp.measure.resolve import (
     _is_function_spec,
     import_callable,
@@ -41,6 +43,7 @@ __all__ = [
     "check_safetensors",
     "has_tokenizer_files",
     "load_model",
+    "load_peft",
     "load_state_dict",
 ]
 
@@ -367,8 +370,6 @@ def _load_hf(
     kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "eager"}
     kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
     if task in ("causal-lm", "seq2seq"):
-        from geosharp.measure.lm_tasks import model_class
-
         cls = model_class(task, arch)
     elif (
         _is_base_architecture(arch) or cls is None or (task == "classification" and _lm_head(arch))
@@ -488,6 +489,145 @@ def _load_file(path: Path) -> tuple[nn.Module, str, list[str]]:
     raise MeasureError(f"{path} holds a {type(obj).__name__}, not an nn.Module")
 
 
+# --------------------------------------------------------------------------------------------
+# PEFT adapters
+
+
+def load_peft(
+    folder: Path,
+    *,
+    base: str | Path | None,
+    dtype: torch.dtype,
+    task: str | None,
+    num_labels: int | None = None,
+    label2id: dict[str, int] | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a PEFT adapter folder on its base model: a ``PeftModel``, base frozen.
+
+    Args:
+        folder: The adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
+        base: The base model folder (default: the adapter config's ``base_model_name_or_path``).
+        dtype: Parameter dtype.
+        task: The task (default: :func:`~geosharp.measure.lm_tasks.detect_task`).
+        num_labels: The classes of a fresh classification head of the base.
+        label2id: Names of those classes.
+        seed: Seed of fresh weights.
+
+    Returns:
+        A :class:`LoadedModel` whose trainable parameters are the
+        adapter's (``kind="peft"``).
+
+    Raises:
+        MeasureError: If peft is missing, the base cannot be found, or the adapter does not fit.
+    """
+    folder = Path(folder).expanduser()
+    cfg = read_adapter_config(folder) or {}
+    base_folder = adapter_base(folder, cfg, base)
+    names = ("adapter_model.safetensors", "adapter_model.bin")
+    if not any((folder / n).is_file() for n in names):
+        raise MeasureError(
+            f"{folder} has adapter_config.json but no adapter weights (adapter_model.safetensors "
+            "or adapter_model.bin)"
+        )
+    if (folder / names[0]).is_file():
+        check_safetensors(folder / names[0])
+    try:
+        import peft
+    except ImportError as err:
+        raise MeasureError(
+            f"{folder} is a PEFT adapter, and loading it needs peft: pip install peft"
+        ) from err
+    if task is None:
+        task = detect_task(str(folder), base=base)[0]
+    inner = _load_hf(
+        base_folder, dtype=dtype, num_labels=num_labels, seed=seed, label2id=label2id, task=task
+    )
+    if cfg.get("modules_to_save"):  # the adapter holds the head: it was not left fresh
+        inner.notes = [n for n in inner.notes if "fresh head" not in n]
+    with quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = peft.PeftModel.from_pretrained(inner.model, str(folder), is_trainable=True)
+        except Exception as err:
+            raise MeasureError(
+                f"cannot load the adapter {folder} on {base_folder}: {type(err).__name__}: {err}"
+            ) from err
+    tokenizer = None
+    if has_tokenizer_files(folder):
+        try:
+            from transformers import AutoTokenizer
+
+            with quiet_transformers():
+                tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception:
+            tokenizer = None
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    n_train = sum(p.numel() for _, p in trainable)
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    peft_type = str(cfg.get("peft_type") or type(model.peft_config.get("default")).__name__)
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        targets = ", ".join(sorted(map(str, targets)))
+    shape = ", ".join(
+        x
+        for x in (
+            f"r={cfg['r']}" if cfg.get("r") is not None else "",
+            f"on {targets}" if targets else "",
+        )
+        if x
+    )
+    what = "LoRA A/B" if peft_type.upper() == "LORA" else "adapter weights"
+    if any("lora_" not in n for n, _ in trainable) and peft_type.upper() == "LORA":
+        what += " and modules_to_save"
+    info = [
+        f"PEFT {peft_type} adapter{f' ({shape})' if shape else ''} on the base model "
+        f"{base_folder} ({type(inner.model).__name__}): sharpness is measured over the "
+        f"adapter's {n_train:,} trainable parameters ({what}); the base model's {n_frozen:,} "
+        "parameters are frozen"
+    ]
+    info.append(_frozen_base_note(inner.model, peft_type))
+    return LoadedModel(
+        model=model.eval(),
+        kind="peft",
+        name=f"{folder} (PEFT {peft_type} adapter on {base_folder}, {type(inner.model).__name__})",
+        tokenizer=tokenizer if tokenizer is not None else inner.tokenizer,
+        num_labels=inner.num_labels,
+        regression=inner.regression,
+        label2id=inner.label2id,
+        max_positions=inner.max_positions,
+        notes=inner.notes,
+        info=[*inner.info, *info],
+        task=task,
+        tokenizer_source=(
+            f"the adapter folder {folder}"
+            if tokenizer is not None
+            else f"the base model folder {base_folder}"
+            if inner.tokenizer is not None
+            else f"the adapter folder {folder} nor in the base model folder {base_folder}"
+        ),
+    )
+
+
+def _frozen_base_note(base: torch.nn.Module, peft_type: str) -> str:
+    """Why the base model's attention symmetries play no part in an adapter's sharpness."""
+    rotary = any("rotary" in type(m).__name__.lower() for m in base.modules())
+    groups = "the rotary commutant of Q/K and GL(h) of V/O" if rotary else "GL(h) of Q/K and of V/O"
+    lora = peft_type.upper() == "LORA"
+    return (
+        f"note: the frozen base model's attention symmetries ({groups}, per head) are not in "
+        "play: only the adapter's weights are perturbed, and such a group element would have "
+        "to move the frozen base weights W_q, W_k, W_v, W_o too (in general a rank-r update "
+        "cannot absorb it), so it is no symmetry of the adapter's parameters"
+        + (
+            "; what is quotiented is GL(r) of each LoRA pair, (B M⁻¹, M A), which leaves B A "
+            "unchanged"
+            if lora
+            else ""
+        )
+    )
+
+
 def check_model_spec(spec: str) -> None:
     """Raise a clear error at once if ``spec`` is neither a path that exists nor module:function.
 
@@ -544,8 +684,6 @@ def load_model(
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir() and (path / "adapter_config.json").is_file():
-            from geosharp.measure.lm_tasks import load_peft
-
             loaded = load_peft(
                 path,
                 base=base,
