@@ -55,15 +55,23 @@ def _llama() -> tuple[nn.Module, list]:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=3,
+        pad_token_id=0,
         attn_implementation="eager",
     )
     model = LlamaForSequenceClassification(cfg).eval()
     g = torch.Generator().manual_seed(1)
     batches = [
-        ({"input_ids": torch.randint(1, 64, (4, 7), generator=g)},
-         torch.randint(0, 3, (4,), generator=g))
+        (
+            {"input_ids": torch.randint(1, 64, (4, 7), generator=g)},
+            torch.randint(0, 3, (4,), generator=g),
+        )
         for _ in range(2)
     ]
     return model, batches
@@ -75,7 +83,8 @@ def _lora() -> tuple[nn.Module, list]:
     model, batches = _llama()
     torch.manual_seed(2)
     peft_model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     return peft_model, batches
 
@@ -95,17 +104,23 @@ def _hex(x: Any) -> Any:
 
 
 def _sharp(res: Any) -> dict[str, Any]:
-    return _hex({
-        "value": res.value, "per_batch": res.per_batch, "clean": res.clean_losses,
-        "perturbed": res.perturbed_losses, "traces": res.traces,
-        "passes": [res.n_forward, res.n_backward],
-    })
+    return _hex(
+        {
+            "value": res.value,
+            "per_batch": res.per_batch,
+            "clean": res.clean_losses,
+            "perturbed": res.perturbed_losses,
+            "traces": res.traces,
+            "passes": [res.n_forward, res.n_backward],
+        }
+    )
 
 
 def cases() -> dict[str, Callable[[], Any]]:
     S = gs.sharpness
     out: dict[str, Callable[[], Any]] = {}
     for dtype_name, dtype in (("f32", torch.float32), ("f64", torch.float64)):
+
         def vit(dtype=dtype):
             return _vit(dtype)
 
@@ -124,6 +139,7 @@ def cases() -> dict[str, Callable[[], Any]]:
             "geo-mix-lowmem": dict(measure="geodesic", metric="mix", low_memory=True),
             "geo-inv-keep": dict(measure="geodesic", key_bias="keep"),
         }.items():
+
             def run(vit=vit, kw=kw):
                 m, b = vit()
                 return _sharp(S(m, _ce, b, rho=0.05, steps=6, progress=False, **kw))
@@ -133,9 +149,11 @@ def cases() -> dict[str, Callable[[], Any]]:
     def curv(measure: str, metric: str = "inv"):
         def run():
             m, b = _vit(torch.float64)
-            r = gs.curvature(m, _ce, b, measure=measure, metric=metric, iters=8, probes=4,
-                             progress=False)
+            r = gs.curvature(
+                m, _ce, b, measure=measure, metric=metric, iters=8, probes=4, progress=False
+            )
             return _hex({k: getattr(r, k) for k in ("lambda_max", "trace") if hasattr(r, k)})
+
         return run
 
     out["vit-f64/curvature-geo-inv"] = curv("geodesic")
@@ -155,25 +173,43 @@ def cases() -> dict[str, Callable[[], Any]]:
         m, b = _vit(torch.float64)
         r = ascent_diagnostics(m, _ce, b, rho=0.05, steps=4)
         d = r if isinstance(r, dict) else getattr(r, "__dict__", {"r": repr(r)})
-        return _hex({k: v for k, v in d.items() if isinstance(v, (float, int, list, dict, torch.Tensor))})
+        return _hex(
+            {k: v for k, v in d.items() if isinstance(v, (float, int, list, dict, torch.Tensor))}
+        )
 
     out["vit-f64/ascent-diagnostics"] = diag
 
     def measure_all():
         m, b = _vit(torch.float32)
-        r = gs.measure(m, b, _ce, measures=["adaptive", "geodesic-inv", "geodesic-mix",
-                       "curvature-geodesic-inv-lambda_max"], rhos=[0.01, 0.05], steps=4,
-                       iters=5, probes=3, progress=False, log=lambda s: None)
+        r = gs.measure(
+            m,
+            b,
+            _ce,
+            measures=[
+                "adaptive",
+                "geodesic-inv",
+                "geodesic-mix",
+                "curvature-geodesic-inv-lambda_max",
+            ],
+            rhos=[0.01, 0.05],
+            steps=4,
+            iters=5,
+            probes=3,
+            progress=False,
+            log=lambda s: None,
+        )
         keep = ("measure", "rho", "value", "per_batch", "traces", "n_forward", "n_backward")
         return _hex([{k: getattr(row, k, None) for k in keep} for row in r.rows])
 
     out["vit-f32/gs.measure"] = measure_all
 
     for label, kw in {
-        "geo-inv": dict(measure="geodesic"), "geo-mix": dict(measure="geodesic", metric="mix"),
+        "geo-inv": dict(measure="geodesic"),
+        "geo-mix": dict(measure="geodesic", metric="mix"),
         "adaptive": dict(measure="adaptive"),
         "geo-inv-avg": dict(measure="geodesic", kind="average", samples=3),
     }.items():
+
         def llama(kw=kw):
             m, b = _llama()
             return _sharp(S(m, _ce, b, rho=0.05, steps=5, progress=False, **kw))
@@ -214,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         moved = [k for k in result if k in before and before[k] != result[k]]
         missing = [k for k in before if k not in result and not args.only]
         for k in moved:
-            print(f"MOVED {k}:\n  before {json.dumps(before[k])[:300]}\n  after  "
-                  f"{json.dumps(result[k])[:300]}")
+            print(
+                f"MOVED {k}:\n  before {json.dumps(before[k])[:300]}\n  after  "
+                f"{json.dumps(result[k])[:300]}"
+            )
         for k in missing:
             print(f"MISSING {k}")
         print(f"{len(result) - len(moved)}/{len(result)} cases bit-identical")
