@@ -1,9 +1,9 @@
-"""No claim without proof: find_symmetries(example_inputs=…) drops blocks that do not hold."""
+"""No claim without proof: prove(find_symmetries(model), model, inputs) drops the false ones."""
 
 import torch
 from torch import nn
 
-from geosharp.symmetry import ADAPTERS, find_symmetries
+from geosharp.symmetry import ADAPTERS, find_symmetries, prove
 from geosharp.symmetry.adapters import _separate_linear_claim, llama_attention
 
 from .cases import llama_case
@@ -32,7 +32,7 @@ def test_false_claims_are_dropped_with_a_note():
     # the claim, unproven: full GL on Q/K and a free key bias (both false under RoPE)
     assert [b.kind for b in blind.blocks] == ["QK", "b_k", "VO"] * 2
     assert any("unverified" in n for n in blind.notes)
-    space = find_symmetries(model, adapters=adapters, example_inputs={"input_ids": ids})
+    space = prove(find_symmetries(model, adapters=adapters), model, {"input_ids": ids})
     assert [b.kind for b in space.blocks] == ["VO", "VO"]  # the false claims fell
     dropped = [n for n in space.notes if "dropped" in n]
     assert len(dropped) == 4 and "'layers.0.self_attn[QK]' (GLBlock) dropped" in dropped[0]
@@ -48,7 +48,7 @@ def test_correct_claims_are_verified():
     case = llama_case()
     model = case.build()
     (ids,) = case.inputs(torch.Generator().manual_seed(0))
-    space = find_symmetries(model, example_inputs={"input_ids": ids})
+    space = prove(find_symmetries(model), model, {"input_ids": ids})
     assert [b.kind for b in space.blocks] == ["QK", "VO"] * 2
     assert any(
         n.startswith("symmetry claims verified on the example batch: 4 blocks") for n in space.notes

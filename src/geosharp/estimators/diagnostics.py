@@ -65,14 +65,7 @@ from geosharp.estimators.apgd import autopgd, best_direction_rule
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
 from geosharp.symmetry import ParameterSpace, find_symmetries
-from geosharp.symmetry.blocks import (
-    DiagonalPair,
-    GLBlock,
-    LoRABlock,
-    RotaryBlock,
-    SymmetryBlock,
-    TranslationBlock,
-)
+from geosharp.symmetry.blocks import GLBlock, RotaryBlock
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
 
@@ -83,7 +76,6 @@ __all__ = [
     "ascent_diagnostics",
     "balance",
     "balanced_point",
-    "block_category",
     "budget_split",
     "imbalance",
     "log_scale",
@@ -215,28 +207,13 @@ def balanced_point(G: Tensor, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 # ---------------------------------------------------------------------------------------------
 # every head of a model
 # ---------------------------------------------------------------------------------------------
-def block_category(block: SymmetryBlock) -> str:
-    """The budget category of a block: ``QK``, ``VO``, ``custom``, ``rotary``, ``LoRA``, etc."""
-    if isinstance(block, RotaryBlock):
-        return "rotary"
-    if isinstance(block, LoRABlock):
-        return "LoRA"
-    if isinstance(block, GLBlock):
-        return block.kind
-    if isinstance(block, TranslationBlock):
-        return "b_k"
-    if isinstance(block, DiagonalPair):
-        return "pair"
-    return str(block.kind)
-
-
 @dataclass(frozen=True)
 class HeadBalance:
     """The orbit position of one head of one GL-type block.
 
     Attributes:
         block: Block name, e.g. ``"blocks.0.attn[QK]"``.
-        category: :func:`block_category` of the block.
+        category: :attr:`~geosharp.symmetry.SymmetryBlock.category` of the block.
         head: Head index within the block.
         imbalance: :func:`imbalance`.
         log_scale: :func:`log_scale`.
@@ -354,7 +331,7 @@ def balance(
             out.heads.append(
                 HeadBalance(
                     block=block.name,
-                    category=block_category(block),
+                    category=block.category,
                     head=i,
                     imbalance=float((diff[i] / tot[i]).sqrt()),
                     log_scale=float(ratio[i]),
@@ -376,7 +353,7 @@ def _labels(space: ParameterSpace, device: torch.device) -> tuple[Tensor, list[s
     names: list[str] = []
     labels = torch.full((space.numel(),), -1, dtype=torch.long, device=device)
     for block in space.blocks:
-        cat = block_category(block)
+        cat = block.category
         if cat not in names:
             names.append(cat)
         labels[block.positions().to(device)] = names.index(cat)
@@ -396,8 +373,9 @@ def budget_split(pert: Perturbation, xi: Xi) -> dict[str, float]:
         xi: A perturbation (e.g. the Auto-PGD optimum).
 
     Returns:
-        Category (:func:`block_category` of the blocks, ``"rest"`` for the coordinates in no
-        block) → its part of ``‖ξ‖²``; the values sum to ``pert.norm_sq(xi)``.
+        Category (:attr:`~geosharp.symmetry.SymmetryBlock.category` of the blocks, ``"rest"``
+        for the coordinates in no block) → its part of ``‖ξ‖²``; the values sum to
+        ``pert.norm_sq(xi)``.
     """
     device = pert.pieces[0].geometry.point[0].device
     labels, names = _labels(pert.space, device)

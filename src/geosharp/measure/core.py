@@ -61,7 +61,7 @@ from geosharp.measure.losses import IGNORE_INDEX as IGNORE_INDEX
 from geosharp.measure.losses import default_loss, resolve_loss
 from geosharp.measure.results import MeasureReport, MeasureRow, _g, _time
 from geosharp.measures import Measure, curvature_name, parse_measure
-from geosharp.symmetry import ParameterSpace, find_symmetries
+from geosharp.symmetry import ParameterSpace, find_symmetries, prove
 
 __all__ = [
     "DEFAULT_CURVATURE_ITERS",
@@ -399,7 +399,7 @@ def _symmetry_space(
         return space
     say("finding symmetry blocks (and proving each on batch 0) ...")
     try:
-        return find_symmetries(model, example_inputs=inputs, verify_tol=invariance_tol(model))
+        return prove(find_symmetries(model), model, inputs, tol=invariance_tol(model))
     except Exception as err:
         raise MeasureError(
             f"the symmetry finder could not run the model on batch 0: {type(err).__name__}: {err}"

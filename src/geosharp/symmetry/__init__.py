@@ -5,7 +5,11 @@ trainable parameters, split into symmetry blocks (:mod:`geosharp.symmetry.blocks
 of attention, rotary Q/K heads, LoRA adapters, diagonal pairs ``u ⊙ v``, key-bias translations)
 and the rest (adaptive geometry).
 Architecture knowledge lives in small adapters (:mod:`geosharp.symmetry.adapters`); users can
-add their own or declare blocks by hand with :func:`declare_block`.
+add their own or declare blocks by hand with :func:`declare_block`. The finder only claims
+blocks; :func:`prove` proves the claims of a space on a batch and drops those that fail.
+
+The modules depend one way: specs and positions ← blocks ← space ← group ← find (with the
+adapters) ← reparametrize; verify (acting and proving) reads a space and never imports find.
 
 Example:
     >>> import torch
@@ -40,6 +44,7 @@ from geosharp.symmetry.specs import (
     TranslationSpec,
     declare_block,
 )
+from geosharp.symmetry.verify import prove
 
 ADAPTERS[0:0] = [a for a in EXTRA_ADAPTERS if a not in ADAPTERS]
 
@@ -64,6 +69,7 @@ __all__ = [
     "declare_block",
     "find_symmetries",
     "group_action",
+    "prove",
     "random_group_elements",
     "register_adapter",
     "reparametrize",

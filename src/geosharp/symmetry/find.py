@@ -2,9 +2,14 @@
 
 :func:`find_symmetries` walks the modules of a model, asks the adapters of
 :mod:`geosharp.symmetry.adapters` which blocks each one holds (as parameter slices), adds the
-blocks and pairs the user declared, and turns everything into global flat indices into
-``θ = cat([p.reshape(-1) for p in trainable params])`` with one generic code path. No
-coordinate may belong to two blocks; whatever no block claims uses the adaptive geometry.
+blocks and pairs the user declared, and turns every spec into its block with global flat
+indices into ``θ = cat([p.reshape(-1) for p in trainable params])``: the block class registered
+for the spec's type builds it (:func:`~geosharp.symmetry.blocks.block_from_spec`), reading the
+positions from :class:`_Resolver`. No coordinate may belong to two blocks; whatever no block
+claims uses the adaptive geometry.
+
+Finding only claims: :func:`~geosharp.symmetry.verify.prove` then proves the claims of a space
+on a batch, and drops those that do not hold.
 """
 
 from __future__ import annotations
@@ -17,17 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.symmetry.adapters import ADAPTERS, Adapter
-from geosharp.symmetry.blocks import (
-    DiagonalPair,
-    GLBlock,
-    LoRABlock,
-    RotaryBlock,
-    SymmetryBlock,
-    TranslationBlock,
-)
+from geosharp.symmetry.blocks import SymmetryBlock, block_from_spec
 from geosharp.symmetry.positions import Positions
-from geosharp.symmetry.space import ParameterSpace
-from geosharp.symmetry.specs import BlockSpec, Claim, PairSpec, TranslationSpec
+from geosharp.symmetry.space import UNPROVEN_NOTE, ParameterSpace
+from geosharp.symmetry.specs import Claim, PairSpec, ParamSlice
 
 __all__ = ["find_symmetries"]
 
@@ -40,7 +38,10 @@ class _FrozenParameterError(ValueError):
 
 
 class _Resolver:
-    """Maps parameter names (including aliases of tied weights) to flat positions."""
+    """Maps parameter names (including aliases of tied weights) to flat positions.
+
+    The :class:`~geosharp.symmetry.blocks.Coordinates` of one model's trainable parameters.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         canonical: dict[int, str] = {}
@@ -78,7 +79,15 @@ class _Resolver:
             )
         return name
 
-    def positions(self, pieces: Sequence, heads: int, head_dim: int, owner: str) -> Positions:
+    def shape(self, name: str) -> torch.Size:
+        return self.shapes[name]
+
+    def whole(self, name: str) -> Positions:
+        return Positions.arange(self.offsets[name], self.shapes[name], self.numel)
+
+    def slices(
+        self, pieces: Sequence[ParamSlice], heads: int, head_dim: int, owner: str
+    ) -> Positions:
         """Global positions of slices cut into ``heads`` blocks of ``head_dim``, row-stacked.
 
         Kept as a recipe (:class:`~geosharp.symmetry.positions.Positions`): built once here to
@@ -90,51 +99,9 @@ class _Resolver:
             parts.append((self.shapes[name], piece, self.offsets[name]))
         return Positions.slices(parts, heads, head_dim, self.numel)
 
-    def resolve(self, spec: BlockSpec | PairSpec | TranslationSpec) -> SymmetryBlock:
-        """The block a spec describes, with global indices (the one place spec kinds meet)."""
-        if isinstance(spec, BlockSpec):
-            return self._gl(spec)
-        if isinstance(spec, PairSpec):
-            return self._pair(spec)
-        if isinstance(spec, TranslationSpec):
-            index = self.positions(spec.pieces, spec.heads, spec.head_dim, f"bias {spec.name!r}")
-            return TranslationBlock(spec.name, spec.module, spec.heads, spec.head_dim, index)
-        raise TypeError(f"unknown symmetry spec {type(spec).__name__}")
-
-    def _gl(self, spec: BlockSpec) -> GLBlock:
-        owner = f"block {spec.name!r}"
-        args = (
-            spec.name,
-            spec.kind,
-            spec.module,
-            spec.heads,
-            spec.head_dim,
-            self.positions(spec.g, spec.heads, spec.head_dim, owner),
-            self.positions(spec.h, spec.heads, spec.head_dim, owner),
-        )
-        if spec.rotary is not None:
-            return RotaryBlock(*args, rotary=spec.rotary)
-        if spec.kind == "LoRA":
-            return LoRABlock(*args)
-        return GLBlock(*args)
-
-    def _pair(self, spec: PairSpec) -> DiagonalPair:
-        u = self.name(spec.u, f"diagonal pair {spec.name!r}")
-        v = self.name(spec.v, f"diagonal pair {spec.name!r}")
-        if self.shapes[u] != self.shapes[v]:
-            raise ValueError(
-                f"diagonal pair {spec.name!r}: {u!r} has shape {tuple(self.shapes[u])} but "
-                f"{v!r} has shape {tuple(self.shapes[v])}; u and v must match"
-            )
-
-        def positions(name: str) -> Positions:
-            return Positions.arange(self.offsets[name], self.shapes[name], self.numel)
-
-        return DiagonalPair(spec.name, spec.module, positions(u), positions(v))
-
 
 def _as_pair_spec(pair: PairSpec | tuple[str, str]) -> PairSpec:
-    if isinstance(pair, PairSpec):
+    if not isinstance(pair, tuple):
         return pair
     u, v = pair
     return PairSpec(f"[{u}*{v}]", u, v)
@@ -160,7 +127,7 @@ def _collapse_notes(notes: list[tuple[str, str]]) -> list[str]:
 KEY_BIAS = ("quotient", "keep")
 
 
-def _specs(claim: Claim, key_bias: str) -> list[BlockSpec | PairSpec | TranslationSpec]:
+def _specs(claim: Claim, key_bias: str) -> list[Any]:
     """The specs of a claim; with ``key_bias="keep"`` key biases are rows of their QK block."""
     blocks = list(claim.blocks)
     translations = list(claim.translations)
@@ -173,7 +140,7 @@ def _specs(claim: Claim, key_bias: str) -> list[BlockSpec | PairSpec | Translati
                 continue
             blocks[host] = replace(blocks[host], h=(*blocks[host].h, *t.pieces))
         translations = folded
-    ordered: list[BlockSpec | PairSpec | TranslationSpec] = []
+    ordered: list[Any] = []
     for b in blocks:  # each key bias right after its QK block, as in the module
         ordered.append(b)
         ordered.extend(t for t in translations if t.fold_into == b.name)
@@ -185,11 +152,9 @@ def find_symmetries(
     model: nn.Module,
     *,
     adapters: Sequence[Adapter] | None = None,
-    extra_blocks: Iterable[BlockSpec] = (),
+    extra_blocks: Iterable[Any] = (),
     diagonal_pairs: Iterable[PairSpec | tuple[str, str]] = (),
     key_bias: str = "quotient",
-    example_inputs: Any = None,
-    verify_tol: float | None = None,
 ) -> ParameterSpace:
     """Split the trainable parameters of a model into symmetry blocks and the rest.
 
@@ -199,27 +164,20 @@ def find_symmetries(
     attention). Parameters with ``requires_grad=False`` are left out of ``θ`` and listed in
     :attr:`ParameterSpace.excluded`; a block found by an adapter that touches one is not used
     (its trainable coordinates stay adaptive, with a note), whereas a user-declared block that
-    does raises.
+    does raises. The blocks are claims: the space's notes say so until
+    :func:`~geosharp.symmetry.verify.prove` has proven them on a batch.
 
     Args:
         model: Any ``nn.Module``.
         adapters: Adapters to try, in order (default: the registry
             :data:`geosharp.symmetry.adapters.ADAPTERS`; pass ``[]`` to use only the declared
             blocks).
-        extra_blocks: Hand-declared blocks, e.g. from
-            :func:`geosharp.symmetry.declare_block`.
+        extra_blocks: Hand-declared block specs, e.g. from
+            :func:`geosharp.symmetry.declare_block` (any spec type a block class builds).
         diagonal_pairs: Extra diagonal pairs, as :class:`PairSpec` or ``(u_name, v_name)``.
         key_bias: ``"quotient"`` (default): attention key biases the softmax ignores are
             translation blocks, held fixed by geodesic measures (SPEC §8); ``"keep"``: they are
             rows of ``H_QK`` as in geosharp ≤ 0.1 (the setting of Studies 1–3).
-        example_inputs: One batch of inputs (as for :func:`geosharp.sharpness`). Names and
-            classes are only hints: with a batch, every block is proven on it — a random
-            element of its group must leave the outputs unchanged (within ``verify_tol``, or
-            below 1e-5 of a random move of the same size for models computing below float64)
-            — and a block that fails is dropped, with a note. Without, the notes say that the
-            claims are unverified.
-        verify_tol: Relative tolerance of that check (default ``1e-9`` in float64, ``1e-4``
-            otherwise).
 
     Returns:
         The :class:`ParameterSpace`.
@@ -228,6 +186,7 @@ def find_symmetries(
         ValueError: If two blocks (or pairs) claim the same coordinate, two blocks share a
             name, a declared block refers to a missing or frozen parameter, a slice does
             not fit its heads, or ``key_bias`` is unknown.
+        TypeError: If no block class builds the type of a spec.
 
     Example:
         >>> import torch
@@ -261,7 +220,7 @@ def find_symmetries(
             found, dropped = [], []
             for spec in specs:
                 try:
-                    found.append(res.resolve(spec))
+                    found.append(block_from_spec(spec, res))
                 except _FrozenParameterError:
                     dropped.append(spec.name)
             if specs and not found:
@@ -274,9 +233,9 @@ def find_symmetries(
             claimed.append(path)
             break
     for spec in extra_blocks:
-        blocks.append(res.resolve(spec))
+        blocks.append(block_from_spec(spec, res))
     for pair in diagonal_pairs:
-        blocks.append(res.resolve(_as_pair_spec(pair)))
+        blocks.append(block_from_spec(_as_pair_spec(pair), res))
 
     owner = torch.full((res.numel,), -1, dtype=torch.long)
     owners: list[str] = []
@@ -293,25 +252,12 @@ def find_symmetries(
             f"{len(frozen)} symmetry block(s) not used because they touch frozen parameters "
             f"(requires_grad=False): {shown}; their trainable coordinates stay adaptive"
         )
-    if any(isinstance(b, TranslationBlock) for b in blocks):
-        text.append(
-            "key biases b_k: the softmax ignores q·b_k (the same for every key), so they are "
-            "pure symmetry directions; geodesic measures hold them fixed (key_bias='quotient'), "
-            "adaptive sharpness keeps them"
-        )
+    for cls in dict.fromkeys(type(b) for b in blocks):
+        if cls.space_note:
+            text.append(cls.space_note)
     text.extend(_unknown_attention_notes(model, claimed, blocks))
-    space = _space(res, blocks, text)
-    if blocks and example_inputs is None:
-        space.notes.append(
-            "symmetry claims unverified: pass example_inputs= to find_symmetries (geosharp "
-            "measure does) or run gs.check_invariance to prove them on data"
-        )
-    elif blocks:
-        space = _verified(model, space, res, example_inputs, verify_tol)
-    return space
-
-
-def _space(res: _Resolver, blocks: list[SymmetryBlock], notes: list[str]) -> ParameterSpace:
+    if blocks:
+        text.append(UNPROVEN_NOTE)
     # the coordinates in no block are derived from the blocks (ParameterSpace.rest_layout)
     return ParameterSpace(
         param_names=tuple(name for name, _ in res.included),
@@ -319,42 +265,8 @@ def _space(res: _Resolver, blocks: list[SymmetryBlock], notes: list[str]) -> Par
         offsets=tuple(res.offsets[name] for name, _ in res.included),
         blocks=blocks,
         excluded=dict(res.excluded),
-        notes=notes,
+        notes=text,
     )
-
-
-def _verified(
-    model: nn.Module, space: ParameterSpace, res: _Resolver, inputs: Any, tol: float | None
-) -> ParameterSpace:
-    """Prove every block on a batch; drop (with a note) those that are not symmetries."""
-    from geosharp.symmetry.verify import default_tol, invariance_changes, is_symmetry
-
-    tol = default_tol(model) if tol is None else tol
-    scales = (0.5, 2.0)
-    changes, randoms = invariance_changes(model, space, inputs, scales=scales)
-    if is_symmetry(changes, randoms, tol):
-        space.notes.append(
-            f"symmetry claims verified on the example batch: {len(space.blocks)} blocks, "
-            f"outputs moved by ≤ {max(changes):.1e} under random group elements"
-        )
-        return space
-    kept, dropped = [], []
-    for b in space.blocks:
-        single = _space(res, [b], [])
-        c, r = invariance_changes(model, single, inputs, scales=scales)
-        (kept if is_symmetry(c, r, tol) else dropped).append((b, max(c), max(r)))
-    notes = list(space.notes)
-    for b, c, r in dropped:
-        notes.append(
-            f"block {b.name!r} ({type(b).__name__}) dropped: a random element of its group "
-            f"moved the outputs by {c:.1e} (a random move of the same size: {r:.1e}), so it is "
-            "not a symmetry of this model; its coordinates stay adaptive"
-        )
-    notes.append(
-        f"symmetry claims verified on the example batch: {len(kept)} of {len(space.blocks)} "
-        "blocks hold"
-    )
-    return _space(res, [b for b, _, _ in kept], notes)
 
 
 #: Class-name fragments of modules that look like attention.

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from geosharp.symmetry.blocks import DiagonalPair, GLBlock, SymmetryBlock
 
-__all__ = ["ParameterSpace"]
+__all__ = ["UNPROVEN_NOTE", "ParameterSpace"]
+
+#: The note of a space whose blocks are claims not yet proven on data: the finder adds it,
+#: :func:`~geosharp.symmetry.verify.prove` replaces it by what the proof found.
+UNPROVEN_NOTE = (
+    "symmetry claims unverified: prove them on a batch with geosharp.symmetry.prove(space, "
+    "model, inputs) (geosharp measure does) or gs.check_invariance"
+)
 
 #: At most this many excluded tensors are listed by name in :meth:`ParameterSpace.summary`.
 _MAX_EXCLUDED_SHOWN = 8

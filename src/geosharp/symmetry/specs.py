@@ -117,7 +117,7 @@ class RotarySpec:
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """A GL(h) block described by parameter slices; resolved by the finder into a GLBlock.
+    """A GL(h) block described by parameter slices: built into a GL, rotary or LoRA block.
 
     Attributes:
         name: Unique readable name, e.g. ``"encoder.layer.0.attention[QK]"``.
@@ -196,7 +196,8 @@ class Claim:
     """What an adapter found in one module; the finder does not descend into that module.
 
     Attributes:
-        blocks: GL(h) blocks of the module (full GL, rotary commutant or LoRA).
+        blocks: Block specs of the module: :class:`BlockSpec` (full GL, rotary commutant or
+            LoRA), or the spec type of any other registered block class.
         pairs: Diagonal pairs of the module.
         notes: Remarks for :attr:`ParameterSpace.notes` (the finder appends the module path).
         translations: Biases that are pure symmetry directions (key biases).

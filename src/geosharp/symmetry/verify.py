@@ -1,11 +1,13 @@
 """Running a model with other weights, and proving its symmetry claims on data (SPEC §3, §8).
 
 Names and classes are hints: an adapter may recognise a module whose arithmetic it does not
-fully know. :func:`invariance_changes` applies random group elements to the blocks of a
+fully know, so :func:`~geosharp.symmetry.find_symmetries` only claims blocks, and :func:`prove`
+follows it. :func:`invariance_changes` applies random group elements to the blocks of a
 :class:`~geosharp.symmetry.ParameterSpace` and measures how much the model's outputs move on a
 batch, next to a random *non-symmetric* move of the same coordinates by the same distance (the
-size of a real failure). A true symmetry moves the outputs by roundoff only. The model is never
-copied: weights are passed to :func:`torch.func.functional_call`.
+size of a real failure). A true symmetry moves the outputs by roundoff only
+(:func:`is_symmetry`); :func:`prove` keeps the blocks that pass and drops the others. The model
+is never copied: weights are passed to :func:`torch.func.functional_call`.
 
 Example:
     >>> import torch
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,7 +33,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from geosharp.symmetry.group import group_action, random_group_elements
-from geosharp.symmetry.space import ParameterSpace
+from geosharp.symmetry.space import UNPROVEN_NOTE, ParameterSpace
 
 __all__ = [
     "SYMMETRY_TO_RANDOM",
@@ -39,6 +42,7 @@ __all__ = [
     "flatten_outputs",
     "invariance_changes",
     "is_symmetry",
+    "prove",
     "to_device",
 ]
 
@@ -165,3 +169,72 @@ def default_tol(model: nn.Module) -> float:
     """Relative tolerance of an invariance check: ``1e-9`` in float64, ``1e-4`` otherwise."""
     param = next(iter(model.parameters()))
     return 1e-9 if param.dtype == torch.float64 else 1e-4
+
+
+#: The scales of the group elements :func:`prove` draws.
+_PROOF_SCALES = (0.5, 2.0)
+
+
+def prove(
+    space: ParameterSpace, model: nn.Module, inputs: Any, *, tol: float | None = None
+) -> ParameterSpace:
+    """The blocks of ``space`` that are symmetries of ``model`` on a batch; the others dropped.
+
+    A block holds if random elements of its group (scales 0.5 and 2) move the outputs by at
+    most ``tol`` relatively, or by at most :data:`SYMMETRY_TO_RANDOM` of a random move of the
+    same size (roundoff of a model computing below float64) — :func:`is_symmetry` of
+    :func:`invariance_changes`. All blocks are tried at once first; if that fails, each alone.
+    The finder's note that the claims are unproven is replaced by what was proven, and each
+    dropped block gets a note; its coordinates are adaptive again.
+
+    Args:
+        space: The claims, e.g. from :func:`~geosharp.symmetry.find_symmetries`.
+        model: The model (its weights are not written to).
+        inputs: One batch of inputs (as for :func:`geosharp.sharpness`).
+        tol: Relative tolerance (default :func:`default_tol`: ``1e-9`` in float64, ``1e-4``
+            otherwise).
+
+    Returns:
+        ``space`` itself (with a note) if every block holds, else a new space of the blocks
+        that do. A space without blocks is returned as it is.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from geosharp.symmetry import find_symmetries
+        >>> mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
+        >>> x = torch.randn(2, 5, 8, dtype=torch.float64)
+        >>> space = prove(find_symmetries(mha), mha, (x, x, x))
+        >>> space.notes[-1].startswith("symmetry claims verified on the example batch: 3 blocks")
+        True
+    """
+    if not space.blocks:
+        return space
+    tol = default_tol(model) if tol is None else tol
+    notes = [n for n in space.notes if n != UNPROVEN_NOTE]
+    changes, randoms = invariance_changes(model, space, inputs, scales=_PROOF_SCALES)
+    if is_symmetry(changes, randoms, tol):
+        space.notes[:] = notes
+        space.notes.append(
+            f"symmetry claims verified on the example batch: {len(space.blocks)} blocks, "
+            f"outputs moved by ≤ {max(changes):.1e} under random group elements"
+        )
+        return space
+    kept, dropped = [], []
+    for b in space.blocks:
+        single = replace(space, blocks=[b], notes=[])
+        c, r = invariance_changes(model, single, inputs, scales=_PROOF_SCALES)
+        (kept if is_symmetry(c, r, tol) else dropped).append((b, max(c), max(r)))
+    for b, c, r in dropped:
+        notes.append(
+            f"block {b.name!r} ({type(b).__name__}) dropped: a random element of its group "
+            f"moved the outputs by {c:.1e} (a random move of the same size: {r:.1e}), so it is "
+            "not a symmetry of this model; its coordinates stay adaptive"
+        )
+    notes.append(
+        f"symmetry claims verified on the example batch: {len(kept)} of {len(space.blocks)} "
+        "blocks hold"
+    )
+    return replace(
+        space, blocks=[b for b, _, _ in kept], notes=notes, excluded=dict(space.excluded)
+    )
