@@ -27,7 +27,7 @@ def old_check(self, xi, name="xi"):
     ):
         check_tensor(part, t)
         check_like(part, t.to(self.dtype), ref_name, ref)
-    return xi[0].to(self.compute_dtype), xi[1].to(self.compute_dtype)
+    return self.execution.widen(xi[0], xi[1])
 
 
 def main(repeats: int = 7) -> None:

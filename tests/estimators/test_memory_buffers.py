@@ -213,9 +213,9 @@ def test_low_memory_block_geometry_in_the_model_dtype(metric):
     lean = Perturbation(space, base, metric=metric, work_dtype=torch.float32)
     # tangents are float32 either way; low_memory also runs the products in float32
     kinds = [
-        (p.geometry.compute_dtype, q.geometry.compute_dtype)
+        (p.geometry.execution.work_dtype, q.geometry.execution.work_dtype)
         for p, q in zip(fast.pieces, lean.pieces, strict=True)
-        if hasattr(p.geometry, "compute_dtype")
+        if hasattr(p.geometry, "execution")
     ]
     assert (torch.float64, torch.float32) in kinds
     assert all(lo == torch.float32 for _, lo in kinds)

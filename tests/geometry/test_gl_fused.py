@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from geosharp.geometry import GLSubgroupGeometry
-from geosharp.geometry.gl import GLGeometry, _christoffel, _order2_endpoint
+from geosharp.geometry.gl import GLGeometry
+from geosharp.geometry.gl_math import christoffel, order2_endpoint
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra
 
 DT = torch.float64
@@ -27,8 +28,8 @@ def _rel(a, b):
 def test_fused_order2_endpoint_is_point_plus_xi_minus_half_christoffel(metric, lead):
     G, H, (xG, xH) = _block(0, lead)
     geom = GLGeometry(G, H, metric=metric)
-    gG, gH = _christoffel(G, H, xG, xH, geom.MG_inv, geom.MH_inv, metric)
-    Gp, Hp = _order2_endpoint(G, H, xG, xH, geom.MG_inv, geom.MH_inv, metric)
+    gG, gH = christoffel(G, H, xG, xH, geom.factors.MG_inv, geom.factors.MH_inv, metric)
+    Gp, Hp = order2_endpoint(G, H, xG, xH, geom.factors.MG_inv, geom.factors.MH_inv, metric)
     assert _rel(Gp, G + xG - 0.5 * gG) < 1e-14
     assert _rel(Hp, H + xH - 0.5 * gH) < 1e-14
     # the geometry's order-2 geodesic is that endpoint, and so is its gradient in ξ
@@ -38,7 +39,7 @@ def test_fused_order2_endpoint_is_point_plus_xi_minus_half_christoffel(metric, l
     b = tuple(t.clone().requires_grad_(True) for t in (xG, xH))
     w = (torch.randn_like(G), torch.randn_like(H))
     fused = geom.geodesic(a, order=2)
-    c = _christoffel(G, H, *b, geom.MG_inv, geom.MH_inv, metric)
+    c = christoffel(G, H, *b, geom.factors.MG_inv, geom.factors.MH_inv, metric)
     plain = (G + b[0] - 0.5 * c[0], H + b[1] - 0.5 * c[1])
     ga = torch.autograd.grad(sum((p * q).sum() for p, q in zip(fused, w, strict=True)), a)
     gb = torch.autograd.grad(sum((p * q).sum() for p, q in zip(plain, w, strict=True)), b)

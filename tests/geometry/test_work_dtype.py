@@ -1,4 +1,4 @@
-"""GL geometries with their per-step products in float32 (``work_dtype``, issue 11).
+"""GL geometries with their per-step products in float32 (``GLExecution(work_dtype=...)``).
 
 The factorizations stay float64; only the products of an ascent step (projection, Riemannian
 gradient, norm, Christoffel term) run in the model's dtype. Against the float64 geometry on the
@@ -10,7 +10,9 @@ must be horizontal to that accuracy in the float64 metric.
 import pytest
 import torch
 
-from geosharp.geometry import BlockDiagonalAlgebra, GLGeometry, GLSubgroupGeometry
+from geosharp.geometry import BlockDiagonalAlgebra, GLExecution, GLGeometry, GLSubgroupGeometry
+
+LEAN = GLExecution(work_dtype=torch.float32)
 
 
 def _point(seed=0, batch=(3,), n=12, m=10, h=4):
@@ -31,12 +33,12 @@ def test_float32_products_match_the_float64_geometry(metric, subgroup):
     if subgroup:  # rotary-like: one rotated plane and a gl(2) block
         alg = BlockDiagonalAlgebra(4, planes=((0, 2),), free=(1, 3))
         ref = GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0)
-        lo = GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0, work_dtype=torch.float32)
+        lo = GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0, execution=LEAN)
     else:
         ref = GLGeometry(G, H, metric=metric, eps=0.0)
-        lo = GLGeometry(G, H, metric=metric, eps=0.0, work_dtype=torch.float32)
+        lo = GLGeometry(G, H, metric=metric, eps=0.0, execution=LEAN)
     assert ref.tangent_dtype == lo.tangent_dtype == torch.float32  # the model's dtype
-    assert lo._G.data_ptr() == G.data_ptr()  # the model's own G: no copy
+    assert lo._held[0].data_ptr() == G.data_ptr()  # the model's own G: no copy
     xi = (torch.randn(G.shape, generator=g), torch.randn(H.shape, generator=g))
     p_ref, p_lo = ref.project(xi), lo.project(xi)
     assert all(t.dtype == torch.float32 for t in p_lo)
@@ -80,13 +82,15 @@ def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup)
         return GLGeometry(G, H, metric=metric, eps=0.0, **kw)
 
     G, H, g = _ill_conditioned()
-    wide = build(tangent_dtype=torch.float64)  # float64 tangents, the float64 point held
+    wide = build(
+        execution=GLExecution(tangent_dtype=torch.float64)
+    )  # float64 tangents, the float64 point held
     lean = build()
     assert wide.tangent_dtype == torch.float64 and lean.tangent_dtype == torch.float32
-    assert lean.compute_dtype == torch.float64
-    assert lean.__dict__.get("_G_wide") is None and lean.__dict__.get("_H_wide") is None
-    assert wide.__dict__["_G_wide"].dtype == torch.float64
-    assert torch.linalg.cond(wide.MG).max() > 1e4
+    assert lean.execution.work_dtype == torch.float64
+    assert lean._held is None
+    assert wide._held[0].dtype == torch.float64
+    assert torch.linalg.cond(wide.factors.MG).max() > 1e4
     xi = (torch.randn(G.shape, generator=g), torch.randn(H.shape, generator=g))
     xi64 = tuple(t.double() for t in xi)
     assert lean.zeros()[0].dtype == torch.float32 and wide.zeros()[0].dtype == torch.float64
@@ -113,27 +117,24 @@ def test_float32_tangents_are_the_float64_results_rounded_once(metric, subgroup)
     [None, dict(planes=((0, 2),), free=(1, 3)), dict(planes=((0, 1), (2, 3)), free=())],
     ids=["gl", "rotary-plane-and-free", "rotary-planes"],
 )
-def test_chunked_products_equal_one_pass(metric, dtype, subgroup, monkeypatch):
+def test_chunked_products_equal_one_pass(metric, dtype, subgroup):
     """Heads in cache-sized chunks (CPU): the same numbers as one batched pass.
 
     The rotary subgroup geometry is included: its own per-head tensors must not be mistaken
     for the chunk helpers (it names an algebra index ``_rows``).
     """
-    from geosharp.geometry import gl
-
     G, H, g = _ill_conditioned(batch=(2, 5))
     G, H = G.to(dtype), H.to(dtype)
 
-    def build():
+    def build(**kw):
         if subgroup:
             alg = BlockDiagonalAlgebra(4, **subgroup)
-            return GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0)
-        return GLGeometry(G, H, metric=metric, eps=0.0)
+            return GLSubgroupGeometry(G, H, alg, metric=metric, eps=0.0, **kw)
+        return GLGeometry(G, H, metric=metric, eps=0.0, **kw)
 
     whole = build()
-    monkeypatch.setattr(gl, "CHUNK_ELEMENTS", 2 * 24 * 4)  # 2 heads per chunk
-    parts = build()
-    assert whole._chunks is None and len(parts._chunks) == 5
+    parts = build(execution=GLExecution(chunk_elements=2 * 24 * 4))  # 2 heads per chunk
+    assert whole._slices == [slice(None)] and len(parts._slices) == 5
     shape = dict(generator=g, dtype=dtype)
     xi = (torch.randn(G.shape, **shape), torch.randn(H.shape, **shape))
     eta = (torch.randn(G.shape, **shape), torch.randn(H.shape, **shape))

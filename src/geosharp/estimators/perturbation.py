@@ -82,7 +82,7 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
             quotient is not diluted by MLP and embedding coordinates).
         work_dtype: Dtype of the block geometries' per-step products (``None``: float64, on
             tangents kept in the model's dtype; the model's dtype runs them in float32, see
-            :meth:`geosharp.geometry.GLGeometry._use_work_dtype`).
+            :attr:`geosharp.geometry.GLExecution.work_dtype`).
     """
 
     def __init__(

@@ -3,6 +3,8 @@
 Modules:
     gl: GL(h) blocks of attention (inv/mix metrics, horizontal projection, Christoffel form,
         geodesics, Riemannian gradient, sampling).
+    gl_math: the GL(h) formulas as pure functions of the base point, its factors and tangents.
+    gl_execution: the execution policy of a GL geometry (dtypes, chunks of heads).
     elementwise: the adaptive (element-wise GL(1)) metric and the Euclidean one.
     diagonal: GL(1) per coordinate of a diagonal linear network, with closed-form geodesics and
         sharpness.
@@ -18,6 +20,7 @@ from geosharp.geometry.diagonal import DiagonalGeometry
 from geosharp.geometry.elementwise import ElementwiseGeometry, EuclideanGeometry
 from geosharp.geometry.fixed import FixedGeometry
 from geosharp.geometry.gl import GLGeometry
+from geosharp.geometry.gl_execution import GLExecution
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra, GLSubgroupGeometry
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "ElementwiseGeometry",
     "EuclideanGeometry",
     "FixedGeometry",
+    "GLExecution",
     "GLGeometry",
     "GLSubgroupGeometry",
     "Geometry",

@@ -1,10 +1,11 @@
-"""The order-2 GL(h) endpoint and its hand-written backward, and the Christoffel form (SPEC §4).
+"""The fused order-2 GL(h) endpoint and its hand-written backward (SPEC §4.6).
 
 The per-step work of a geodesic ascent through a GL(h) block is the endpoint
 ``(G, H) + ξ − ½Γ(ξ, ξ)`` in the forward and its adjoint in the backward. Both are written here
-through ``h × h`` factors (:func:`_order2_endpoint`, :class:`_Order2Endpoint`), so that the
-``n × h`` work is a few fused multiply-adds; :class:`~geosharp.geometry.gl.GLGeometry` calls
-them. :func:`_christoffel` is the plain form the tests compare them with.
+through ``h × h`` factors (:func:`_order2_forward`, :class:`_Order2Endpoint`), so that the
+``n × h`` work is a few fused multiply-adds; :func:`geosharp.geometry.gl_math.order2_endpoint`
+is the entry point, :func:`geosharp.geometry.gl_math.christoffel` the plain form the tests
+compare it with.
 """
 
 from __future__ import annotations
@@ -19,32 +20,6 @@ __all__: list[str] = []
 
 def _eye_like(M: Tensor) -> Tensor:
     return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-
-
-def _christoffel(
-    G: Tensor,
-    H: Tensor,
-    xG: Tensor,
-    xH: Tensor,
-    MG_inv: Tensor,
-    MH_inv: Tensor,
-    metric: str,
-) -> tuple[Tensor, Tensor]:
-    """SPEC §4 Christoffel quadratic form with given inverse Gram matrices."""
-    if metric == "inv":
-        # Γ_G = −ξ_G M_G⁻¹ (ξ_Gᵀ G + Gᵀ ξ_G) + G M_G⁻¹ ξ_Gᵀ ξ_G, and the same with G → H.
-        XG = xG.mT @ G
-        XH = xH.mT @ H
-        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ (xG.mT @ xG))
-        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ (xH.mT @ xH))
-        return gG, gH
-    # mix: Γ_G = ξ_G (ξ_Hᵀ H + Hᵀ ξ_H) M_H⁻¹ − G ξ_Hᵀ ξ_H M_H⁻¹,
-    #      Γ_H = ξ_H (ξ_Gᵀ G + Gᵀ ξ_G) M_G⁻¹ − H ξ_Gᵀ ξ_G M_G⁻¹.
-    XG = xG.mT @ G
-    XH = xH.mT @ H
-    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ ((xH.mT @ xH) @ MH_inv)
-    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ ((xG.mT @ xG) @ MG_inv)
-    return gG, gH
 
 
 def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
@@ -74,7 +49,7 @@ def _order2_matrices(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
     """The ``h × h`` factors ``(C_G, B_G, C_H, B_H, s)`` of ``G′ = G + ξ_G C_G + s·G B_G``.
 
-    See :func:`_order2_endpoint`.
+    ``G′ = G + ξ_G C_G + s·G B_G`` is :func:`geosharp.geometry.gl_math.order2_endpoint`.
     """
     XG = xG.mT @ G
     XH = xH.mT @ H
@@ -86,36 +61,6 @@ def _order2_matrices(
     cG = eye - 0.5 * ((XH + XH.mT) @ MH_inv)
     cH = eye - 0.5 * ((XG + XG.mT) @ MG_inv)
     return cG, (xH.mT @ xH) @ MH_inv, cH, (xG.mT @ xG) @ MG_inv, 0.5
-
-
-def _order2_endpoint(
-    G: Tensor,
-    H: Tensor,
-    xG: Tensor,
-    xH: Tensor,
-    MG_inv: Tensor,
-    MH_inv: Tensor,
-    metric: str,
-) -> tuple[Tensor, Tensor]:
-    """``(G, H) + ξ − ½Γ(ξ, ξ)`` of :func:`_christoffel`, factored through ``h × h`` matrices.
-
-    Every term of ``Γ`` is ``ξ_X A`` or ``X B`` with ``h × h`` matrices ``A``, ``B`` (SPEC §4):
-
-    .. code-block:: text
-
-        inv:  G′ = G + ξ_G (I + ½ M_G⁻¹ S_G) − G (½ M_G⁻¹ ξ_Gᵀ ξ_G),   S_G = ξ_Gᵀ G + Gᵀ ξ_G
-        mix:  G′ = G + ξ_G (I − ½ S_H M_H⁻¹) + G (½ ξ_Hᵀ ξ_H M_H⁻¹),   S_H = ξ_Hᵀ H + Hᵀ ξ_H
-
-    (and the same with ``G ↔ H``), so that the ``n × h`` work is two fused multiply-adds per
-    factor instead of four products, a negation and three additions. The same values as
-    ``point + ξ − ½Γ`` up to rounding. When only ``ξ`` needs a gradient (the ascent: the base
-    point and its factorizations are constants), the backward is :class:`_Order2Endpoint`'s:
-    three fused products per factor, ``∂ξ_X = g_X C_Xᵀ + X P_X + ξ_X Q_X``, where autograd
-    would form four products and accumulate them one by one.
-    """
-    if _hand_backward(xG, xH) and not any(t.requires_grad for t in (G, H, MG_inv, MH_inv)):
-        return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric)
-    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)[:2]
 
 
 def _order2_forward(
@@ -169,7 +114,7 @@ def _sym(X: Tensor) -> Tensor:
 
 
 class _Order2Endpoint(torch.autograd.Function):
-    """The order-2 endpoint of :func:`_order2_endpoint` with a hand-written backward in ``ξ``.
+    """The order-2 endpoint (:func:`~geosharp.geometry.gl_math.order2_endpoint`), backward by hand.
 
     With ``G′ = G + ξ_G C_G + s·G B_G`` and ``g_G = ∂L/∂G′``: ``∂C_G = ξ_Gᵀ g_G``,
     ``∂B_G = s·Gᵀ g_G``; ``C`` depends on ``ξ`` through ``ξ_Xᵀ X`` and ``B`` through ``ξ_Xᵀ ξ_X``

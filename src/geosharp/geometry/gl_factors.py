@@ -6,8 +6,9 @@ projection solves the Sylvester equation ``AΛ + ΛA = B`` with ``A = M_H M_G``,
 eigendecomposition of ``C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ``: with ``S = M_H^{1/2} Q``,
 ``A = S D S⁻¹`` and ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``. Sampling an
 isotropic Gaussian in the metric needs square roots of the Gram matrices. All of it is batched
-over the leading (head) dimensions, in the dtype of its inputs (float64 in
-:class:`~geosharp.geometry.gl.GLGeometry`).
+over the leading (head) dimensions, in the dtype of its inputs (a geometry's
+``execution.factor_dtype``), and kept in a :class:`GLFactors` that the execution policy casts
+and slices by heads.
 
 At ``ε = 0`` a (numerically) singular Gram matrix makes the metric undefined;
 :func:`check_rank` names the heads and suggests the damping.
@@ -15,7 +16,10 @@ At ``ε = 0`` a (numerically) singular Gram matrix makes the metric undefined;
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -23,7 +27,7 @@ from torch import Tensor
 from geosharp.geometry._validate import singular_threshold
 from geosharp.geometry.gl_endpoint import _eye_like
 
-__all__: list[str] = []
+__all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
 
 #: ``check(which, eigenvalues)``: raises if the Gram matrix ``whichᵀ which`` is unusable.
 RankCheck = Callable[[str, Tensor], None]
@@ -48,34 +52,75 @@ def _apply_spectral(lam: Tensor, U: Tensor, f: Tensor) -> Tensor:
     return (U * f.unsqueeze(-2)) @ U.mT
 
 
-def factorize(G: Tensor, H: Tensor, metric: str, eps: float, check: RankCheck) -> dict:
-    """The per-head factors of the base point ``(G, H)``, by the names a geometry keeps them.
+@dataclass(frozen=True)
+class GLFactors:
+    """The per-head factors of a base point ``(G, H)`` (SPEC §4.1, §4.4), batched like it.
 
-    ``MG``, ``MH`` and their inverses ``MG_inv``, ``MH_inv``; for ``metric="inv"`` also the
-    Sylvester factors ``_S = M_H^{1/2} Q``, ``_S_inv = S⁻¹ = Qᵀ M_H^{−1/2}`` and the
-    eigenvalues ``_eig = D`` (the denominators ``d_i + d_j`` are formed where they are used).
-    ``check`` sees both spectra before anything is inverted.
+    Attributes:
+        MG: ``M_G = GᵀG + εI``, ``(..., h, h)``.
+        MH: ``M_H = HᵀH + εI``.
+        MG_inv: ``M_G⁻¹``.
+        MH_inv: ``M_H⁻¹``.
+        S: inv metric only: ``S = M_H^{1/2} Q`` of the Sylvester solve (SPEC §4.4).
+        S_inv: ``S⁻¹ = Qᵀ M_H^{−1/2}``.
+        eig: The eigenvalues ``D`` of ``C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ``, ``(..., h)``.
+    """
+
+    MG: Tensor
+    MH: Tensor
+    MG_inv: Tensor
+    MH_inv: Tensor
+    S: Tensor | None = None
+    S_inv: Tensor | None = None
+    eig: Tensor | None = None
+
+    #: Fields that are not per head (shared by every head): cast, never sliced.
+    SHARED: ClassVar[frozenset[str]] = frozenset()
+
+    def cast(self, dtype: torch.dtype) -> GLFactors:
+        """The same factors with every floating tensor in ``dtype`` (rounded once)."""
+        return self._map(lambda t: t.to(dtype) if t.is_floating_point() else t, shared=True)
+
+    def per_head(self, fn: Callable[[Tensor], Tensor]) -> GLFactors:
+        """The factors with ``fn`` (e.g. a slice of the flattened heads) on every per-head one."""
+        return self._map(fn, shared=False)
+
+    def _map(self, fn: Callable[[Tensor], Tensor], shared: bool) -> GLFactors:
+        changes = {}
+        for f in dataclasses.fields(self):
+            if f.name in self.SHARED and not shared:
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                changes[f.name] = fn(v)
+            elif isinstance(v, tuple) and v and all(isinstance(t, Tensor) for t in v):
+                changes[f.name] = tuple(fn(t) for t in v)
+        return dataclasses.replace(self, **changes)
+
+
+def factorize(G: Tensor, H: Tensor, metric: str, eps: float, check: RankCheck) -> GLFactors:
+    """The per-head factors of the base point ``(G, H)``, in the dtype of ``G`` and ``H``.
+
+    ``M_G``, ``M_H`` and their inverses; for ``metric="inv"`` also the Sylvester factors
+    ``S = M_H^{1/2} Q``, ``S⁻¹ = Qᵀ M_H^{−1/2}`` and the eigenvalues ``D`` of
+    ``M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ`` (the denominators ``d_i + d_j`` are formed where they
+    are used). ``check`` sees both spectra before anything is inverted.
     """
     MG, MH = _gram(G, eps), _gram(H, eps)
     lg, Ug = _spd_funcs(MG)
     lh, Uh = _spd_funcs(MH)
     check("G", lg)
     check("H", lh)
-    factors = {
-        "MG": MG,
-        "MH": MH,
-        "MG_inv": _apply_spectral(lg, Ug, 1.0 / lg),
-        "MH_inv": _apply_spectral(lh, Uh, 1.0 / lh),
-    }
-    if metric == "inv":
-        MH_sqrt = _apply_spectral(lh, Uh, lh.sqrt())
-        # Sylvester solve of SPEC §4 (corrected): A Λ + Λ A = B with A = M_H M_G, similar to
-        # C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q.
-        d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
-        factors["_S"] = MH_sqrt @ Q
-        factors["_S_inv"] = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
-        factors["_eig"] = d
-    return factors
+    MG_inv = _apply_spectral(lg, Ug, 1.0 / lg)
+    MH_inv = _apply_spectral(lh, Uh, 1.0 / lh)
+    if metric != "inv":
+        return GLFactors(MG, MH, MG_inv, MH_inv)
+    MH_sqrt = _apply_spectral(lh, Uh, lh.sqrt())
+    # Sylvester solve of SPEC §4.4 (corrected): A Λ + Λ A = B with A = M_H M_G, similar to
+    # C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ via S = M_H^{1/2} Q.
+    d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
+    S_inv = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
+    return GLFactors(MG, MH, MG_inv, MH_inv, S=MH_sqrt @ Q, S_inv=S_inv, eig=d)
 
 
 def sampling_roots(G: Tensor, H: Tensor, metric: str, eps: float) -> tuple[Tensor, Tensor]:

@@ -37,16 +37,27 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from geosharp.geometry.gl import DEFAULT_EPS, GLGeometry
+from geosharp.geometry.gl_execution import GLExecution
+from geosharp.geometry.gl_factors import GLFactors, RankCheck
 
-__all__ = ["BlockDiagonalAlgebra", "GLSubgroupGeometry"]
+__all__ = [
+    "BlockDiagonalAlgebra",
+    "GLSubgroupGeometry",
+    "SubgroupFactors",
+    "moment",
+    "subgroup_factors",
+    "subgroup_lam",
+]
 
 _R2 = 1.0 / math.sqrt(2.0)
 
@@ -146,12 +157,202 @@ class BlockDiagonalAlgebra:
         return out
 
 
+@dataclass(frozen=True)
+class SubgroupFactors(GLFactors):
+    """:class:`~geosharp.geometry.gl_factors.GLFactors` and the factors of the 𝔨 solve.
+
+    Attributes:
+        PQ: ``(P₁, Q₁, P₂, Q₂)`` of ``L(Ω) = P₁ Ω Q₁ + P₂ Ω Q₂`` (see the module).
+        Lx: ``a^{−1/2} U_x`` of the ``gl(P)`` solve ``a Ω b + c Ω d = F`` (``None``: no free
+            features).
+        Rx: ``U_xᵀ a^{−1/2}``.
+        Ly: ``d^{−1/2} U_y``.
+        Ry: ``U_yᵀ d^{−1/2}``.
+        den: The denominators ``x_i + y_j`` of the ``gl(P)`` solve.
+        omega_l: The free-block response ``S(Π_P L(E_l))`` to each plane basis element
+            (``None``: no planes or no free features).
+        chol: Cholesky factor of the planes' Schur complement ``K`` (``None``: no planes).
+        rows: Rows of the plane basis entries (shared by every head), ``(2·#planes, 2)``.
+        cols: Their columns.
+        vals: Their values (``±1/√2``).
+        free: The free features, a long tensor.
+    """
+
+    PQ: tuple[Tensor, ...] = ()
+    Lx: Tensor | None = None
+    Rx: Tensor | None = None
+    Ly: Tensor | None = None
+    Ry: Tensor | None = None
+    den: Tensor | None = None
+    omega_l: Tensor | None = None
+    chol: Tensor | None = None
+    rows: Tensor | None = None
+    cols: Tensor | None = None
+    vals: Tensor | None = None
+    free: Tensor | None = None
+
+    SHARED: ClassVar[frozenset[str]] = frozenset({"rows", "cols", "vals", "free"})
+
+
+# -- the math of the 𝔨 solve: pure functions of the factors ---------------------------------------
+def subgroup_factors(
+    G: Tensor, H: Tensor, F: GLFactors, algebra: BlockDiagonalAlgebra, metric: str
+) -> SubgroupFactors:
+    """The factors of the vertical-space solve for ``𝔨`` at ``(G, H)``, in their dtype (SPEC §8).
+
+    ``(P₁, Q₁, P₂, Q₂)`` of ``L``; on the free block the eigendecompositions of
+    ``a Ω b + c Ω d = F``; on the planes the Schur complement ``K c = r`` (with the free
+    block eliminated), Cholesky-factored.
+    """
+    dev = G.device
+    if metric == "inv":
+        P1, Q1, P2, Q2 = F.MH_inv, H.mT @ H, G.mT @ G, F.MG_inv
+    else:
+        P1, Q1, P2, Q2 = F.MG, H.mT @ H, G.mT @ G, F.MH
+    PQ = (P1, Q1, P2, Q2)
+    rows, cols, vals = (t.to(dev) for t in algebra.basis_entries())
+    vals = vals.to(G.dtype)
+    free = torch.tensor(algebra.free, dtype=torch.long, device=dev)
+    base = {f.name: getattr(F, f.name) for f in dataclasses.fields(GLFactors)}
+    out = SubgroupFactors(**base, PQ=PQ, rows=rows, cols=cols, vals=vals, free=free)
+    k = rows.shape[0]
+    if len(free):
+        out = dataclasses.replace(out, **_free_solver(PQ, free))
+    if k:
+        K = _pair_gram(PQ, rows, cols, vals)
+        if len(free):
+            # Ω_l = S(Π_P L(E_l)): the free-block response to each plane basis element.
+            resp = 0
+            for P, Q in ((P1, Q1), (P2, Q2)):
+                Pg = P[..., free.unsqueeze(-1), rows.reshape(-1)].unflatten(-1, (k, 2))
+                Qg = Q[..., cols.reshape(-1, 1), free].unflatten(-2, (k, 2))  # (..., k, 2, p)
+                resp = resp + torch.einsum("...pls,ls,...lsq->...lpq", Pg, vals, Qg)
+            omega_l = _solve_free(out, resp)  # (..., k, p, p)
+            out = dataclasses.replace(out, omega_l=omega_l)
+            K = K - _free_to_pairs(out, omega_l).mT
+        out = dataclasses.replace(out, chol=torch.linalg.cholesky(0.5 * (K + K.mT)))
+    return out
+
+
+def moment(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: GLFactors, metric: str) -> Tensor:
+    """``C(ξ)`` with ``⟨ξ, V(Ω)⟩ = ⟨C(ξ), Ω⟩_F`` for all ``Ω ∈ gl(h)``, ``(..., h, h)`` (SPEC §8).
+
+    inv: ``C(ξ) = M_H⁻¹ ξ_Hᵀ H − Gᵀ ξ_G M_G⁻¹``; mix: ``C(ξ) = M_G ξ_Hᵀ H − Gᵀ ξ_G M_H``.
+    """
+    if metric == "inv":
+        return F.MH_inv @ (xH.mT @ H) - (G.mT @ xG) @ F.MG_inv
+    return F.MG @ (xH.mT @ H) - (G.mT @ xG) @ F.MH
+
+
+def subgroup_lam(
+    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: SubgroupFactors, metric: str
+) -> Tensor:
+    """``Ω* ∈ 𝔨`` of the horizontal projection ``ξ − V(Ω*)``: ``Π_𝔨 L(Ω*) = Π_𝔨 C(ξ)`` (SPEC §8).
+
+    The free block by the closed-form ``gl(P)`` solve, the plane coefficients by the Schur
+    complement's Cholesky factor, then the free block corrected by their response.
+    """
+    C = moment(G, H, xG, xH, F, metric)
+    has_free, has_pairs = len(F.free) > 0, F.rows.shape[0] > 0
+    f = F.free
+    omega_free = _solve_free(F, C[..., f.unsqueeze(-1), f]) if has_free else None
+    c = None
+    if has_pairs:
+        r = _coef(F, C)
+        if has_free:
+            r = r - _free_to_pairs(F, omega_free)
+        c = torch.cholesky_solve(r.unsqueeze(-1), F.chol).squeeze(-1)
+        if has_free:
+            omega_free = omega_free - torch.einsum("...l,...lpq->...pq", c, F.omega_l)
+    return _embed(F, C, c, omega_free)
+
+
+def _free_solver(PQ: tuple[Tensor, ...], free: Tensor) -> dict[str, Tensor]:
+    """Factor ``a Ω b + c Ω d = F`` on the free block (``a, d`` SPD, ``b, c`` PSD)."""
+    a, b, c, d = (X[..., free.unsqueeze(-1), free] for X in PQ)
+
+    def isqrt(M: Tensor) -> Tensor:
+        lam, U = torch.linalg.eigh(M)
+        return (U * lam.rsqrt().unsqueeze(-2)) @ U.mT
+
+    ai, di = isqrt(a), isqrt(d)
+    dx, Ux = torch.linalg.eigh(ai @ c @ ai)
+    dy, Uy = torch.linalg.eigh(di @ b @ di)
+    return dict(
+        Lx=ai @ Ux,
+        Rx=Ux.mT @ ai,
+        Ly=di @ Uy,
+        Ry=Uy.mT @ di,
+        den=dx.unsqueeze(-1) + dy.unsqueeze(-2),
+    )
+
+
+def _solve_free(F: SubgroupFactors, X: Tensor) -> Tensor:
+    """``Ω`` with ``a Ω b + c Ω d = X`` (batched; ``X`` may have one extra dim before p×p)."""
+    extra = X.dim() - F.den.dim()
+    Lx, Rx, Ly, Ry, den = (
+        t.reshape(*t.shape[:-2], *([1] * extra), *t.shape[-2:])
+        for t in (F.Lx, F.Rx, F.Ly, F.Ry, F.den)
+    )
+    return Lx @ ((Rx @ X @ Ly) / den) @ Ry
+
+
+def _pair_gram(PQ: tuple[Tensor, ...], rows: Tensor, cols: Tensor, vals: Tensor) -> Tensor:
+    """``K_jl = ⟨L(E_l), E_j⟩`` over the plane basis, ``(..., k, k)``."""
+    k = rows.shape[0]
+    K = 0
+    for P, Q in (PQ[0:2], PQ[2:4]):
+        # (P E_l Q)[x, y] = Σ_s v_ls P[x, r_ls] Q[c_ls, y] at (x, y) = (r_jt, c_jt).
+        Pg = P[..., rows.reshape(k, 2, 1, 1), rows.reshape(1, 1, k, 2)]
+        Qg = Q[..., cols.reshape(1, 1, k, 2), cols.reshape(k, 2, 1, 1)]
+        K = K + torch.einsum("...jtls,jt,ls->...jl", Pg * Qg, vals, vals)
+    return K
+
+
+def _coef(F: SubgroupFactors, X: Tensor) -> Tensor:
+    """``⟨X, E_l⟩_F`` for every plane basis element, ``(..., k)``."""
+    return (X[..., F.rows, F.cols] * F.vals).sum(-1)
+
+
+def _free_to_pairs(F: SubgroupFactors, omega: Tensor) -> Tensor:
+    """``⟨L(emb_P Ω), E_j⟩`` for free-block ``Ω`` ``(..., [l,] p, p)``, as ``(..., [l,] k)``.
+
+    ``(P emb(Ω) Q)[x, y] = P[x, P] Ω Q[P, y]``, read at the plane entries ``(r_jt, c_jt)``.
+    """
+    f, rows, cols = F.free, F.rows, F.cols
+    out = 0
+    extra = omega.dim() - F.PQ[0].dim()
+    for P, Q in (F.PQ[0:2], F.PQ[2:4]):
+        Pg = P[..., rows, :][..., f]  # (..., k, 2, p)
+        Qg = Q[..., f, :][..., cols]  # (..., p, k, 2)
+        if extra:
+            Pg, Qg = Pg.unsqueeze(-4), Qg.unsqueeze(-4)
+        out = out + torch.einsum("...jtp,...pq,...qjt,jt->...j", Pg, omega, Qg, F.vals)
+    return out
+
+
+def _embed(F: SubgroupFactors, C: Tensor, c: Tensor | None, omega_free: Tensor | None) -> Tensor:
+    """``Σ_l c_l E_l + emb_P(Ω_P)`` as dense matrices shaped (and typed) like ``C``."""
+    h = C.shape[-1]
+    batch = C.shape[:-2]
+    out = torch.zeros(*batch, h, h, dtype=C.dtype, device=C.device)
+    if c is not None:
+        flat = (F.rows * h + F.cols).reshape(-1)
+        vals = (c.unsqueeze(-1) * F.vals).reshape(*batch, -1)
+        out = out.reshape(*batch, h * h).index_add(-1, flat, vals).reshape(*batch, h, h)
+    if omega_free is not None:
+        f = F.free
+        out[..., f.unsqueeze(-1), f] = omega_free
+    return out
+
+
 class GLSubgroupGeometry(GLGeometry):
     """The GL(h) metric of :class:`~geosharp.geometry.gl.GLGeometry` on the quotient by ``exp 𝔨``.
 
-    Only the vertical space differs from the GL(h) block: :meth:`lam` returns the ``Ω* ∈ 𝔨`` of
-    the metric projection, and :meth:`project`, :meth:`random_tangent` (horizontal) and the
-    Riemannian-gradient projection of the ascent use it through the base class.
+    Only the vertical space differs from the GL(h) block: the factors of its solve
+    (:func:`subgroup_factors`) and the solve itself (:func:`subgroup_lam`, the ``Ω* ∈ 𝔨`` of
+    the metric projection) replace the base class's; :meth:`project`, :meth:`random_tangent`
+    (horizontal) and the Riemannian-gradient projection of the ascent use them through it.
 
     Args:
         G: Left factor, ``(..., n, h)``.
@@ -160,30 +361,13 @@ class GLSubgroupGeometry(GLGeometry):
         metric: ``"inv"`` or ``"mix"``.
         eps: Damping of the Gram matrices (the projection stays exactly metric-orthogonal).
         name: Block name for error messages.
-        compute_dtype: Internal dtype (default float64).
         head_names: Readable name per head for error messages.
-        work_dtype: Dtype of the per-step products and tangents (see
-            :class:`~geosharp.geometry.gl.GLGeometry`).
-        tangent_dtype: Dtype tangents are kept in (default: the dtype of ``G``; see
-            :class:`~geosharp.geometry.gl.GLGeometry`).
-        hold_wide_point: Keep the base point in ``compute_dtype`` (see
-            :class:`~geosharp.geometry.gl.GLGeometry`).
+        execution: The execution policy (see :class:`~geosharp.geometry.gl.GLGeometry`).
+        work_dtype: Sets ``execution.work_dtype`` (see :class:`~geosharp.geometry.gl.GLGeometry`).
 
     Raises:
         ValueError: As :class:`GLGeometry`, or if ``algebra.h`` differs from ``h``.
     """
-
-    _PER_HEAD = (
-        *GLGeometry._PER_HEAD,
-        "_PQ",
-        "_Lx",
-        "_Rx",
-        "_Ly",
-        "_Ry",
-        "_den",
-        "_omega_l",
-        "_chol",
-    )
 
     def __init__(
         self,
@@ -193,151 +377,34 @@ class GLSubgroupGeometry(GLGeometry):
         metric: str = "inv",
         eps: float = DEFAULT_EPS,
         name: str = "GL subgroup block",
-        compute_dtype: torch.dtype | None = None,
         head_names: Sequence[str] | None = None,
+        *,
+        execution: GLExecution | None = None,
         work_dtype: torch.dtype | None = None,
-        tangent_dtype: torch.dtype | None = None,
-        hold_wide_point: bool | None = None,
     ) -> None:
-        super().__init__(
-            G,
-            H,
-            metric,
-            eps,
-            name,
-            compute_dtype,
-            head_names,
-            tangent_dtype=tangent_dtype,
-            hold_wide_point=hold_wide_point,
-        )
-        if algebra.h != G.shape[-1]:
-            raise ValueError(f"the algebra acts on h={algebra.h} but the block has h={G.shape[-1]}")
         self.algebra = algebra
-        dev = self._G.device
-        G64, H64 = self._G, self._H
-        if self.metric == "inv":
-            P1, Q1, P2, Q2 = self.MH_inv, H64.mT @ H64, G64.mT @ G64, self.MG_inv
-        else:
-            P1, Q1, P2, Q2 = self.MG, H64.mT @ H64, G64.mT @ G64, self.MH
-        self._PQ = (P1, Q1, P2, Q2)
-        rows, cols, vals = (t.to(dev) for t in algebra.basis_entries())
-        self._rows, self._cols = rows, cols
-        self._vals = vals.to(self.compute_dtype)
-        self._free = torch.tensor(algebra.free, dtype=torch.long, device=dev)
-        k = rows.shape[0]
-        if len(self._free):
-            self._setup_free()
-        if k:
-            K = self._pair_gram(rows, cols, self._vals)
-            if len(self._free):
-                # Ω_l = S(Π_P L(E_l)): the free-block response to each plane basis element.
-                f = self._free
-                resp = 0
-                for P, Q in ((P1, Q1), (P2, Q2)):
-                    Pg = P[..., f.unsqueeze(-1), rows.reshape(-1)].unflatten(-1, (k, 2))
-                    Qg = Q[..., cols.reshape(-1, 1), f].unflatten(-2, (k, 2))  # (..., k, 2, p)
-                    resp = resp + torch.einsum("...pls,ls,...lsq->...lpq", Pg, self._vals, Qg)
-                self._omega_l = self._solve_free(resp)  # (..., k, p, p)
-                K = K - self._free_to_pairs(self._omega_l).mT
-            self._chol = torch.linalg.cholesky(0.5 * (K + K.mT))
-        self._use_work_dtype(work_dtype)
-
-    # -- the gl(P) solver ---------------------------------------------------------------------
-    def _setup_free(self) -> None:
-        """Factor ``a Ω b + c Ω d = F`` on the free block (``a, d`` SPD, ``b, c`` PSD)."""
-        f = self._free
-        P1, Q1, P2, Q2 = (X[..., f.unsqueeze(-1), f] for X in self._PQ)
-        a, b, c, d = P1, Q1, P2, Q2
-
-        def isqrt(M: Tensor) -> Tensor:
-            lam, U = torch.linalg.eigh(M)
-            return (U * lam.rsqrt().unsqueeze(-2)) @ U.mT
-
-        ai, di = isqrt(a), isqrt(d)
-        dx, Ux = torch.linalg.eigh(ai @ c @ ai)
-        dy, Uy = torch.linalg.eigh(di @ b @ di)
-        self._Lx, self._Rx = ai @ Ux, Ux.mT @ ai
-        self._Ly, self._Ry = di @ Uy, Uy.mT @ di
-        self._den = dx.unsqueeze(-1) + dy.unsqueeze(-2)
-
-    def _solve_free(self, F: Tensor) -> Tensor:
-        """``Ω`` with ``a Ω b + c Ω d = F`` (batched; ``F`` may have one extra dim before p×p)."""
-        extra = F.dim() - self._den.dim()
-        Lx, Rx, Ly, Ry, den = (
-            t.reshape(*t.shape[:-2], *([1] * extra), *t.shape[-2:])
-            for t in (self._Lx, self._Rx, self._Ly, self._Ry, self._den)
+        super().__init__(
+            G, H, metric, eps, name, head_names, execution=execution, work_dtype=work_dtype
         )
-        return Lx @ ((Rx @ F @ Ly) / den) @ Ry
 
-    # -- plane terms --------------------------------------------------------------------------
-    def _pair_gram(self, rows: Tensor, cols: Tensor, vals: Tensor) -> Tensor:
-        """``K_jl = ⟨L(E_l), E_j⟩`` over the plane basis, ``(..., k, k)``."""
-        k = rows.shape[0]
-        K = 0
-        for P, Q in (self._PQ[0:2], self._PQ[2:4]):
-            # (P E_l Q)[x, y] = Σ_s v_ls P[x, r_ls] Q[c_ls, y] at (x, y) = (r_jt, c_jt).
-            Pg = P[..., rows.reshape(k, 2, 1, 1), rows.reshape(1, 1, k, 2)]
-            Qg = Q[..., cols.reshape(1, 1, k, 2), cols.reshape(k, 2, 1, 1)]
-            K = K + torch.einsum("...jtls,jt,ls->...jl", Pg * Qg, vals, vals)
-        return K
+    def _factorize(self, G: Tensor, H: Tensor, check: RankCheck) -> SubgroupFactors:
+        """The GL(h) factors and those of the 𝔨 solve (:func:`subgroup_factors`)."""
+        if self.algebra.h != G.shape[-1]:
+            raise ValueError(
+                f"the algebra acts on h={self.algebra.h} but the block has h={G.shape[-1]}"
+            )
+        base = super()._factorize(G, H, check)
+        return subgroup_factors(G, H, base, self.algebra, self.metric)
 
-    def _coef(self, X: Tensor) -> Tensor:
-        """``⟨X, E_l⟩_F`` for every plane basis element, ``(..., k)``."""
-        return (X[..., self._rows, self._cols] * self._vals).sum(-1)
+    def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
+        """The vertical-space solve in ``𝔨``: :func:`subgroup_lam`."""
+        return subgroup_lam(G, H, xG, xH, F, self.metric)
 
-    def _free_to_pairs(self, omega: Tensor) -> Tensor:
-        """``⟨L(emb_P Ω), E_j⟩`` for free-block ``Ω`` ``(..., [l,] p, p)``, as ``(..., [l,] k)``.
-
-        ``(P emb(Ω) Q)[x, y] = P[x, P] Ω Q[P, y]``, read at the plane entries ``(r_jt, c_jt)``.
-        """
-        f, rows, cols = self._free, self._rows, self._cols
-        out = 0
-        extra = omega.dim() - self._PQ[0].dim()
-        for P, Q in (self._PQ[0:2], self._PQ[2:4]):
-            Pg = P[..., rows, :][..., f]  # (..., k, 2, p)
-            Qg = Q[..., f, :][..., cols]  # (..., p, k, 2)
-            if extra:
-                Pg, Qg = Pg.unsqueeze(-4), Qg.unsqueeze(-4)
-            out = out + torch.einsum("...jtp,...pq,...qjt,jt->...j", Pg, omega, Qg, self._vals)
-        return out
-
-    def _embed(self, c: Tensor | None, omega_free: Tensor | None) -> Tensor:
-        """``Σ_l c_l E_l + emb_P(Ω_P)`` as dense ``(..., h, h)`` matrices."""
-        h = self.algebra.h
-        batch = self.G.shape[:-2]
-        out = torch.zeros(*batch, h, h, dtype=self.compute_dtype, device=self.G.device)
-        if c is not None:
-            flat = (self._rows * h + self._cols).reshape(-1)
-            vals = (c.unsqueeze(-1) * self._vals).reshape(*batch, -1)
-            out = out.reshape(*batch, h * h).index_add(-1, flat, vals).reshape(*batch, h, h)
-        if omega_free is not None:
-            f = self._free
-            out[..., f.unsqueeze(-1), f] = omega_free
-        return out
-
-    # -- the quotient structure ---------------------------------------------------------------
     def moment(self, xi: tuple[Tensor, Tensor]) -> Tensor:
-        """``C(ξ)`` with ``⟨ξ, V(Ω)⟩ = ⟨C(ξ), Ω⟩_F`` for all ``Ω ∈ gl(h)``, ``(..., h, h)``."""
+        """``C(ξ)`` of :func:`moment` at the base point, in the work dtype."""
         xG, xH = self._check_tangent(xi)
-        if self.metric == "inv":
-            return self.MH_inv @ (xH.mT @ self._H) - (self._G.mT @ xG) @ self.MG_inv
-        return self.MG @ (xH.mT @ self._H) - (self._G.mT @ xG) @ self.MH
-
-    def lam(self, xi: tuple[Tensor, Tensor]) -> Tensor:
-        """``Ω* ∈ 𝔨`` of the horizontal projection ``ξ − V(Ω*) = (ξ_G + GΩ*, ξ_H − HΩ*ᵀ)``."""
-        C = self.moment(xi)
-        has_free, has_pairs = len(self._free) > 0, self._rows.shape[0] > 0
-        f = self._free
-        omega_free = self._solve_free(C[..., f.unsqueeze(-1), f]) if has_free else None
-        c = None
-        if has_pairs:
-            r = self._coef(C)
-            if has_free:
-                r = r - self._free_to_pairs(omega_free)
-            c = torch.cholesky_solve(r.unsqueeze(-1), self._chol).squeeze(-1)
-            if has_free:
-                omega_free = omega_free - torch.einsum("...l,...lpq->...pq", c, self._omega_l)
-        return self._embed(c, omega_free)
+        G, H = self._point()
+        return moment(G, H, xG, xH, self.factors, self.metric)
 
     def horizontal_residual(self, xi: tuple[Tensor, Tensor]) -> Tensor:
         """``Π_𝔨 C(ξ)``: zero iff ``ξ`` is metric-orthogonal to every vertical vector."""
