@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry import Geometry, GLGeometry
-from geosharp.geometry import gl as gl_math
+from geosharp.geometry.gl_action import act as gl_act
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra, GLSubgroupGeometry
 from geosharp.symmetry.blocks.base import MAX_TRIES, Coordinates, SymmetryBlock
 from geosharp.symmetry.positions import Positions
@@ -144,7 +144,7 @@ class GLBlock(SymmetryBlock):
     def act(self, parts: tuple[Tensor, ...], element: Tensor) -> tuple[Tensor, ...]:
         """``(G, H) ↦ (G A⁻¹, H Aᵀ)`` (``A⁻¹`` by a solve)."""
         G, H = parts
-        return gl_math.act(G, H, element.to(dtype=G.dtype, device=G.device))
+        return gl_act(G, H, element.to(dtype=G.dtype, device=G.device))
 
     def _random_lie(self, like: Tensor, generator: torch.Generator | None) -> Tensor:
         """A random element ``Ω`` of the group's Lie algebra, ``(B, h, h)``."""
