@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, GLGeometry, gl
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, GLGeometry
+from geosharp.geometry.gl_action import act
 
 HEADS, N, M, H_DIM, ROWS = 4, 16, 16, 4, 32
 RHO = 0.05
@@ -63,7 +64,7 @@ def invariance_table(seed: int = 0) -> tuple[dict, list]:
     rows = []
     for a in (1e-2, 1e-1, 1.0, 1e1, 1e2):
         A = a * torch.randn(HEADS, H_DIM, H_DIM, generator=g, dtype=dt)
-        GA, HA = gl.act(G, H, A)
+        GA, HA = act(G, H, A)
         rows.append((a, {k: _step(k, X, T, GA, HA) for k in kinds}))
     return ref, rows
 

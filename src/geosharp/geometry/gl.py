@@ -59,7 +59,6 @@ from geosharp.geometry._validate import (
     check_tensor,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
-from geosharp.geometry.gl_action import act, act_tangent
 from geosharp.geometry.gl_execution import GLExecution, by_head
 from geosharp.geometry.gl_factors import (
     GLFactors,
@@ -69,7 +68,7 @@ from geosharp.geometry.gl_factors import (
     sampling_roots,
 )
 
-__all__ = ["DEFAULT_EPS", "GLGeometry", "act", "act_tangent"]
+__all__ = ["DEFAULT_EPS", "GLGeometry"]
 
 #: Default damping of the Gram matrices. ``0`` keeps the metrics exactly GL(h)-invariant;
 #: a rank-deficient block then raises an error that suggests ``eps > 0``.
