@@ -23,6 +23,7 @@ from geosharp.symmetry import (
     ParameterSpace,
     declare_block,
     find_symmetries,
+    prove,
     reparametrize,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "geometry",
     "measure",
     "parse_measure",
+    "prove",
     "relative_flatness",
     "reparametrize",
     "sharpness",
