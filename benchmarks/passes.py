@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    S = importlib.import_module("geosharp.estimators.sharpness")
+    S = importlib.import_module("geosharp.estimators.worst")  # where the rule is looked up
     chosen: list[str] = []
     rule = S.best_direction_rule
 

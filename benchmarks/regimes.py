@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -59,7 +59,9 @@ from geosharp.estimators.cache import clear_cache
 
 SCHEMA = "geosharp-regimes/1"
 CHILD_TAG = "REGIMES-CHILD "
-_S = importlib.import_module("geosharp.estimators.sharpness")  # the module, not the function
+#: Where ``gs.sharpness`` looks up the names the probe wraps (modules, not functions).
+_H = importlib.import_module("geosharp.estimators.harness")
+_W = importlib.import_module("geosharp.estimators.worst")
 
 #: The measures: name → keyword arguments of ``gs.sharpness`` (without steps/samples). The radii
 #: are the centres of Study 3's grids (MiniLM-L6); the cost does not depend on ρ.
@@ -265,15 +267,21 @@ class Probe:
     ``noise`` (``Perturbation.random``: the average case's samples).
     """
 
-    #: The names of :mod:`geosharp.estimators.sharpness` that are wrapped (absent ones are
-    #: listed in :attr:`missing` and their stages read 0).
-    NAMES = ("find_symmetries", "Perturbation", "autopgd", "_clean", "_Objective")
+    #: The names wrapped, in the modules ``gs.sharpness`` looks them up in (absent ones are
+    #: listed in :attr:`missing` and their stages read 0): the set-up and the objective in
+    #: :mod:`geosharp.estimators.harness`, the ascent in :mod:`geosharp.estimators.worst`.
+    NAMES: ClassVar[dict[str, Any]] = {
+        "find_symmetries": _H,
+        "Perturbation": _H,
+        "Objective": _H,
+        "autopgd": _W,
+    }
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.t: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
-        self.missing = [k for k in self.NAMES if not hasattr(_S, k)]
+        self.missing = [k for k, m in self.NAMES.items() if not hasattr(m, k)]
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -289,10 +297,11 @@ class Probe:
     @contextlib.contextmanager
     def installed(self) -> Iterator[Probe]:
         probe = self
-        names = ("find_symmetries", "Perturbation", "autopgd", "_clean")
-        saved = {k: getattr(_S, k) for k in names if hasattr(_S, k)}
-        objective_cls = getattr(_S, "_Objective", None)
+        names = ("find_symmetries", "Perturbation", "autopgd")
+        saved = {k: getattr(self.NAMES[k], k) for k in names if hasattr(self.NAMES[k], k)}
+        objective_cls = getattr(_H, "Objective", None)
         objective_call = objective_cls.__call__ if objective_cls is not None else None
+        objective_clean = objective_cls.clean if objective_cls is not None else None
 
         def wrap(name: str, fn: Callable) -> Callable:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -310,12 +319,12 @@ class Probe:
             "find_symmetries": "find_symmetries",
             "Perturbation": "perturbation",
             "autopgd": "ascent",
-            "_clean": "clean_loss",
         }
         for k, fn in saved.items():
-            setattr(_S, k, wrap(stages[k], fn))
+            setattr(self.NAMES[k], k, wrap(stages[k], fn))
         if objective_cls is not None:
             objective_cls.__call__ = objective
+            objective_cls.clean = wrap("clean_loss", objective_clean)
         pert_cls = saved.get("Perturbation")
         random_noise = getattr(pert_cls, "random", None)
         if random_noise is not None:
@@ -324,9 +333,10 @@ class Probe:
             yield self
         finally:
             for k, v in saved.items():
-                setattr(_S, k, v)
+                setattr(self.NAMES[k], k, v)
             if objective_cls is not None:
                 objective_cls.__call__ = objective_call
+                objective_cls.clean = objective_clean
             if random_noise is not None:
                 pert_cls.random = random_noise
 

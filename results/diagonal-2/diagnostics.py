@@ -7,7 +7,7 @@ For every analysed model of a diagonal study folder whose checkpoint is kept, on
   the formulas of the attention heads with every coordinate a 1 × 1 "head": imbalance
   ``√Σ(u²−v²)² / √Σ(u²+v²)²`` (gradient flow conserves ``u² − v²``), excess
   ``Σ(u²+v²) / Σ 2|u v| − 1`` (0 at the balanced point) and ``log_ratio`` the mean of
-  ``½ log(|u_j| / |v_j|)`` (:func:`geosharp.estimators.diagnostics.log_scale` per pair);
+  ``½ log(|u_j| / |v_j|)`` (:func:`geosharp.estimators.orbit.log_scale` per pair);
 * the Auto-PGD optimum of adaptive ℓ2 and geodesic inv (order 2) at the study's middle ρ with
   the study's steps (:func:`geosharp.estimators.diagnostics.ascent_diagnostics`, the study's
   own ascent): the radius used, the order-2 displacement and the value (every coordinate is
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from geosharp.estimators.diagnostics import ascent_diagnostics, log_scale
+from geosharp.estimators.diagnostics import ascent_diagnostics
+from geosharp.estimators.orbit import log_scale
 from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
 
 FAMILIES = {

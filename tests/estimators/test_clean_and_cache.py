@@ -1,6 +1,5 @@
 """The clean gradient from the model's own parameters, and the cache of several base points."""
 
-import importlib
 import math
 
 import pytest
@@ -9,11 +8,11 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.estimators.cache import CACHE, BasePointCache, clear_cache
+from geosharp.estimators.harness import Objective
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.models import VisionTransformer
 
 DT = torch.float64
-S = importlib.import_module("geosharp.estimators.sharpness")  # the module, not the function
 
 
 def _layer(dtype=DT):
@@ -23,10 +22,10 @@ def _layer(dtype=DT):
     return layer, [(x, torch.randn(3, 5, 8, dtype=dtype))]
 
 
-def _objective(model, batches, space, pert):
+def _objective(model, batches, pert):
     x, y = batches[0]
-    counter = {"forward": 0, "backward": 0}
-    return S._Objective(model, nn.functional.mse_loss, space, pert, x, y, counter), counter
+    f = Objective(model, nn.functional.mse_loss, pert, x, y)
+    return f, f.counter
 
 
 CASES = [
@@ -62,9 +61,9 @@ def test_clean_gradient_from_the_parameters_is_the_gradient_through_the_endpoint
     named = dict(layer.named_parameters())
     pert = Perturbation(space, {n: named[n].detach() for n in space.param_names}, **kw)
     assert pert.pulls_back
-    f, counter = _objective(layer, batches, space, pert)
+    f, counter = _objective(layer, batches, pert)
     ref_loss, ref = f(pert.zeros(), True, False)
-    loss, got = S._clean(f, True)
+    loss, got = f.clean(True)
     assert loss == ref_loss
     assert counter == {"forward": 2, "backward": 2}
     assert len(got) == len(ref)

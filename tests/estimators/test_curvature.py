@@ -10,9 +10,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import geosharp as gs
 from geosharp.estimators.perturbation import Perturbation
-from geosharp.estimators.sharpness import call_model
 from geosharp.models import DiagonalNet, VisionTransformer
 from geosharp.symmetry import declare_block, find_symmetries
+from geosharp.symmetry.verify import call_model
 
 DT = torch.float64
 MSE = nn.functional.mse_loss

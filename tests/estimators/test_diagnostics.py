@@ -13,14 +13,16 @@ import geosharp as gs
 from geosharp.estimators.diagnostics import (
     ascent_diagnostics,
     balance,
-    balanced_point,
     budget_split,
+    order2_displacement,
+    summary_row,
+)
+from geosharp.estimators.orbit import (
+    balanced_point,
     imbalance,
     log_scale,
     norm_excess,
     orbit_min_norm_sq,
-    order2_displacement,
-    summary_row,
 )
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.models.transformer import Block

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import geosharp as gs
+from geosharp.estimators.harness import Objective
 from geosharp.estimators.perturbation import Perturbation
 
-S = importlib.import_module("geosharp.estimators.sharpness")
 N = 96  # weight matrices N × N: the only tensors of N² elements or more
 
 
@@ -48,13 +48,13 @@ def test_buffers_alive_at_each_loss_evaluation(monkeypatch, measure, low_memory,
     x = torch.randn(32, N, generator=torch.Generator().manual_seed(1))
     y = torch.arange(32) % 3
     counts = []
-    orig = S._Objective.__call__
+    orig = Objective.__call__
 
     def call(self, xi, need_grad, check=True):
         counts.append(_units(model))  # before the forward: what the ascent holds
         return orig(self, xi, need_grad, check)
 
-    monkeypatch.setattr(S._Objective, "__call__", call)
+    monkeypatch.setattr(Objective, "__call__", call)
     res = _ascent(model, x, y, measure, low_memory)
     assert res.value > 0
     assert max(counts) <= limit, counts
@@ -311,13 +311,13 @@ def test_the_ascent_holds_what_buffer_bytes_accounts_for(monkeypatch, measure):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(8, 10, 32, generator=g), torch.randn(8, 10, 32, generator=g)
     seen = []
-    orig = S._Objective.__call__
+    orig = Objective.__call__
 
     def call(self, xi, need_grad, check=True):
         seen.append((self.pert, _bytes_alive(model, (x, y))))
         return orig(self, xi, need_grad, check)
 
-    monkeypatch.setattr(S._Objective, "__call__", call)
+    monkeypatch.setattr(Objective, "__call__", call)
     gc.collect()
     before = _bytes_alive(model, (x, y))  # whatever earlier tests left alive
     res = gs.sharpness(

@@ -4,7 +4,8 @@ from geosharp.estimators.apgd import AscentResult, autopgd, checkpoints
 from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.estimators.relative_flatness import relative_flatness
-from geosharp.estimators.sharpness import SharpnessResult, call_model, eval_mode, sharpness
+from geosharp.estimators.sharpness import SharpnessResult, sharpness
+from geosharp.symmetry.verify import call_model, eval_mode
 
 __all__ = [
     "AscentResult",

@@ -28,6 +28,9 @@ and ``⟨η, 𝓗ξ⟩_g = ηᵀ ∇²f(0) ξ`` for horizontal ``η``. Estimated
   average-case sharpness sampler, SPEC §6), with its standard error; or Hutch++; or exactly
   (one product per coordinate, for small models).
 
+The operator and these algorithms are :mod:`geosharp.estimators.hessian`; the objectives and the
+loop over batches are :mod:`geosharp.estimators.harness`'s, shared with ``gs.sharpness``.
+
 At a critical point worst-case sharpness is ``½ρ²λ_max + O(ρ³)`` and average-case sharpness
 ``½ρ²·trace + O(ρ³)`` (SPEC §9). ``measure="adaptive"`` gives the spectrum of
 ``diag|w| ∇²ℓ diag|w|``, ``measure="euclidean"`` that of ``∇²ℓ`` (PyHessian's numbers).
@@ -57,7 +60,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -65,21 +67,27 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from geosharp.estimators.distributed import batch_seed
-from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
-from geosharp.estimators.sharpness import (
-    MEASURES,
+from geosharp.estimators.harness import (
     LossFn,
-    _check_float,
-    _check_int,
-    _Objective,
-    _progress,
-    _to_device,
-    eval_mode,
+    batch_progress,
+    check_float,
+    check_int,
+    objectives,
 )
+from geosharp.estimators.hessian import (
+    Flat,
+    HessianOperator,
+    exact_trace,
+    hutchinson,
+    hutchpp,
+    lanczos,
+)
+from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
 from geosharp.symmetry import ParameterSpace, find_symmetries
+from geosharp.symmetry.verify import eval_mode
 
 QUANTITIES = ("lambda_max", "lambda_min", "trace")
 TRACE_METHODS = ("hutchinson", "hutch++", "exact")
@@ -163,248 +171,6 @@ class CurvatureResult:
         )
 
 
-def _math_sdpa() -> contextlib.AbstractContextManager:
-    """The MATH kernel of scaled-dot-product attention: the fused ones lack double backward."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # pragma: no cover - torch < 2.3
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.MATH)
-
-
-class _Flat:
-    """Flat vectors ↔ perturbations (lists of tangent tuples) with the shapes of ``template``."""
-
-    def __init__(self, template: Xi, dtype: torch.dtype) -> None:
-        self.structure = [len(x) for x in template]
-        self.shapes = [t.shape for x in template for t in x]
-        self.dtypes = [t.dtype for x in template for t in x]
-        self.sizes = [t.numel() for x in template for t in x]
-        self.dtype = dtype
-        self.device = template[0][0].device if template and template[0] else torch.device("cpu")
-        self.numel = sum(self.sizes)
-
-    def flatten(self, xi: Xi) -> Tensor:
-        parts = [t.reshape(-1).to(self.dtype) for x in xi for t in x]
-        if not parts:
-            return torch.zeros(0, dtype=self.dtype, device=self.device)
-        return torch.cat(parts)
-
-    def unflatten(self, v: Tensor) -> Xi:
-        chunks = iter(
-            c.view(s).to(d)
-            for c, s, d in zip(torch.split(v, self.sizes), self.shapes, self.dtypes, strict=True)
-        )
-        return [tuple(next(chunks) for _ in range(k)) for k in self.structure]
-
-
-class _Operator:
-    """``∇²f(0)`` of ``f(ξ) = L_S(e(ξ))`` by double backward, and ``𝓗 = P g⁻¹ ∇²f(0)``.
-
-    Builds the first-order graph once (one forward, one backward with ``create_graph=True``);
-    every product is then one backward through it.
-    """
-
-    def __init__(self, objective: _Objective, pert: Perturbation, flat: _Flat, counter) -> None:
-        self.pert, self.flat, self.counter = pert, flat, counter
-        leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in pert.zeros()]
-        self.leaves = [t for x in leaves for t in x]
-        with torch.enable_grad(), _math_sdpa():
-            loss = objective.evaluate(pert.endpoint_params(leaves))
-            grads = torch.autograd.grad(loss, self.leaves, create_graph=True, allow_unused=True)
-        counter["backward"] += 1
-        self.loss = float(loss.detach())
-        #: ``∇f(0) = ∇ℓ(w)`` (flat Euclidean covector).
-        self.egrad = self._cat(tuple(g.detach() if g is not None else None for g in grads))
-        # Only the gradients that depend on ξ take part in the double backward.
-        self._live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-        self._grads = [grads[i] for i in self._live]
-
-    def hvp(self, v: Tensor) -> Tensor:
-        """``∇²f(0) v`` (a Euclidean covector, flat)."""
-        self.counter["hvp"] += 1
-        if not self._live:
-            return torch.zeros_like(v)
-        parts = [t.reshape(-1) for x in self.flat.unflatten(v) for t in x]
-        with torch.enable_grad(), _math_sdpa():
-            out = torch.autograd.grad(
-                self._grads,
-                self.leaves,
-                grad_outputs=[parts[i].view_as(self._grads[k]) for k, i in enumerate(self._live)],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        return self._cat(out)
-
-    def _cat(self, parts: Sequence[Tensor | None]) -> Tensor:
-        """Concatenate per-leaf tensors (``None``: zero) into a flat vector."""
-        if not self.leaves:
-            return torch.zeros(0, dtype=self.flat.dtype, device=self.flat.device)
-        return torch.cat(
-            [
-                (p if p is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
-                for p, t in zip(parts, self.leaves, strict=True)
-            ]
-        )
-
-    def raise_index(self, covector: Tensor) -> Tensor:
-        """``P g⁻¹ e``: the horizontal vector of a covector (the Riemannian gradient map)."""
-        return self.flat.flatten(self.pert.riemannian_grad(self.flat.unflatten(covector)))
-
-    def project(self, v: Tensor) -> Tensor:
-        """Horizontal projection ``P v``."""
-        return self.flat.flatten(self.pert.project(self.flat.unflatten(v)))
-
-    def lower(self, v: Tensor) -> Tensor:
-        """Lower an index: ``g v``, so that ``⟨u, v⟩_g = u · (g v)`` (autodiff of the metric)."""
-        if v.numel() == 0:
-            return v
-        a = [tuple(torch.zeros_like(t, requires_grad=True) for t in x) for x in self.pert.zeros()]
-        b = self.flat.unflatten(v)
-        with torch.enable_grad():
-            s = sum(
-                p.norm_geometry.inner(ai, bi).sum()
-                for p, ai, bi in zip(self.pert.pieces, a, b, strict=True)
-            )
-            flat_a = [t for x in a for t in x]
-            if not (isinstance(s, Tensor) and s.requires_grad):  # every piece held fixed
-                return torch.zeros_like(v)
-            g = torch.autograd.grad(s, flat_a, allow_unused=True)
-        return torch.cat(
-            [
-                (gi if gi is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
-                for gi, t in zip(g, flat_a, strict=True)
-            ]
-        )
-
-    def norm(self, v: Tensor) -> float:
-        return math.sqrt(max(float(v @ self.lower(v)), 0.0))
-
-    def random(self, gen: torch.Generator, scale: float = 1.0) -> Tensor:
-        """A metric-isotropic horizontal Gaussian (``Perturbation.random``), flat."""
-        return self.flat.flatten(self.pert.random(gen, scale))
-
-
-def _orthogonalize(op: _Operator, w: Tensor, basis: Sequence[Tensor]) -> Tensor:
-    """``w`` minus its metric projection on a ``g``-orthonormal basis (Gram–Schmidt, twice).
-
-    The basis is kept as a list (no stacked copy of it), so that Lanczos holds one vector per
-    iteration and nothing more.
-    """
-    if not basis:
-        return w
-    w = w.clone()
-    for _ in range(2):  # "twice is enough" (Kahan–Parlett)
-        gw = op.lower(w)
-        coefficients = [q @ gw for q in basis]
-        for c, q in zip(coefficients, basis, strict=True):
-            w.sub_(q * c)
-    return w
-
-
-def _lanczos(
-    op: _Operator,
-    start: Tensor,
-    iters: int,
-    tol: float,
-    top_k: int,
-    want_min: bool,
-) -> tuple[Tensor, int]:
-    """Lanczos for ``𝓗`` in the metric inner product, with full reorthogonalization.
-
-    Returns:
-        The Ritz values (increasing) of the last tridiagonal matrix and the iterations done.
-    """
-    n0 = op.norm(start)
-    if n0 == 0.0:
-        return torch.zeros(0, dtype=torch.float64), 0
-    basis: list[Tensor] = [start / n0]
-    alphas: list[float] = []
-    betas: list[float] = []
-    ritz = torch.zeros(0, dtype=torch.float64)
-    tiny = torch.finfo(start.dtype)
-    for j in range(iters):
-        hv = op.hvp(basis[j])
-        alphas.append(float(basis[j] @ hv))  # ⟨q, 𝓗q⟩_g = qᵀ ∇²f q on horizontal q
-        # Full reorthogonalization subsumes the three-term recurrence w − αq_j − βq_{j−1}.
-        w = _orthogonalize(op, op.raise_index(hv), basis)
-        beta = op.norm(w)
-        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-        if j:
-            off = torch.tensor(betas, dtype=torch.float64)
-            T = T + torch.diag(off, 1) + torch.diag(off, -1)
-        ritz, S = torch.linalg.eigh(T)
-        scale = max(float(ritz.abs().max()), tiny.tiny)
-        # Residual ‖𝓗y − θy‖_g of a Ritz pair (θ, y): β |last component of its eigenvector|.
-        wanted = list(range(max(len(alphas) - top_k, 0), len(alphas)))
-        if want_min:
-            wanted.append(0)
-        residual = max(beta * abs(float(S[-1, i])) for i in wanted)
-        breakdown = beta <= 1e3 * tiny.eps * scale  # an invariant subspace: the spectrum is exact
-        if breakdown or (residual <= tol * scale and len(alphas) >= top_k):
-            return ritz, j + 1
-        betas.append(beta)
-        basis.append(w / beta)
-    return ritz, iters
-
-
-def _hutchinson(op: _Operator, gen: torch.Generator, probes: int) -> tuple[float, float]:
-    values = []
-    for _ in range(probes):
-        z = op.random(gen)
-        values.append(float(z @ op.hvp(z)))
-    return _mean_se(values)
-
-
-def _hutchpp(op: _Operator, gen: torch.Generator, probes: int) -> tuple[float, float]:
-    """Hutch++ (Meyer et al. 2021) in the metric: exact trace on a sketch, Hutchinson on the rest.
-
-    ``probes // 3`` products sketch the range of ``𝓗``, as many give the exact trace on its
-    metric-orthonormal basis ``Q``, and the remaining ones estimate the trace of ``𝓗`` compressed
-    to the complement: ``z − QQᵀg z`` is an isotropic Gaussian there. The standard error is that
-    of the second part (the first has none).
-    """
-    k = probes // 3
-    basis: list[Tensor] = []
-    for _ in range(k):
-        y = op.raise_index(op.hvp(op.random(gen)))
-        n_before = op.norm(y)
-        y = _orthogonalize(op, y, basis)
-        n = op.norm(y)
-        if n > 1e-8 * n_before and n > 0:  # drop what the sketch already spans
-            basis.append(y / n)
-    exact = sum(float(q @ op.hvp(q)) for q in basis)
-    values = []
-    for _ in range(probes - 2 * k):
-        z = _orthogonalize(op, op.random(gen), basis)
-        values.append(float(z @ op.hvp(z)))
-    mean, se = _mean_se(values) if values else (0.0, 0.0)
-    return exact + mean, se
-
-
-def _exact_trace(op: _Operator) -> float:
-    """``tr(P g⁻¹ ∇²f P) = Σ_i (P g⁻¹ ∇²f P e_i)_i``: one product per coordinate."""
-    total = 0.0
-    n = op.flat.numel
-    for i in range(n):
-        e = torch.zeros(n, dtype=op.flat.dtype, device=op.flat.device)
-        e[i] = 1.0
-        pe = op.project(e)
-        if not bool(pe.any()):
-            continue
-        total += float(op.raise_index(op.hvp(pe))[i])
-    return total
-
-
-def _mean_se(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, math.nan
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
-
-
 def curvature(
     model: nn.Module,
     loss_fn: LossFn,
@@ -486,11 +252,11 @@ def curvature(
         raise ValueError(f"quantities must be a non-empty subset of {QUANTITIES}, got {bad}")
     if trace_method not in TRACE_METHODS:
         raise ValueError(f"trace_method must be one of {TRACE_METHODS}, got {trace_method!r}")
-    iters = _check_int("iters", iters)
-    probes = _check_int("probes", probes, 3 if trace_method == "hutch++" else 1)
-    top_k = _check_int("top_k", top_k)
-    tol = _check_float("tol", tol)
-    eps = _check_float("eps", eps, positive=False)
+    iters = check_int("iters", iters)
+    probes = check_int("probes", probes, 3 if trace_method == "hutch++" else 1)
+    top_k = check_int("top_k", top_k)
+    tol = check_float("tol", tol)
+    eps = check_float("eps", eps, positive=False)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not isinstance(model, nn.Module):
@@ -503,7 +269,7 @@ def curvature(
     theta0 = space.flatten(dict(model.named_parameters())).detach()
     device = theta0.device
     pert = Perturbation(space, theta0, measure=measure, metric=metric, order=2, eps=eps)
-    flat = _Flat(pert.zeros(), theta0.dtype)
+    flat = Flat(pert.zeros(), theta0.dtype)
     want_eig = "lambda_max" in quantities or "lambda_min" in quantities
     want_trace = "trace" in quantities
     name = (f"geodesic-{metric}" if measure == "geodesic" else measure) + " curvature"
@@ -514,25 +280,24 @@ def curvature(
     lanczos_iters: list[int] = []
     grad_norms: list[float] = []
     clean: list[float] = []
+    indexed = batch_progress(enumerate(batches), progress, name)
     with eval_mode(model):
-        for b, batch in _progress(enumerate(batches), progress, name):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(f"batch {b} must be a pair (inputs, targets)")
-            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
-            f = _Objective(model, loss_fn, space, pert, inputs, targets, counter)
-            op = _Operator(f, pert, flat, counter)
+        for f, gen in objectives(
+            model, loss_fn, pert, indexed, seed=seed, device=device, counter=counter
+        ):
+            op = HessianOperator(f, pert, flat, counter)
             if not math.isfinite(op.loss):
                 raise ValueError(
-                    f"the clean loss of batch {b} is {op.loss}: curvature is undefined; "
+                    f"the clean loss of batch {f.batch} is {op.loss}: curvature is undefined; "
                     "check the model, the data and loss_fn"
                 )
             clean.append(op.loss)
             grad_norms.append(op.norm(op.raise_index(op.egrad)))
             if want_eig:
-                gen = torch.Generator(device=device)
-                gen.manual_seed((batch_seed(seed, b) + LANCZOS_SEED_OFFSET) % 2**64)
-                ritz, its = _lanczos(
-                    op, op.random(gen), iters, tol, top_k, "lambda_min" in quantities
+                start = torch.Generator(device=device)
+                start.manual_seed((batch_seed(seed, f.batch) + LANCZOS_SEED_OFFSET) % 2**64)
+                ritz, its = lanczos(
+                    op, op.random(start), iters, tol, top_k, "lambda_min" in quantities
                 )
                 lanczos_iters.append(its)
                 top = ritz.flip(0)[:top_k].tolist()
@@ -541,14 +306,13 @@ def curvature(
                     per_batch["lambda_max"].append(top[0] if top else 0.0)
                 if "lambda_min" in quantities:
                     per_batch["lambda_min"].append(float(ritz[0]) if len(ritz) else 0.0)
-            if want_trace:
-                gen = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
+            if want_trace:  # the generator of the average-case samples of this batch
                 if trace_method == "exact":
-                    value, se = _exact_trace(op), 0.0
+                    value, se = exact_trace(op), 0.0
                 elif trace_method == "hutch++":
-                    value, se = _hutchpp(op, gen, probes)
+                    value, se = hutchpp(op, gen, probes)
                 else:
-                    value, se = _hutchinson(op, gen, probes)
+                    value, se = hutchinson(op, gen, probes)
                 per_batch["trace"].append(value)
                 trace_se.append(se)
             del op

@@ -1,45 +1,12 @@
-r"""Where on its orbit a trained model sits, and where sharpness spends its budget (issue 14).
+r"""Where on its orbit a trained model sits, and where sharpness spends its budget.
 
 Two kinds of diagnostics, both cheap next to a sharpness measurement:
 
-**Orbit position of a GL(h) block** ``(G, H)`` (SPEC §3.1, §4.1). Gradient flow on a loss that
-sees only ``G Hᵀ`` conserves ``D = GᵀG − HᵀH`` (``d/dt GᵀG = d/dt HᵀH = −(Gᵀ E H + Hᵀ Eᵀ G)``
-with ``E = ∂L/∂(G Hᵀ)``); an L2 penalty ``λ/2 (‖G‖² + ‖H‖²)`` adds ``−2λ D``, shrinking it
-towards the *balanced* point ``GᵀG = HᵀH``. Initialization and weight decay therefore set the
-orbit position that training returns. Per head:
-
-* :func:`imbalance` ``= ‖GᵀG − HᵀH‖_F / ‖GᵀG + HᵀH‖_F`` ∈ [0, 1] (0: balanced; → 1 when one
-  factor dominates);
-* :func:`log_scale` ``= ½ log(‖G‖_F / ‖H‖_F)``, signed: ``log s`` more after ``(sG, H/s)``;
-* :func:`orbit_min_norm_sq` — the smallest squared norm on the orbit,
-  ``min_{A ∈ GL(h)} ‖G A⁻¹‖²_F + ‖H Aᵀ‖²_F``, and :func:`norm_excess`, the relative excess
-  ``(‖G‖² + ‖H‖²) / min − 1 ≥ 0`` of the current representative.
-
-*Derivation of the minimum.* With ``M_G = GᵀG``, ``M_H = HᵀH`` and ``X = AᵀA`` (SPD),
-``‖G A⁻¹‖² = tr(A⁻ᵀ M_G A⁻¹) = tr(M_G X⁻¹)`` and ``‖H Aᵀ‖² = tr(A M_H Aᵀ) = tr(M_H X)``, so the
-problem is ``min_{X ≻ 0} f(X) = tr(M_G X⁻¹) + tr(M_H X)``, a convex function of X
-(``X ↦ tr(M X⁻¹)`` is convex on SPD matrices for ``M ⪰ 0``). Its gradient vanishes where
-``−X⁻¹ M_G X⁻¹ + M_H = 0``, i.e. ``X M_H X = M_G``, solved (for full-rank blocks) by the
-geometric mean ``X* = M_H^{−1/2} (M_H^{1/2} M_G M_H^{1/2})^{1/2} M_H^{−1/2}``. There
-``M_G X*⁻¹ = X* M_H``, so both terms are equal and
-
-.. code-block:: text
-
-    min = 2 tr(M_H X*) = 2 tr((M_H^{1/2} M_G M_H^{1/2})^{1/2})
-        = 2 tr((M_G^{1/2} M_H M_G^{1/2})^{1/2}) = 2 Σ_i √λ_i,
-    λ_i = eigenvalues of (GᵀG)(HᵀH)  (= σ_i(G Hᵀ)²).
-
-(The two symmetric matrices are similar to ``M_G M_H`` and ``M_H M_G``, which have the same
-eigenvalues, the squared singular values of ``G Hᵀ``: the minimum is twice the nuclear norm of
-the product, the classic variational form of ``‖·‖_*``.) At the minimizer
-``A* = X*^{1/2}``, ``(G A*⁻¹)ᵀ(G A*⁻¹) = A*⁻¹ M_G A*⁻¹ = A* M_H A* = (H A*)ᵀ(H A*)``: the
-minimum-norm point is the balanced one (:func:`balanced_point`), and ``‖G‖² + ‖H‖² ≥ 2 Σ√λ_i``
-is an AM–GM inequality, with equality iff balanced. The infimum formula holds for rank-deficient
-blocks too (then it may not be attained).
-
-:func:`balance` applies these to every head of every GL-type block of a model (QK, VO, LoRA;
-rotary blocks get the imbalance only: their orbit is that of a subgroup, over which the GL(h)
-minimum is only a lower bound).
+**Orbit position of the GL-type blocks** (SPEC §3.1, §4.1). :func:`balance` applies the
+measures of one block ``(G, H)`` of :mod:`geosharp.estimators.orbit` (imbalance, log-scale,
+excess of the norm over the orbit's minimum) to every head of every GL-type block of a model
+(QK, VO, LoRA; rotary blocks get the imbalance only: their orbit is that of a subgroup, over
+which the GL(h) minimum is only a lower bound).
 
 **Where the worst-case perturbation goes** (SPEC §5.3, §6). The ball ``‖ξ‖ ≤ ρ`` is one budget
 shared by all pieces of a :class:`~geosharp.estimators.perturbation.Perturbation`.
@@ -54,20 +21,20 @@ straight line, ``‖½Γ(ξ*, ξ*)‖ / ‖ξ*‖`` in the ball's metric (``‖e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.apgd import autopgd, best_direction_rule
+from geosharp.estimators.harness import clean_start, objectives, perturbation_kwargs
+from geosharp.estimators.orbit import log_scale, orbit_min_norm_sq
 from geosharp.estimators.perturbation import Perturbation, Xi
-from geosharp.estimators.rows import BatchRows
+from geosharp.estimators.worst import ascent_from_zero
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import GLBlock, RotaryBlock
-from geosharp.symmetry.verify import call_model, eval_mode
-from geosharp.symmetry.verify import to_device as _to_device
+from geosharp.symmetry.verify import eval_mode
 
 __all__ = [
     "AscentDiagnostics",
@@ -75,133 +42,10 @@ __all__ = [
     "HeadBalance",
     "ascent_diagnostics",
     "balance",
-    "balanced_point",
     "budget_split",
-    "imbalance",
-    "log_scale",
-    "norm_excess",
-    "orbit_min_norm_sq",
     "order2_displacement",
     "summary_row",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# one block (G, H), batched over leading dimensions
-# ---------------------------------------------------------------------------------------------
-def _check_pair(G: Tensor, H: Tensor) -> None:
-    if G.dim() < 2 or H.dim() < 2 or G.shape[:-2] != H.shape[:-2] or G.shape[-1] != H.shape[-1]:
-        raise ValueError(
-            f"G (..., n, h) and H (..., m, h) must share leading dims and h; got shapes "
-            f"{tuple(G.shape)} and {tuple(H.shape)}"
-        )
-
-
-def _wide(*ts: Tensor) -> tuple[Tensor, ...]:
-    dtype = torch.promote_types(ts[0].dtype, torch.float64)
-    return tuple(t.to(dtype) for t in ts)
-
-
-def imbalance(G: Tensor, H: Tensor) -> Tensor:
-    """``‖GᵀG − HᵀH‖_F / ‖GᵀG + HᵀH‖_F`` per block (float64).
-
-    Args:
-        G: ``(..., n, h)``.
-        H: ``(..., m, h)``, same leading dimensions and ``h``.
-
-    Returns:
-        One value in ``[0, 1]`` per leading index (0 at a balanced point; NaN if both are 0).
-
-    Example:
-        >>> G = torch.eye(3, 2, dtype=torch.float64)
-        >>> float(imbalance(G, G)), round(float(imbalance(2 * G, G / 2)), 4)  # (4 − 1/4)/(4 + 1/4)
-        (0.0, 0.8824)
-    """
-    _check_pair(G, H)
-    G, H = _wide(G, H)
-    MG, MH = G.mT @ G, H.mT @ H
-    return torch.linalg.matrix_norm(MG - MH) / torch.linalg.matrix_norm(MG + MH)
-
-
-def log_scale(G: Tensor, H: Tensor) -> Tensor:
-    """``½ log(‖G‖_F / ‖H‖_F)`` per block (float64), signed.
-
-    ``(sG, H/s)`` adds ``log s``: a pair with ``‖G‖ = ‖H‖`` rescaled by s has ``log_scale = log s``.
-
-    Example:
-        >>> G = torch.eye(3, 2, dtype=torch.float64)
-        >>> round(float(log_scale(4 * G, G / 4)), 6) == round(math.log(4), 6)
-        True
-    """
-    _check_pair(G, H)
-    G, H = _wide(G, H)
-    return 0.25 * torch.log(G.square().sum((-2, -1)) / H.square().sum((-2, -1)))
-
-
-def _psd_sqrt(M: Tensor) -> Tensor:
-    lam, U = torch.linalg.eigh(M)
-    return (U * lam.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
-
-
-def _product_eigenvalues(G: Tensor, H: Tensor) -> Tensor:
-    """Eigenvalues ``λ_i ≥ 0`` of ``(GᵀG)(HᵀH)``, from the similar ``M_G^{1/2} M_H M_G^{1/2}``."""
-    G, H = _wide(G, H)
-    R = _psd_sqrt(G.mT @ G)
-    return torch.linalg.eigvalsh(R @ (H.mT @ H) @ R).clamp_min(0)
-
-
-def orbit_min_norm_sq(G: Tensor, H: Tensor) -> Tensor:
-    """``min_{A ∈ GL(h)} ‖G A⁻¹‖²_F + ‖H Aᵀ‖²_F = 2 Σ_i √λ_i((GᵀG)(HᵀH))`` (float64).
-
-    The closed form is derived in the module docstring; it equals ``2 ‖G Hᵀ‖_*``.
-
-    Args:
-        G: ``(..., n, h)``.
-        H: ``(..., m, h)``.
-
-    Returns:
-        One value per leading index.
-    """
-    _check_pair(G, H)
-    return 2.0 * _product_eigenvalues(G, H).sqrt().sum(-1)
-
-
-def norm_excess(G: Tensor, H: Tensor) -> Tensor:
-    """Relative norm excess over the orbit's minimum, ``(‖G‖² + ‖H‖²) / min − 1 ≥ 0``.
-
-    0 exactly at the balanced (minimum-norm) point of the orbit; ``(s² + s⁻²)/2 − 1`` after
-    ``(sG, H/s)`` of a balanced pair.
-
-    Example:
-        >>> G = torch.eye(3, 2, dtype=torch.float64)
-        >>> float(norm_excess(G, G)), float(norm_excess(2 * G, G / 2))  # (4 + 1/4)/2 − 1
-        (0.0, 1.125)
-    """
-    _check_pair(G, H)
-    Gw, Hw = _wide(G, H)
-    total = Gw.square().sum((-2, -1)) + Hw.square().sum((-2, -1))
-    return total / orbit_min_norm_sq(G, H) - 1.0
-
-
-def balanced_point(G: Tensor, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The minimum-norm point ``(G A⁻¹, H Aᵀ)`` of the orbit of a full-rank block, and ``A``.
-
-    ``A = X^{1/2}`` with ``X = M_H^{−1/2} (M_H^{1/2} M_G M_H^{1/2})^{1/2} M_H^{−1/2}`` (module
-    docstring); the result is balanced, ``(GA⁻¹)ᵀ(GA⁻¹) = (HAᵀ)ᵀ(HAᵀ)``, with the same product
-    ``G Hᵀ``. Computed in float64.
-
-    Returns:
-        ``(G*, H*, A)``.
-    """
-    _check_pair(G, H)
-    G, H = _wide(G, H)
-    MG, MH = G.mT @ G, H.mT @ H
-    lam, U = torch.linalg.eigh(MH)
-    s = lam.sqrt().unsqueeze(-2)
-    MH_half, MH_ihalf = (U * s) @ U.mT, (U / s) @ U.mT
-    X = MH_ihalf @ _psd_sqrt(MH_half @ MG @ MH_half) @ MH_ihalf
-    A = _psd_sqrt(0.5 * (X + X.mT))
-    return torch.linalg.solve(A, G, left=False), H @ A.mT, A
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,11 +59,11 @@ class HeadBalance:
         block: Block name, e.g. ``"blocks.0.attn[QK]"``.
         category: :attr:`~geosharp.symmetry.SymmetryBlock.category` of the block.
         head: Head index within the block.
-        imbalance: :func:`imbalance`.
-        log_scale: :func:`log_scale`.
+        imbalance: :func:`~geosharp.estimators.orbit.imbalance`.
+        log_scale: :func:`~geosharp.estimators.orbit.log_scale`.
         norm_sq: ``‖G‖² + ‖H‖²``.
-        min_norm_sq: :func:`orbit_min_norm_sq` (NaN for rotary blocks).
-        excess: :func:`norm_excess` (NaN for rotary blocks).
+        min_norm_sq: :func:`~geosharp.estimators.orbit.orbit_min_norm_sq` (NaN for rotary blocks).
+        excess: :func:`~geosharp.estimators.orbit.norm_excess` (NaN for rotary blocks).
         diff_sq: ``‖GᵀG − HᵀH‖²_F``.
         sum_sq: ``‖GᵀG + HᵀH‖²_F``.
     """
@@ -461,19 +305,6 @@ class AscentDiagnostics:
     per_batch: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _objective(model: nn.Module, loss_fn: Any, pert: Perturbation, inputs: Any, targets: Any):
-    """``ξ ↦ L_S(θ′(ξ))`` with its Euclidean gradient, as :func:`geosharp.sharpness` computes it."""
-
-    def evaluate(params: Mapping[str, Tensor]) -> Tensor:
-        return loss_fn(call_model(model, params, inputs), targets).reshape(())
-
-    def f(xi: Xi, need_grad: bool | Callable[[float], bool]) -> tuple[float, Xi | None]:
-        loss, grad = pert.loss_and_grad(evaluate, xi, need_grad)
-        return float(loss), grad
-
-    return f
-
-
 def ascent_diagnostics(
     model: nn.Module,
     loss_fn: Any,
@@ -522,18 +353,9 @@ def ascent_diagnostics(
     space = space if space is not None else find_symmetries(model, key_bias=key_bias)
     theta0 = space.flatten(dict(model.named_parameters())).detach()
     device = theta0.device
-    if perturb == "blocks":
-        if measure == "euclidean" or not space.blocks:
-            raise ValueError(
-                "perturb='blocks' needs symmetry blocks and a geodesic/adaptive measure"
-            )
-        pert_kw: dict[str, Any] = (
-            {"measure": "geodesic", "metric": "adaptive", "order": 1}
-            if measure == "adaptive"
-            else {"measure": measure, "metric": metric, "order": order}
-        )
-    else:
-        pert_kw = {"measure": measure, "metric": metric, "order": order}
+    if perturb == "blocks" and (measure == "euclidean" or not space.blocks):
+        raise ValueError("perturb='blocks' needs symmetry blocks and a geodesic/adaptive measure")
+    pert_kw = perturbation_kwargs(measure, metric, order, perturb)
     pert = Perturbation(
         space,
         theta0,
@@ -545,15 +367,11 @@ def ascent_diagnostics(
     )
     rows: list[dict[str, Any]] = []
     with eval_mode(model):
-        for batch in batches:
-            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
-            f = _objective(model, loss_fn, pert, inputs, targets)
-            with BatchRows(model, pert) as reached:  # as gs.sharpness: the rows reached
-                clean, grad = f(pert.zeros(), True)
-            cut, grad = reached.restrict(grad)
-            fc = f if cut is pert else _objective(model, loss_fn, cut, inputs, targets)
-            start, grad = [clean, grad], None  # emptied by autopgd: no reference held here
-            res = autopgd(cut, fc, rho, steps, None, "l2", start, best_direction_rule(cut))
+        for f, _ in objectives(model, loss_fn, pert, enumerate(batches), seed=0, device=device):
+            # the first run of gs.sharpness: from ξ = 0, on the embedding rows reached
+            clean, grad, reached = clean_start(f, True)
+            start, grad = [clean, grad], None  # emptied by the ascent: no reference held here
+            cut, res = ascent_from_zero(f, reached, start, rho, steps)
             best = max(res.best_loss, clean)
             xi = res.best_xi if res.best_loss > clean else cut.zeros()
             split = budget_split(cut, xi)

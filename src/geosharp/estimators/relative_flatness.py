@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.sharpness import SharpnessResult, _to_device, eval_mode
+from geosharp.estimators.sharpness import SharpnessResult
+from geosharp.symmetry.verify import eval_mode
+from geosharp.symmetry.verify import to_device as _to_device
 
 
 def _last_linear(model: nn.Module) -> str:

@@ -1,5 +1,11 @@
 """``gs.sharpness``: adaptive, Euclidean and geodesic sharpness of a model (SPEC §2, §6).
 
+The value of a batch is :class:`~geosharp.estimators.worst.WorstCase` or
+:class:`~geosharp.estimators.average.AverageCase` of its objective ``ξ ↦ L_S(θ′(ξ))``;
+:mod:`geosharp.estimators.harness` builds the perturbation and the objectives, one per batch
+(split across ranks by :class:`~geosharp.estimators.distributed.BatchSplit`), and counts the
+passes. The result is the mean over batches.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -16,30 +22,32 @@ Example:
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from geosharp.estimators.apgd import BUFFER_BUDGET, autopgd, best_direction_rule
-from geosharp.estimators.cache import CACHE
-from geosharp.estimators.distributed import BatchSplit, batch_seed
-from geosharp.estimators.perturbation import BLOCK_METRICS, Perturbation, Xi
-from geosharp.estimators.rows import BatchRows
-from geosharp.symmetry import ParameterSpace, find_symmetries
-from geosharp.symmetry.verify import call_model, eval_mode
-from geosharp.symmetry.verify import to_device as _to_device
+from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.estimators.average import AverageCase
+from geosharp.estimators.distributed import BatchSplit
+from geosharp.estimators.harness import (
+    LossFn,
+    PassBar,
+    check_float,
+    check_int,
+    objectives,
+    perturbation_of,
+)
+from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
+from geosharp.estimators.worst import WorstCase
+from geosharp.symmetry import ParameterSpace
+from geosharp.symmetry.verify import eval_mode
 
-MEASURES = ("geodesic", "adaptive", "euclidean")
 KINDS = ("worst", "average")
 NORMS = ("l2", "linf")
-
-LossFn = Callable[[Any, Any], Tensor]
 
 
 @dataclass
@@ -113,112 +121,6 @@ def measure_name(
     else:
         base = measure
     return f"{base}{blocks} {kind} {norm}"
-
-
-def _check_float(name: str, value: Any, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _progress(iterable: Iterable, enabled: bool | None, desc: str) -> Iterable:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a light optional dependency
-        return iterable
-    return tqdm(iterable, desc=desc, leave=False)
-
-
-class _PassBar:
-    """A progress bar over the model's forward passes, with their total and an ETA."""
-
-    def __init__(self, enabled: bool | None, desc: str, total: int) -> None:
-        self.bar = None
-        if enabled is None:
-            enabled = sys.stderr.isatty()
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:  # pragma: no cover
-                return
-            self.bar = tqdm(total=total, desc=desc, unit="pass", leave=False)
-
-    def update(self) -> None:
-        if self.bar is not None:
-            if self.bar.total is not None and self.bar.n >= self.bar.total:
-                self.bar.total += 1  # a restart that recomputes the best iterate's gradient
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class _Objective:
-    """``ξ ↦ L_S(θ′(ξ))`` on one batch, counting forward and backward passes."""
-
-    def __init__(self, model, loss_fn, space, pert, inputs, targets, counter, bar=None):
-        self.model, self.loss_fn, self.space, self.pert = model, loss_fn, space, pert
-        self.inputs, self.targets, self.counter = inputs, targets, counter
-        self.bar = bar
-
-    def evaluate(self, params: Mapping[str, Tensor]) -> Tensor:
-        out = call_model(self.model, params, self.inputs)
-        loss = self.loss_fn(out, self.targets)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(
-                "loss_fn(outputs, targets) must return a scalar tensor, got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
-            )
-        self.counter["forward"] += 1
-        if self.bar is not None:
-            self.bar.update()
-        return loss.reshape(())
-
-    def on(self, pert: Perturbation) -> _Objective:
-        """The same objective for another perturbation of the same parameters (e.g. cut rows)."""
-        return _Objective(
-            self.model,
-            self.loss_fn,
-            self.space,
-            pert,
-            self.inputs,
-            self.targets,
-            self.counter,
-            self.bar,
-        )
-
-    def __call__(
-        self, xi: Xi, need_grad: bool | Callable[[float], bool], check: bool = True
-    ) -> tuple[float, Xi | None]:
-        loss, grad = self.pert.loss_and_grad(self.evaluate, xi, need_grad)
-        if grad is not None:
-            self.counter["backward"] += 1
-        value = float(loss)
-        if check:
-            self._check(value, xi)
-        return value, grad
-
-    def _check(self, value: float, xi: Xi) -> None:
-        if not math.isfinite(value):
-            raise FloatingPointError(
-                f"the loss became {value} at a perturbation of norm {self.pert.norm(xi):.3g}: "
-                "the model or its geometry is numerically unstable there; try a smaller rho, "
-                "or eps > 0 for near-singular symmetry blocks"
-            )
 
 
 def sharpness(
@@ -303,19 +205,16 @@ def sharpness(
             factorizations) fit in four parameter-sized buffers, and only while free
             otherwise (:func:`geosharp.estimators.apgd.best_direction_rule`). (2) The
             symmetry blocks' geometry runs its per-step products in the model's dtype instead
-            of float64 (the
-            factorizations stay float64; tangents are kept in the model's dtype either way):
-            no float64 temporaries, with float32 roundoff in the projection (values agree with
-            the default to about 1e-5 relative in float32; exactly in float64). See
+            of float64 (the factorizations stay float64; tangents are kept in the model's
+            dtype either way): no float64 temporaries, with the model dtype's roundoff in the
+            projection (the same values as the default for a float64 model). See
             ``benchmarks/README.md``.
         buffer_budget: Parameter-sized buffers a worst-case ascent may hold above a plain
             forward and backward for the rule of ``low_memory`` (1): the best iterate's
             direction is kept always where four ξ-sized buffers and what the perturbation
             holds beside them fit in this many. ``None``: no bound, always kept (the fewest
-            passes: geodesic inv on Study 3's MiniLM set-up, 2 batches × 20 steps, runs 42
-            forward and 30 backward passes instead of 49 and 37, holding one buffer more).
-            The iterates and the value do not depend on it. Ignored with
-            ``low_memory=True``.
+            passes: no recomputation at a restart, one buffer more). The iterates and the
+            value do not depend on it. Ignored with ``low_memory=True``.
         progress: Show a progress bar over batches (default: when stderr is a terminal).
         distributed: Split the batches across the ranks of ``torch.distributed`` (data
             parallel, :mod:`geosharp.estimators.distributed`): ``None`` when a process group
@@ -334,105 +233,42 @@ def sharpness(
         FloatingPointError: If the loss becomes non-finite inside the ball.
     """
     t0 = time.perf_counter()
-    if measure not in MEASURES:
-        raise ValueError(
-            f"measure must be one of {MEASURES}, got {measure!r} "
-            "(relative flatness: geosharp.relative_flatness)"
-        )
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if norm == "linf" and measure == "geodesic":
-        raise ValueError("norm='linf' is defined for measure='adaptive' or 'euclidean' only")
-    if perturb not in ("all", "blocks"):
-        raise ValueError(f"perturb must be 'all' or 'blocks', got {perturb!r}")
-    if perturb == "blocks" and (measure == "euclidean" or norm == "linf"):
-        raise ValueError(
-            "perturb='blocks' (attention-only) is defined for the geodesic and adaptive ℓ2 measures"
-        )
-    if measure == "geodesic" and metric not in BLOCK_METRICS:
-        raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
-    if isinstance(order, bool) or order not in (1, 2, "exact"):
-        raise ValueError(f"order must be one of 1, 2, 'exact', got {order!r}")
-    rho = _check_float("rho", rho)
-    steps = _check_int("steps", steps)
-    samples = _check_int("samples", samples)
-    restarts = _check_int("restarts", restarts)
+    _check_measure(measure, kind, norm, perturb, metric, order)
+    rho = check_float("rho", rho)
+    steps = check_int("steps", steps)
+    samples = check_int("samples", samples)
+    restarts = check_int("restarts", restarts)
     if buffer_budget is not None:
-        buffer_budget = _check_float("buffer_budget", buffer_budget)
+        buffer_budget = check_float("buffer_budget", buffer_budget)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 
-    hit_pert = False
-    if space is None:
-        # Adaptive and Euclidean sharpness of the whole model never look at the blocks: their
-        # space is the parameters alone (no search, no block positions held).
-        blocks_needed = measure == "geodesic" or perturb == "blocks"
-
-        def find() -> ParameterSpace:
-            if blocks_needed:
-                return find_symmetries(model, key_bias=key_bias)
-            return find_symmetries(model, adapters=[], key_bias=key_bias)
-
-        if cache:
-            entry = "space" if blocks_needed else "space-plain"  # both kept: measures alternate
-            space, _ = CACHE.get(entry, model, ("find", key_bias), find)
-        else:
-            space = find()
-    if space.numel() == 0:
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    # The base point is the model's own parameters (detached views): no flat copy of θ₀.
-    named = dict(model.named_parameters())
-    base = {n: named[n].detach() for n in space.param_names}
-    first = base[space.param_names[0]]
-    device, dtype = first.device, first.dtype
-    if perturb == "blocks":
-        if not space.blocks:
-            raise ValueError(
-                "perturb='blocks' but the model has no symmetry blocks: nothing would move"
-            )
-        # adaptive sharpness of the blocks alone: their coordinates, element-wise, straight
-        pert_kw = (
-            {"measure": "geodesic", "metric": "adaptive", "order": 1}
-            if measure == "adaptive"
-            else {"measure": measure, "metric": metric, "order": order}
-        )
-    else:
-        pert_kw = {"measure": measure, "metric": metric, "order": order}
-
-    def build() -> Perturbation:
-        return Perturbation(
-            space,
-            base,
-            work_dtype=dtype if low_memory else None,
-            eps=eps,
-            corrected_norm=corrected_norm,
-            exact_steps=exact_steps,
-            perturb=perturb,
-            **pert_kw,
-        )
-
-    if cache:
-        settings_key = (
-            id(space),
-            eps,
-            corrected_norm,
-            exact_steps,
-            perturb,
-            low_memory,
-            *pert_kw.items(),
-        )
-        pert, hit_pert = CACHE.get("perturbation", model, settings_key, build)
-    else:
-        pert = build()
-    counter = {"forward": 0, "backward": 0}
-    per_batch, clean, perturbed, traces = [], [], [], []
+    setup = perturbation_of(
+        model,
+        space,
+        measure=measure,
+        metric=metric,
+        order=order,
+        perturb=perturb,
+        eps=eps,
+        corrected_norm=corrected_norm,
+        exact_steps=exact_steps,
+        key_bias=key_bias,
+        low_memory=low_memory,
+        cache=cache,
+    )
+    space = setup.space
+    theta = [setup.base[n] for n in space.param_names]
+    device, dtype = theta[0].device, theta[0].dtype
+    case: WorstCase | AverageCase = (
+        WorstCase(rho, steps, norm, restarts, random_init, low_memory, buffer_budget)
+        if kind == "worst"
+        else AverageCase(rho, samples)
+    )
     name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
-    split = BatchSplit(batches, distributed, t0=t0, theta=[base[n] for n in space.param_names])
+    split = BatchSplit(batches, distributed, t0=t0, theta=theta)
     local = list(split.local())
-    per_batch_passes = (1 + samples) if kind == "average" else (1 + steps * restarts)
-    bar = _PassBar(progress, name, len(local) * per_batch_passes)
+    bar = PassBar(progress, name, len(local) * case.passes)
     if measure == "geodesic" and not space.blocks:
         warnings.warn(
             "the model has no symmetry blocks, so geodesic sharpness is adaptive sharpness "
@@ -440,65 +276,15 @@ def sharpness(
             stacklevel=2,
         )
     with eval_mode(model), split:
-        for b, batch in local:
-            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(f"batch {b} must be a pair (inputs, targets)")
-            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
-            f = _Objective(model, loss_fn, space, pert, inputs, targets, counter, bar)
-            need_grad = kind == "worst" and not random_init
-            # the embedding rows the clean forward reaches: the ascent from ξ = 0 moves no other
-            rows = BatchRows(model, pert, enabled=need_grad)
-            with rows:
-                if need_grad and not pert.pulls_back:
-                    clean_loss, clean_grad = f(pert.zeros(), True, False)
-                else:
-                    clean_loss, clean_grad = _clean(f, need_grad)
-            if not math.isfinite(clean_loss):
-                raise ValueError(
-                    f"the clean loss of batch {b} is {clean_loss}: sharpness is undefined; "
-                    "check the model, the data and loss_fn"
-                )
-            if kind == "average":
-                rises = []
-                for _ in range(samples):
-                    value, _ = f(pert.random(gen, rho), False)
-                    rises.append(value)
-                best = sum(rises) / len(rises)
-            else:
-                best, trace = -math.inf, []
-                for r in range(restarts):
-                    if r == 0 and not random_init:
-                        # a list, which autopgd empties: no reference to the clean gradient
-                        # is held here while it is overwritten by the ascent direction
-                        cut, grad0 = rows.restrict(clean_grad)
-                        start, clean_grad, grad0 = [clean_loss, grad0], None, None
-                        fc = f if cut is pert else f.on(cut)
-                        keep = best_direction_rule(cut, low_memory, buffer_budget)
-                        res = autopgd(cut, fc, rho, steps, None, norm, start, keep)
-                        del cut, fc
-                    else:
-                        res = autopgd(
-                            pert,
-                            f,
-                            rho,
-                            steps,
-                            _random_start(pert, gen, rho, norm),
-                            norm,
-                            keep_best_direction=best_direction_rule(
-                                pert, low_memory, buffer_budget
-                            ),
-                        )
-                    if res.best_loss > best:
-                        best, trace = res.best_loss, res.trace
-                    res = None  # its best iterate would live on through the next ascent
-                best = max(best, clean_loss)
-                traces.append(trace)
-            clean.append(clean_loss)
-            perturbed.append(best)
-            per_batch.append(best - clean_loss)
+        fs = objectives(model, loss_fn, setup.pert, local, seed=seed, device=device, bar=bar)
+        values = [case(f, gen) for f, gen in fs]
+        counter = {k: sum(v.passes[k] for v in values) for k in ("forward", "backward")}
         per_batch, clean, perturbed, traces = split.gather(
-            per_batch, clean, perturbed, traces, counter
+            [v.value for v in values],
+            [v.clean for v in values],
+            [v.perturbed for v in values],
+            [v.trace for v in values if v.trace is not None],
+            counter,
         )
     bar.close()
     if not per_batch:
@@ -520,7 +306,7 @@ def sharpness(
         "perturb": perturb,
         "low_memory": low_memory,
         "buffer_budget": buffer_budget,
-        "cached_base_point": hit_pert,
+        "cached_base_point": setup.cached,
         "exact_steps": exact_steps if order == "exact" else None,
         "n_params": space.numel(),
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
@@ -545,35 +331,28 @@ def sharpness(
     )
 
 
-def _clean(f: _Objective, need_grad: bool = False) -> tuple[float, Xi | None]:
-    """The loss at ``ξ = 0`` and, with ``need_grad``, its Euclidean gradient w.r.t. ``ξ``.
-
-    Evaluated at the model's own parameters: one plain forward (and backward), with no endpoint
-    built at ``ξ = 0`` and none of its backward. The gradient w.r.t. ``ξ`` is the parameters'
-    gradient laid out as the pieces (:meth:`Perturbation.grad_at_zero`); the same numbers as
-    the gradient through the endpoint at ``ξ = 0`` when :attr:`Perturbation.pulls_back` holds.
-    """
-    named = dict(f.model.named_parameters())
-    if not need_grad:
-        with torch.no_grad():
-            return float(f.evaluate(named)), None
-    names = f.pert.space.param_names
-    leaves = [named[n].detach().requires_grad_(True) for n in names]
-    with torch.enable_grad():
-        loss = f.evaluate(dict(zip(names, leaves, strict=True)))
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    f.counter["backward"] += 1
-    value = float(loss.detach())
-    del loss, leaves
-    pairs = zip(grads, names, strict=True)
-    grads = [g if g is not None else torch.zeros_like(named[n]) for g, n in pairs]
-    return value, f.pert.grad_at_zero(grads)
-
-
-def _random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
-    """A random start: on the sphere of radius ρ (ℓ2, horizontal) or uniform in the box (ℓ∞)."""
-    if norm == "linf":
-        return pert.uniform_box(gen, rho)
-    xi = pert.project(pert.random(gen, 1.0))
-    n = pert.norm(xi)
-    return [tuple(t * (rho / n) for t in x) for x in xi] if n > 0 else xi
+def _check_measure(
+    measure: str, kind: str, norm: str, perturb: str, metric: str, order: int | str
+) -> None:
+    """Raise ``ValueError`` on a measure, kind, norm, ``perturb``, metric or order not defined."""
+    if measure not in MEASURES:
+        raise ValueError(
+            f"measure must be one of {MEASURES}, got {measure!r} "
+            "(relative flatness: geosharp.relative_flatness)"
+        )
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm == "linf" and measure == "geodesic":
+        raise ValueError("norm='linf' is defined for measure='adaptive' or 'euclidean' only")
+    if perturb not in ("all", "blocks"):
+        raise ValueError(f"perturb must be 'all' or 'blocks', got {perturb!r}")
+    if perturb == "blocks" and (measure == "euclidean" or norm == "linf"):
+        raise ValueError(
+            "perturb='blocks' (attention-only) is defined for the geodesic and adaptive ℓ2 measures"
+        )
+    if measure == "geodesic" and metric not in BLOCK_METRICS:
+        raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
+    if isinstance(order, bool) or order not in (1, 2, "exact"):
+        raise ValueError(f"order must be one of 1, 2, 'exact', got {order!r}")

@@ -41,7 +41,6 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.sharpness import _to_device
 from geosharp.measure.checks import (
     clean_pass,
     invariance_tol,
@@ -62,6 +61,7 @@ from geosharp.measure.losses import default_loss, resolve_loss
 from geosharp.measure.results import MeasureReport, MeasureRow, _g, _time
 from geosharp.measures import Measure, curvature_name, parse_measure
 from geosharp.symmetry import ParameterSpace, find_symmetries, prove
+from geosharp.symmetry.verify import to_device as _to_device
 
 __all__ = [
     "DEFAULT_CURVATURE_ITERS",

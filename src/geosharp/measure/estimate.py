@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.sharpness import _to_device, call_model, eval_mode
 from geosharp.measure.results import _time
 from geosharp.measures import Measure
+from geosharp.symmetry.verify import call_model, eval_mode
+from geosharp.symmetry.verify import to_device as _to_device
 
 __all__ = ["LONG_RUN_S", "PROBE_STEPS", "STEP_COST", "RunEstimate", "batch_sizes", "estimate_run"]
 

@@ -1,0 +1,279 @@
+r"""The Hessian of a perturbation's loss at ``ξ = 0`` as an operator, and its spectrum (SPEC §9).
+
+With ``f(ξ) = L_S(e(ξ))`` and ``e`` the second-order endpoint of a
+:class:`~geosharp.estimators.perturbation.Perturbation`, the Riemannian Hessian form of the loss
+on a horizontal ``ξ`` is ``Q(ξ) = d²/dt² f(tξ)|₀ = ξᵀ ∇²f(0) ξ``, and the operator self-adjoint in
+the metric ``g`` on the horizontal space is
+
+.. code-block:: text
+
+    𝓗 ξ = P g⁻¹ ∇²f(0) ξ          (P: horizontal projection, g⁻¹: the Riemannian gradient map),
+
+with ``⟨η, 𝓗ξ⟩_g = ηᵀ ∇²f(0) ξ`` for horizontal ``η``. :class:`HessianOperator` gives its
+products by double backward (never a dense Hessian); :func:`lanczos` estimates its extreme
+eigenvalues in the metric inner product, :func:`hutchinson`, :func:`hutchpp` and
+:func:`exact_trace` its trace. Vectors are flat (:class:`Flat`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from geosharp.estimators.harness import Objective
+from geosharp.estimators.perturbation import Perturbation, Xi
+
+
+def math_sdpa() -> contextlib.AbstractContextManager:
+    """The MATH kernel of scaled-dot-product attention: the fused ones lack double backward."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # pragma: no cover - torch < 2.3
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+class Flat:
+    """Flat vectors ↔ perturbations (lists of tangent tuples) with the shapes of ``template``."""
+
+    def __init__(self, template: Xi, dtype: torch.dtype) -> None:
+        self.structure = [len(x) for x in template]
+        self.shapes = [t.shape for x in template for t in x]
+        self.dtypes = [t.dtype for x in template for t in x]
+        self.sizes = [t.numel() for x in template for t in x]
+        self.dtype = dtype
+        self.device = template[0][0].device if template and template[0] else torch.device("cpu")
+        self.numel = sum(self.sizes)
+
+    def flatten(self, xi: Xi) -> Tensor:
+        """One flat vector of ``dtype`` (the tangents concatenated in piece order)."""
+        parts = [t.reshape(-1).to(self.dtype) for x in xi for t in x]
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat(parts)
+
+    def unflatten(self, v: Tensor) -> Xi:
+        """The perturbation of a flat vector, each tangent in its own shape and dtype."""
+        chunks = iter(
+            c.view(s).to(d)
+            for c, s, d in zip(torch.split(v, self.sizes), self.shapes, self.dtypes, strict=True)
+        )
+        return [tuple(next(chunks) for _ in range(k)) for k in self.structure]
+
+
+class HessianOperator:
+    """``∇²f(0)`` of ``f(ξ) = L_S(e(ξ))`` by double backward, and ``𝓗 = P g⁻¹ ∇²f(0)``.
+
+    Builds the first-order graph once (one forward, one backward with ``create_graph=True``);
+    every product is then one backward through it.
+    """
+
+    def __init__(self, objective: Objective, pert: Perturbation, flat: Flat, counter) -> None:
+        self.pert, self.flat, self.counter = pert, flat, counter
+        leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in pert.zeros()]
+        self.leaves = [t for x in leaves for t in x]
+        with torch.enable_grad(), math_sdpa():
+            loss = objective.evaluate(pert.endpoint_params(leaves))
+            grads = torch.autograd.grad(loss, self.leaves, create_graph=True, allow_unused=True)
+        counter["backward"] += 1
+        self.loss = float(loss.detach())
+        #: ``∇f(0) = ∇ℓ(w)`` (flat Euclidean covector).
+        self.egrad = self._cat(tuple(g.detach() if g is not None else None for g in grads))
+        # Only the gradients that depend on ξ take part in the double backward.
+        self._live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        self._grads = [grads[i] for i in self._live]
+
+    def hvp(self, v: Tensor) -> Tensor:
+        """``∇²f(0) v`` (a Euclidean covector, flat)."""
+        self.counter["hvp"] += 1
+        if not self._live:
+            return torch.zeros_like(v)
+        parts = [t.reshape(-1) for x in self.flat.unflatten(v) for t in x]
+        with torch.enable_grad(), math_sdpa():
+            out = torch.autograd.grad(
+                self._grads,
+                self.leaves,
+                grad_outputs=[parts[i].view_as(self._grads[k]) for k, i in enumerate(self._live)],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        return self._cat(out)
+
+    def _cat(self, parts: Sequence[Tensor | None]) -> Tensor:
+        """Concatenate per-leaf tensors (``None``: zero) into a flat vector."""
+        if not self.leaves:
+            return torch.zeros(0, dtype=self.flat.dtype, device=self.flat.device)
+        return torch.cat(
+            [
+                (p if p is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
+                for p, t in zip(parts, self.leaves, strict=True)
+            ]
+        )
+
+    def raise_index(self, covector: Tensor) -> Tensor:
+        """``P g⁻¹ e``: the horizontal vector of a covector (the Riemannian gradient map)."""
+        return self.flat.flatten(self.pert.riemannian_grad(self.flat.unflatten(covector)))
+
+    def project(self, v: Tensor) -> Tensor:
+        """Horizontal projection ``P v``."""
+        return self.flat.flatten(self.pert.project(self.flat.unflatten(v)))
+
+    def lower(self, v: Tensor) -> Tensor:
+        """Lower an index: ``g v``, so that ``⟨u, v⟩_g = u · (g v)`` (autodiff of the metric)."""
+        if v.numel() == 0:
+            return v
+        a = [tuple(torch.zeros_like(t, requires_grad=True) for t in x) for x in self.pert.zeros()]
+        b = self.flat.unflatten(v)
+        with torch.enable_grad():
+            s = sum(
+                p.norm_geometry.inner(ai, bi).sum()
+                for p, ai, bi in zip(self.pert.pieces, a, b, strict=True)
+            )
+            flat_a = [t for x in a for t in x]
+            if not (isinstance(s, Tensor) and s.requires_grad):  # every piece held fixed
+                return torch.zeros_like(v)
+            g = torch.autograd.grad(s, flat_a, allow_unused=True)
+        return torch.cat(
+            [
+                (gi if gi is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
+                for gi, t in zip(g, flat_a, strict=True)
+            ]
+        )
+
+    def norm(self, v: Tensor) -> float:
+        """``‖v‖_g = √(vᵀ g v)``."""
+        return math.sqrt(max(float(v @ self.lower(v)), 0.0))
+
+    def random(self, gen: torch.Generator, scale: float = 1.0) -> Tensor:
+        """A metric-isotropic horizontal Gaussian (``Perturbation.random``), flat."""
+        return self.flat.flatten(self.pert.random(gen, scale))
+
+
+def orthogonalize(op: HessianOperator, w: Tensor, basis: Sequence[Tensor]) -> Tensor:
+    """``w`` minus its metric projection on a ``g``-orthonormal basis (Gram–Schmidt, twice).
+
+    The basis is kept as a list (no stacked copy of it), so that Lanczos holds one vector per
+    iteration and nothing more.
+    """
+    if not basis:
+        return w
+    w = w.clone()
+    for _ in range(2):  # "twice is enough" (Kahan–Parlett)
+        gw = op.lower(w)
+        coefficients = [q @ gw for q in basis]
+        for c, q in zip(coefficients, basis, strict=True):
+            w.sub_(q * c)
+    return w
+
+
+def lanczos(
+    op: HessianOperator,
+    start: Tensor,
+    iters: int,
+    tol: float,
+    top_k: int,
+    want_min: bool,
+) -> tuple[Tensor, int]:
+    """Lanczos for ``𝓗`` in the metric inner product, with full reorthogonalization.
+
+    Returns:
+        The Ritz values (increasing) of the last tridiagonal matrix and the iterations done.
+    """
+    n0 = op.norm(start)
+    if n0 == 0.0:
+        return torch.zeros(0, dtype=torch.float64), 0
+    basis: list[Tensor] = [start / n0]
+    alphas: list[float] = []
+    betas: list[float] = []
+    ritz = torch.zeros(0, dtype=torch.float64)
+    tiny = torch.finfo(start.dtype)
+    for j in range(iters):
+        hv = op.hvp(basis[j])
+        alphas.append(float(basis[j] @ hv))  # ⟨q, 𝓗q⟩_g = qᵀ ∇²f q on horizontal q
+        # Full reorthogonalization subsumes the three-term recurrence w − αq_j − βq_{j−1}.
+        w = orthogonalize(op, op.raise_index(hv), basis)
+        beta = op.norm(w)
+        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        if j:
+            off = torch.tensor(betas, dtype=torch.float64)
+            T = T + torch.diag(off, 1) + torch.diag(off, -1)
+        ritz, S = torch.linalg.eigh(T)
+        scale = max(float(ritz.abs().max()), tiny.tiny)
+        # Residual ‖𝓗y − θy‖_g of a Ritz pair (θ, y): β |last component of its eigenvector|.
+        wanted = list(range(max(len(alphas) - top_k, 0), len(alphas)))
+        if want_min:
+            wanted.append(0)
+        residual = max(beta * abs(float(S[-1, i])) for i in wanted)
+        breakdown = beta <= 1e3 * tiny.eps * scale  # an invariant subspace: the spectrum is exact
+        if breakdown or (residual <= tol * scale and len(alphas) >= top_k):
+            return ritz, j + 1
+        betas.append(beta)
+        basis.append(w / beta)
+    return ritz, iters
+
+
+def hutchinson(op: HessianOperator, gen: torch.Generator, probes: int) -> tuple[float, float]:
+    """Hutchinson's ``tr 𝓗 = E[Q(z)]``, ``z`` a metric-isotropic horizontal Gaussian.
+
+    Returns:
+        The mean of ``probes`` values ``Q(z) = zᵀ ∇²f(0) z`` and its standard error.
+    """
+    values = []
+    for _ in range(probes):
+        z = op.random(gen)
+        values.append(float(z @ op.hvp(z)))
+    return mean_se(values)
+
+
+def hutchpp(op: HessianOperator, gen: torch.Generator, probes: int) -> tuple[float, float]:
+    """Hutch++ (Meyer et al. 2021) in the metric: exact trace on a sketch, Hutchinson on the rest.
+
+    ``probes // 3`` products sketch the range of ``𝓗``, as many give the exact trace on its
+    metric-orthonormal basis ``Q``, and the remaining ones estimate the trace of ``𝓗`` compressed
+    to the complement: ``z − QQᵀg z`` is an isotropic Gaussian there. The standard error is that
+    of the second part (the first has none).
+    """
+    k = probes // 3
+    basis: list[Tensor] = []
+    for _ in range(k):
+        y = op.raise_index(op.hvp(op.random(gen)))
+        n_before = op.norm(y)
+        y = orthogonalize(op, y, basis)
+        n = op.norm(y)
+        if n > 1e-8 * n_before and n > 0:  # drop what the sketch already spans
+            basis.append(y / n)
+    exact = sum(float(q @ op.hvp(q)) for q in basis)
+    values = []
+    for _ in range(probes - 2 * k):
+        z = orthogonalize(op, op.random(gen), basis)
+        values.append(float(z @ op.hvp(z)))
+    mean, se = mean_se(values) if values else (0.0, 0.0)
+    return exact + mean, se
+
+
+def exact_trace(op: HessianOperator) -> float:
+    """``tr(P g⁻¹ ∇²f P) = Σ_i (P g⁻¹ ∇²f P e_i)_i``: one product per coordinate."""
+    total = 0.0
+    n = op.flat.numel
+    for i in range(n):
+        e = torch.zeros(n, dtype=op.flat.dtype, device=op.flat.device)
+        e[i] = 1.0
+        pe = op.project(e)
+        if not bool(pe.any()):
+            continue
+        total += float(op.raise_index(op.hvp(pe))[i])
+    return total
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error (``nan`` for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)

@@ -1,0 +1,132 @@
+r"""Worst-case sharpness of one batch by Auto-PGD (SPEC §2, §6).
+
+.. code-block:: text
+
+    max_{‖ξ‖ ≤ ρ} f_S(ξ) − f_S(0),        f_S(ξ) = L_S(θ′(ξ)),
+
+in the ball of the perturbation's metric (``norm="l2"``) or the box ``|δ_i| ≤ ρ|w_i|``
+(``norm="linf"``). The first run starts at ``ξ = 0`` from the clean gradient, on the embedding
+rows the batch reaches (:mod:`geosharp.estimators.rows`); further runs start at random points
+drawn from the batch's generator. The value is never below ``0``: ``ξ = 0`` is in the ball.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from geosharp.estimators.apgd import BUFFER_BUDGET, AscentResult, autopgd, best_direction_rule
+from geosharp.estimators.harness import BatchValue, Objective, clean_start
+from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.rows import BatchRows
+
+
+@dataclass(frozen=True)
+class WorstCase:
+    """``max_{‖ξ‖ ≤ ρ} f_S(ξ) − f_S(0)`` of one batch, as a function of its objective.
+
+    Attributes:
+        rho: Radius of the ball (or the box).
+        steps: Auto-PGD iterations per run (one forward and one backward each).
+        norm: ``"l2"`` or ``"linf"``.
+        restarts: Runs; every run after the first starts at a random point.
+        random_init: Start the first run at a random point as well.
+        low_memory: Keep the best iterate's direction only while it costs no buffer
+            (:func:`~geosharp.estimators.apgd.best_direction_rule`).
+        buffer_budget: Parameter-sized buffers the ascent may hold for that rule.
+    """
+
+    rho: float
+    steps: int
+    norm: str = "l2"
+    restarts: int = 1
+    random_init: bool = False
+    low_memory: bool = False
+    buffer_budget: float | None = BUFFER_BUDGET
+
+    @property
+    def passes(self) -> int:
+        """Forward passes per batch: the clean loss and every step of every run."""
+        return 1 + self.steps * self.restarts
+
+    def __call__(self, f: Objective, gen: torch.Generator) -> BatchValue:
+        """The batch's clean loss, best loss found (at least the clean one) and trace."""
+        zero_start = not self.random_init
+        clean, grad, rows = clean_start(f, zero_start)
+        start, grad = [clean, grad], None  # emptied by the first run: no reference kept here
+        best, trace = -math.inf, []
+        for r in range(self.restarts):
+            if r == 0 and zero_start:
+                res = ascent_from_zero(
+                    f,
+                    rows,
+                    start,
+                    self.rho,
+                    self.steps,
+                    self.norm,
+                    self.low_memory,
+                    self.buffer_budget,
+                )[1]
+            else:
+                res = autopgd(
+                    f.pert,
+                    f,
+                    self.rho,
+                    self.steps,
+                    random_start(f.pert, gen, self.rho, self.norm),
+                    self.norm,
+                    keep_best_direction=best_direction_rule(
+                        f.pert, self.low_memory, self.buffer_budget
+                    ),
+                )
+            if res.best_loss > best:
+                best, trace = res.best_loss, res.trace
+            res = None  # its best iterate would live on through the next run
+        return BatchValue(clean, max(best, clean), trace, dict(f.counter))
+
+
+def ascent_from_zero(
+    f: Objective,
+    rows: BatchRows,
+    start: list,
+    rho: float,
+    steps: int,
+    norm: str = "l2",
+    low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
+) -> tuple[Perturbation, AscentResult]:
+    """Auto-PGD from ``ξ = 0``, on the embedding rows the clean forward reached.
+
+    Args:
+        f: The batch's objective.
+        rows: The rows its clean forward reached (:func:`~geosharp.estimators.harness.clean_start`).
+        start: ``[f_S(0), ∇_ξ f_S(0)]``; emptied, so that the caller holds no reference to the
+            gradient while it becomes the first ascent direction.
+        rho: Radius.
+        steps: Iterations.
+        norm: ``"l2"`` or ``"linf"``.
+        low_memory: See :func:`~geosharp.estimators.apgd.best_direction_rule`.
+        buffer_budget: See :func:`~geosharp.estimators.apgd.best_direction_rule`.
+
+    Returns:
+        ``(perturbation the ascent ran on, its result)``; the perturbation is ``f.pert`` cut to
+        the rows reached, or ``f.pert`` itself when no table is cut.
+    """
+    clean, grad = start
+    start.clear()
+    cut, grad = rows.restrict(grad)
+    pair, grad = [clean, grad], None
+    fc = f if cut is f.pert else f.on(cut)
+    keep = best_direction_rule(cut, low_memory, buffer_budget)
+    return cut, autopgd(cut, fc, rho, steps, None, norm, pair, keep)
+
+
+def random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:
+    """A random start: on the sphere of radius ρ (ℓ2, horizontal) or uniform in the box (ℓ∞)."""
+    if norm == "linf":
+        return pert.uniform_box(gen, rho)
+    xi = pert.project(pert.random(gen, 1.0))
+    n = pert.norm(xi)
+    return [tuple(t * (rho / n) for t in x) for x in xi] if n > 0 else xi
