@@ -8,6 +8,7 @@ parameter-sized buffers (``benchmarks/PROTOCOL.md`` lists every buffer of an asc
 from __future__ import annotations
 
 import math
+from dataclasses import is_dataclass
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -59,8 +60,8 @@ class BufferAccounting:
             for value in vars(obj).values():
                 items = value if isinstance(value, (tuple, list)) else (value,)
                 for t in items:
-                    if isinstance(t, Geometry):
-                        todo.append(t)
+                    if isinstance(t, Geometry) or (is_dataclass(t) and not isinstance(t, type)):
+                        todo.append(t)  # a geometry, or what it holds (e.g. its factors)
                     elif isinstance(t, Tensor):
                         st = t.untyped_storage()
                         if st.data_ptr() not in seen:
