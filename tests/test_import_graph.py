@@ -117,7 +117,7 @@ def test_the_walker_sees_a_cycle():
 def test_the_walker_reads_the_package():
     graph = import_graph()
     assert "geosharp.estimators.distributed" in graph["geosharp.estimators.sharpness"]
-    assert "geosharp.measure.model_loading" in graph["geosharp.studies.population"]  # lazy
+    assert "geosharp.measuring.model_loading" in graph["geosharp.studies.population"]  # lazy
     assert len(graph) > 100
 
 

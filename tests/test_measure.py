@@ -13,10 +13,11 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.cli import main
-from geosharp.measure import DEFAULT_MEASURES, DEFAULT_RHOS, MeasureError
-from geosharp.measure.core import default_loss, unrepresentable_weights
-from geosharp.measure.loading import TorchScriptModule
 from geosharp.measures import parse_measure
+from geosharp.measuring import DEFAULT_MEASURES, DEFAULT_RHOS, MeasureError
+from geosharp.measuring.checks import unrepresentable_weights
+from geosharp.measuring.losses import default_loss
+from geosharp.measuring.model_loading import TorchScriptModule
 
 # --------------------------------------------------------------------------------------------
 # fixtures

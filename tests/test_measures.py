@@ -185,3 +185,11 @@ def test_a_new_measure_is_one_registered_class(model_and_batches, monkeypatch):
     assert row.value == pytest.approx(
         float(nn.functional.mse_loss(model(batches[0][0]), batches[0][1]))
     )
+
+
+def test_the_function_and_the_package_have_different_names():
+    """``gs.measure`` is the function; the command's package is ``geosharp.measuring``."""
+    import importlib.util
+
+    assert callable(gs.measure) and gs.measure.__module__ == "geosharp.measuring.core"
+    assert importlib.util.find_spec("geosharp.measure") is None

@@ -27,10 +27,10 @@ _CLI_SCRIPT = textwrap.dedent(
     import ctypes, importlib, json, sys, types
     import torch
 
-    # By path: the package attribute geosharp.measure is the function measure().
+    # By path: the package attribute geosharp.measuring is the function measure().
     cli, measure_cli, merge, runner, symmetry_test = (
         importlib.import_module(f"geosharp.{name}")
-        for name in ("cli", "measure.cli", "studies.merge", "studies.runner",
+        for name in ("cli", "measuring.cli", "studies.merge", "studies.runner",
                      "studies.symmetry_test")
     )
 

@@ -15,8 +15,8 @@ from geosharp._version import __version__
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
-from geosharp.measure import measure
 from geosharp.measures import Measure, parse_measure
+from geosharp.measuring import measure
 from geosharp.studies.population import study
 from geosharp.symmetry import (
     GLBlock,

@@ -346,7 +346,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("out", type=Path, help="the merged folder (created if missing)")
     m.add_argument("shards", type=Path, nargs="+", help="the shards' output folders")
     m.add_argument("--threads", type=int, default=None, help=_LIBRARY_THREADS_HELP)
-    from geosharp.measure.cli import add_parser as add_measure_parser
+    from geosharp.measuring.cli import add_parser as add_measure_parser
 
     add_measure_parser(sub)
     for command in (s, t, r, m):  # measure's parser has its own --debug
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from geosharp.studies.store import StudyMismatchError
 
     if args.command == "measure":
-        from geosharp.measure.cli import run as run_measure
+        from geosharp.measuring.cli import run as run_measure
 
         if args.threads is not None and args.threads >= 1:  # measure reports a bad value itself
             set_threads(args.threads)  # torch again in measure's own run, NumPy's BLAS here

@@ -237,7 +237,7 @@ def test_measure_cli_low_memory_flag():
     """``geosharp measure --low-memory`` reaches gs.sharpness (settings record it)."""
     import argparse
 
-    from geosharp.measure.cli_parser import add_parser
+    from geosharp.measuring.cli_parser import add_parser
 
     sub = argparse.ArgumentParser().add_subparsers()
     parser = add_parser(sub)
@@ -447,7 +447,7 @@ def test_measure_cli_buffer_budget_flag(capsys):
     """``geosharp measure --buffer-budget N|none`` reaches gs.sharpness; a bad one is refused."""
     import argparse
 
-    from geosharp.measure.cli_parser import add_parser
+    from geosharp.measuring.cli_parser import add_parser
 
     parser = add_parser(argparse.ArgumentParser().add_subparsers())
     assert parser.parse_args(["m.pt", "d.csv"]).buffer_budget == 4

@@ -13,9 +13,9 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.cli import main
-from geosharp.measure import MeasureError
-from geosharp.measure.core import default_loss
 from geosharp.measures import Sharpness, parse_measure
+from geosharp.measuring import MeasureError
+from geosharp.measuring.losses import default_loss
 
 # --------------------------------------------------------------------------------------------
 # the grammar

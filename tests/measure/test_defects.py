@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import geosharp as gs
-from geosharp.measure import MeasureError, core
-from geosharp.measure.core import MeasureRow
+from geosharp.measuring import MeasureError, core
+from geosharp.measuring.results import MeasureRow
 
 #: The trace of the issue: flat from step 3, then up by one float32 ulp at the last step.
 FLAT = [0.6871, 0.6893, 0.6899] + [0.689989447593689] * 17 + [0.6899895071983337]
@@ -104,7 +104,7 @@ def test_genuinely_rising_trace_warns(monkeypatch):
 
 
 def test_still_rising_tolerance():
-    from geosharp.measure.core import still_rising
+    from geosharp.measuring.checks import still_rising
 
     eps32 = float(torch.finfo(torch.float32).eps)
     assert not still_rising(FLAT, eps32) and still_rising(RISING, eps32)
@@ -152,7 +152,7 @@ def test_read_only_out_fails_before_any_work(bert_base_dir, tmp_path, run_cli):
 
 
 def test_check_out_dir(tmp_path):
-    from geosharp.measure.cli import check_out_dir
+    from geosharp.measuring.cli import check_out_dir
 
     check_out_dir(tmp_path / "a" / "b")  # created, with its parents
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
@@ -166,7 +166,7 @@ def test_read_only_file_system_is_found_by_the_write_probe(tmp_path, monkeypatch
     import errno
     import tempfile
 
-    from geosharp.measure.cli import check_out_dir
+    from geosharp.measuring.cli import check_out_dir
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import geosharp as gs
-from geosharp.measure import estimate
-from geosharp.measure.estimate import RunEstimate, batch_sizes, estimate_run
 from geosharp.measures import parse_measure
+from geosharp.measuring import estimate
+from geosharp.measuring.estimate import RunEstimate, batch_sizes, estimate_run
 
 from .conftest import CORPUS
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from geosharp.measure import MeasureError
-from geosharp.measure.core import default_loss
-from geosharp.measure.lm import detect_task, load_lm_data, load_seq2seq_data, next_token_targets
-from geosharp.measure.loading import load_model
+from geosharp.measuring import MeasureError
+from geosharp.measuring.lm import load_lm_data, load_seq2seq_data, next_token_targets
+from geosharp.measuring.lm_tasks import detect_task
+from geosharp.measuring.losses import default_loss
+from geosharp.measuring.model_loading import load_model
 
 from .conftest import CORPUS, PAIRS
 
@@ -325,7 +326,7 @@ def test_task_classification_on_a_causal_lm_folder(llama_dir, tmp_path, run_cli)
 
 
 def test_large_logits_are_announced(llama_dir, corpus_txt, monkeypatch):
-    from geosharp.measure import lm
+    from geosharp.measuring import lm
 
     loaded = load_model(str(llama_dir), task="causal-lm")
     assert not [w for w in load_lm_data(str(corpus_txt), loaded).warnings if "logits" in w]

@@ -1,5 +1,5 @@
 """The measure-name grammar (``geosharp.measures``): parsing and canonical names; and the
-readings the study reports make of a name (``geosharp.measure.names``: family, paper family,
+readings the study reports make of a name (``geosharp.measuring.names``: family, paper family,
 the paired geodesic measures).
 
 The report's readings are checked against the regular expressions ``studies/report.py`` used
@@ -13,9 +13,9 @@ import re
 import pytest
 
 from geosharp.estimators.sharpness import measure_name
-from geosharp.measure import MeasureError, core, names
-from geosharp.measure.names import default_paper_match, is_geodesic_main, measure_family
 from geosharp.measures import Measure, curvature_name, parse_measure
+from geosharp.measuring import MeasureError, core, names
+from geosharp.measuring.names import default_paper_match, is_geodesic_main, measure_family
 
 # --------------------------------------------------------------------------------------------
 # the reference: studies/report.py's regexes before the grammar module
@@ -199,7 +199,6 @@ def test_the_grammar_is_the_one_of_core_and_the_callback():
     from geosharp import measures
 
     assert core.parse_measure is measures.parse_measure
-    assert core.curvature_name is measures.curvature_name
     pytest.importorskip("transformers")
     from geosharp.integrations import hf_trainer
 

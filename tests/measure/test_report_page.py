@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 import geosharp as gs
-from geosharp.measure.core import adaptive_note
-from geosharp.measure.results import MeasureReport, MeasureRow
+from geosharp.measuring.core import adaptive_note
+from geosharp.measuring.results import MeasureReport, MeasureRow
 
 # --------------------------------------------------------------------------------------------
 # 1. --eps
 
 
 def eps_option() -> argparse.Action:
-    from geosharp.measure.cli import add_parser
+    from geosharp.measuring.cli import add_parser
 
     parser = argparse.ArgumentParser()
     measure = add_parser(parser.add_subparsers())

@@ -15,11 +15,10 @@ import shutil
 import pytest
 import torch
 
-from geosharp.measure import MeasureError
-from geosharp.measure.data_loading import MIN_VOCAB_COVERAGE, load_data
-from geosharp.measure.lm import load_lm_data, load_seq2seq_data
-from geosharp.measure.loading import load_model
-from geosharp.measure.model_loading import has_tokenizer_files
+from geosharp.measuring import MeasureError
+from geosharp.measuring.data_loading import MIN_VOCAB_COVERAGE, load_data
+from geosharp.measuring.lm import load_lm_data, load_seq2seq_data
+from geosharp.measuring.model_loading import has_tokenizer_files, load_model
 
 from .conftest import transformers
 

@@ -72,7 +72,7 @@ def population(tmp_path_factory):
 
 
 def settings(root, **change):
-    from geosharp.measure.resolve import resolve_device, resolve_dtype
+    from geosharp.measuring.resolve import resolve_device, resolve_dtype
 
     opts = {**OPTS, "device": resolve_device("cpu"), "dtype": resolve_dtype("float32")}
     base = dict(
@@ -127,8 +127,8 @@ def test_tau_of_the_summary_is_the_tau_of_results_and_manifest(finished):
 
 def test_each_value_is_gs_sharpness_of_that_model(finished, population):
     out, _, _ = finished
-    from geosharp.measure.core import prepare_measurement
-    from geosharp.measure.pipeline import MeasureOptions, ModelSource, load_for_measure
+    from geosharp.measuring.core import prepare_measurement
+    from geosharp.measuring.pipeline import MeasureOptions, ModelSource, load_for_measure
 
     s = settings(population)
     opts = MeasureOptions(**s.options)

@@ -19,7 +19,7 @@ from ..measure.conftest import CORPUS, make_tokenizer
 
 
 def options(data, **kw):
-    from geosharp.measure.resolve import resolve_device, resolve_dtype
+    from geosharp.measuring.resolve import resolve_device, resolve_dtype
 
     return {
         "data": str(data),

@@ -29,7 +29,7 @@ loss follows the model:
   label at ``t + 1``, labels ``-100`` ignored, as the model's own loss. The targets are the
   labels as the model takes them, unshifted; a dict batch without ``labels`` uses its
   ``input_ids``, with padding (``attention_mask == 0``) ignored;
-* any other model: :func:`geosharp.measure.default_loss` — cross-entropy on ``logits`` for
+* any other model: :func:`geosharp.measuring.default_loss` — cross-entropy on ``logits`` for
   integer labels (sequence or token classification), squared error for float labels. An
   encoder-decoder model gets ``decoder_input_ids`` made from the labels, as its own forward
   does.
@@ -71,8 +71,8 @@ except ImportError as err:  # pragma: no cover - the [hf] extra brings transform
 from geosharp.errors import MeasureError
 from geosharp.estimators.cache import clear_cache
 from geosharp.estimators.sharpness import SharpnessResult, sharpness
-from geosharp.measure.core import default_loss
 from geosharp.measures import Measure, parse_measure
+from geosharp.measuring.losses import default_loss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -215,7 +215,7 @@ class SharpnessCallback(TrainerCallback):
         batches: The fixed batches every measurement uses: ``(inputs, targets)`` pairs or
             dicts of model inputs with ``labels`` (a collated ``Trainer`` batch). Read once.
         loss_fn: ``loss_fn(outputs, targets)`` → scalar; default: :func:`causal_lm_loss` for
-            a causal language model, :func:`geosharp.measure.default_loss` otherwise.
+            a causal language model, :func:`geosharp.measuring.default_loss` otherwise.
         every_n_steps: Measure when ``state.global_step`` is a multiple of this.
         measures: Measures as ``geosharp measure`` spells them (``"geodesic-inv"``,
             ``"geodesic-mix-o2"``, ``"adaptive"``, ``"adaptive-linf"``, ``"euclidean"``,

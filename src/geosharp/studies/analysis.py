@@ -10,7 +10,7 @@ paper's τ is in :mod:`geosharp.studies.paper`.
 - :func:`geodesic_vs_adaptive`: geodesic against adaptive sharpness on the same models
   (paired Δτ with a CI) and :func:`paired_verdict` (what "stronger" means).
 
-Measure names are read with :mod:`geosharp.measure.names` (the grammar ``geosharp measure``
+Measure names are read with :mod:`geosharp.measuring.names` (the grammar ``geosharp measure``
 uses): :func:`measure_family`, :func:`default_paper_match`, ``is_geodesic_main``.
 """
 
@@ -20,8 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from geosharp.measure.names import default_paper_match, is_geodesic_main, measure_family
 from geosharp.measures import parse_measure
+from geosharp.measuring.names import default_paper_match, is_geodesic_main, measure_family
 from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 from geosharp.studies.formatting import rho_key
 

@@ -96,7 +96,7 @@ class CurvaturePlan:
     """The opt-in curvature part of a study's plan: :func:`geosharp.curvature` per model.
 
     Every (measure, quantity) pair is one row of the study (no ρ), named as
-    :func:`geosharp.measure.core.curvature_name` spells it, e.g.
+    :func:`geosharp.measuring.core.curvature_name` spells it, e.g.
     ``"geodesic-inv curvature lambda_max"``. Lanczos starts and trace probes use ``seed``
     (batch ``b``: ``batch_seed(seed, b)``), so the rows do not depend on which others are
     measured.

@@ -149,7 +149,7 @@ def _number(value: Any) -> Any:
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
-    from geosharp.measure.data_files import read_table
+    from geosharp.measuring.data_files import read_table
 
     kind = _SUFFIXES.get(path.suffix.lower())
     if kind is None:
@@ -168,7 +168,7 @@ def _blank(value: Any) -> bool:
 
 def _resolve(spec: str, folder: Path) -> str:
     """A relative path of the manifest resolved against its folder; ``module:function`` as is."""
-    from geosharp.measure.resolve import _is_function_spec
+    from geosharp.measuring.resolve import _is_function_spec
 
     path = Path(spec).expanduser()
     if path.is_absolute():
@@ -214,7 +214,7 @@ def read_manifest(
         base: The base model of every PEFT adapter without a ``base`` cell.
         skip_bad: Set bad rows aside (listed in :attr:`Manifest.skipped`) instead of failing.
         check_model: Called with every row; raises :class:`MeasureError` for a model that does
-            not load (e.g. ``geosharp.measure``'s loader).
+            not load (e.g. ``geosharp.measuring``'s loader).
 
     Returns:
         The :class:`Manifest`.

@@ -2,7 +2,7 @@
 
 The paper (and a study's ``paper`` mapping) reports one τ per family of measures: ``"adaptive"``,
 ``"geodesic inv"``, ``"geodesic mix"``. A measure belongs to the family its name maps to
-(``paper_match``, by default :func:`geosharp.measure.names.default_paper_match`).
+(``paper_match``, by default :func:`geosharp.measuring.names.default_paper_match`).
 """
 
 from __future__ import annotations

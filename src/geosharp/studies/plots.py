@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from geosharp._io import atomic_write_bytes
-from geosharp.measure.names import measure_family
+from geosharp.measuring.names import measure_family
 from geosharp.studies.analysis import Cell
 from geosharp.studies.formatting import fmt, rho_key, rho_label
 

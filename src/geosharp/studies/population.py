@@ -3,9 +3,10 @@
 A manifest (:mod:`geosharp.studies.manifest`) lists the models, their generalization gaps and
 their hyperparameters. :class:`PopulationStudy` is a :class:`~geosharp.studies.runner.Study`
 whose "training" records the manifest's rows and whose models are loaded, tokenized and
-self-checked by ``geosharp measure``'s own path (:func:`geosharp.measure.pipeline.load_for_measure`
-and :func:`geosharp.measure.core.prepare_measurement`), so a value of the study is
-``gs.sharpness`` of that model with the same settings. Everything else is the runner's: the
+self-checked by ``geosharp measure``'s own path
+(:func:`geosharp.measuring.pipeline.load_for_measure` and
+:func:`geosharp.measuring.core.prepare_measurement`), so a value of the study is ``gs.sharpness``
+of that model with the same settings. Everything else is the runner's: the
 resumable ``study.sqlite``, shards and ``geosharp merge``, ``results.csv``, ``tau_table.md``,
 ``summary.json``, the plots and ``report.html``, with two more sections when the manifest has
 hyperparameters (granulated τ and the CMI score, :mod:`geosharp.studies.population_sections`).
@@ -197,7 +198,7 @@ class PopulationStudy(Study):
     key_bias = "quotient"
 
     def __init__(self, settings: PopulationSettings, log: Callable[[str], None] | None = None):
-        from geosharp.measure.pipeline import MeasureOptions
+        from geosharp.measuring.pipeline import MeasureOptions
 
         self.cfg = settings
         self.say = log or (lambda msg: print(msg, file=sys.stderr))
@@ -220,7 +221,7 @@ class PopulationStudy(Study):
 
     # -- checks before any work --------------------------------------------------------------
     def _check_model(self, row: ManifestRow) -> None:
-        from geosharp.measure.model_loading import check_model_spec
+        from geosharp.measuring.model_loading import check_model_spec
 
         check_model_spec(row.model)
         if row.base is not None:
@@ -372,8 +373,8 @@ class PopulationStudy(Study):
     def prepare_row(self, row: ManifestRow) -> Prepared:
         """Load, tokenize and self-check one manifest row, and note its blocks."""
         from geosharp.demos.coverage import block_counts
-        from geosharp.measure.core import prepare_measurement
-        from geosharp.measure.pipeline import ModelSource, load_for_measure
+        from geosharp.measuring.core import prepare_measurement
+        from geosharp.measuring.pipeline import ModelSource, load_for_measure
 
         self.say(f"{row.model_id}: loading {row.model}")
         source = ModelSource(row.model, weights=row.weights, base=row.base)
@@ -566,8 +567,8 @@ def study(
     Raises:
         MeasureError: On a bad manifest or option, before any model is measured.
     """
-    from geosharp.measure.pipeline import MeasureOptions
-    from geosharp.measure.resolve import resolve_device, resolve_dtype
+    from geosharp.measuring.pipeline import MeasureOptions
+    from geosharp.measuring.resolve import resolve_device, resolve_dtype
 
     out = Path(out)
     if not isinstance(manifest, (str, Path)):

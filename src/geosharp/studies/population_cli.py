@@ -48,7 +48,7 @@ def is_manifest(name: str) -> bool:
 
 def parser(command: str = "study") -> argparse.ArgumentParser:
     """The options of ``geosharp study MANIFEST`` (or ``geosharp symmetry-test MANIFEST``)."""
-    from geosharp.measure.cli_parser import add_data_arguments
+    from geosharp.measuring.cli_parser import add_data_arguments
     from geosharp.studies.population import DEFAULT_POPULATION_MEASURES
 
     p = argparse.ArgumentParser(
@@ -127,7 +127,7 @@ def run(
     """
     from geosharp._io import ensure_writable_dir
     from geosharp.errors import MeasureError
-    from geosharp.measure.pipeline import options_from_args
+    from geosharp.measuring.pipeline import options_from_args
     from geosharp.studies.population import PopulationSettings, parse_rho, run_population
     from geosharp.studies.runner import Shard
 

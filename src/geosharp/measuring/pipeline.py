@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from geosharp.measure.errors import MeasureError
+from geosharp.measuring.errors import MeasureError
 
 __all__ = ["MeasureOptions", "ModelSource", "ReadyModel", "load_for_measure", "options_from_args"]
 
@@ -69,7 +69,7 @@ class MeasureOptions:
 
 def options_from_args(args: argparse.Namespace) -> MeasureOptions:
     """The :class:`MeasureOptions` of parsed ``geosharp measure`` (or study) arguments."""
-    from geosharp.measure.resolve import resolve_device, resolve_dtype
+    from geosharp.measuring.resolve import resolve_device, resolve_dtype
 
     return MeasureOptions(
         data=args.data,
@@ -171,8 +171,8 @@ def load_for_measure(
     Raises:
         MeasureError: On any bad input, with one line that says what to do.
     """
-    from geosharp.measure.lm_tasks import detect_task
-    from geosharp.measure.model_loading import check_model_spec
+    from geosharp.measuring.lm_tasks import detect_task
+    from geosharp.measuring.model_loading import check_model_spec
 
     say = say or (lambda _msg: None)
     warn = warn or (lambda _msg: None)
@@ -195,8 +195,8 @@ def load_for_measure(
 
 def _loss(spec: str | None) -> Any:
     """``--loss``: a name (checked now) or ``module:function`` (imported now)."""
-    from geosharp.measure.losses import resolve_loss
-    from geosharp.measure.resolve import import_callable
+    from geosharp.measuring.losses import resolve_loss
+    from geosharp.measuring.resolve import import_callable
 
     if spec not in (None, "auto") and ":" in spec:
         return import_callable(spec, "loss function")
@@ -206,7 +206,7 @@ def _loss(spec: str | None) -> Any:
 
 def _needs_head(model_spec: str, task: str = "classification") -> bool:
     """Whether ``model_spec`` is a Hugging Face folder without a head for ``task``."""
-    from geosharp.measure.model_loading import _is_base_architecture, _lm_head
+    from geosharp.measuring.model_loading import _is_base_architecture, _lm_head
 
     cfg = Path(model_spec).expanduser() / "config.json"
     if not cfg.is_file():
@@ -224,7 +224,7 @@ def _read_labels(source: ModelSource, opts: MeasureOptions, task: str) -> tuple:
 
     The label column is checked first, so a missing one is named before a missing task head.
     """
-    from geosharp.measure.data_files import _columns, data_kind, infer_num_labels, read_table
+    from geosharp.measuring.data_files import _columns, data_kind, infer_num_labels, read_table
 
     table, rows = None, None
     num_labels, label2id = opts.num_labels, None
@@ -270,8 +270,8 @@ def _load_model(
     say: Say,
     warn: Say,
 ) -> Any:
-    """The :class:`~geosharp.measure.model_loading.LoadedModel`, its notes and size said."""
-    from geosharp.measure.model_loading import load_model
+    """The :class:`~geosharp.measuring.model_loading.LoadedModel`, its notes and size said."""
+    from geosharp.measuring.model_loading import load_model
 
     loaded = load_model(
         source.model,
@@ -307,9 +307,9 @@ def _label_map_line(label_map: dict[str, int]) -> str:
 def _load_batches(
     opts: MeasureOptions, task: str, loaded: Any, table: Any, say: Say, warn: Say
 ) -> Any:
-    """The :class:`~geosharp.measure.data_loading.DataSet` of the task, its warnings said."""
-    from geosharp.measure.data_loading import load_data
-    from geosharp.measure.lm import load_lm_data, load_seq2seq_data
+    """The :class:`~geosharp.measuring.data_loading.DataSet` of the task, its warnings said."""
+    from geosharp.measuring.data_loading import load_data
+    from geosharp.measuring.lm import load_lm_data, load_seq2seq_data
 
     common = {
         "batch_size": opts.batch_size,
@@ -344,7 +344,7 @@ def _load_batches(
 
 def _flush_unrepresentable(model: Any, dtype: Any, warn: Say) -> dict[str, int]:
     """Set the weights whose ``1/w²`` overflows to 0, in place, with a warning."""
-    from geosharp.measure.checks import flush_unrepresentable
+    from geosharp.measuring.checks import flush_unrepresentable
 
     flushed = flush_unrepresentable(model)
     if flushed:

@@ -20,10 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.checks import InvarianceReport, check_invariance
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.losses import IGNORE_INDEX, _logits, uses_cross_entropy
-from geosharp.measure.results import MeasureRow, rho_text
 from geosharp.measures import Measure
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.losses import IGNORE_INDEX, _logits, uses_cross_entropy
+from geosharp.measuring.results import MeasureRow, rho_text
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device

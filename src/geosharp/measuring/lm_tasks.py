@@ -6,8 +6,8 @@ encoder-decoder (T5, BART) ``seq2seq``, anything else ``classification``; a PEFT
 says its task in ``adapter_config.json`` (:func:`read_adapter_config`), and names its base
 model folder (:func:`adapter_base`). :func:`model_class` is the ``transformers`` class a folder
 is loaded with for a task. This module reads configs only: loading the model, a PEFT adapter
-included, is :mod:`~geosharp.measure.model_loading`'s; the tasks' data are read by
-:mod:`~geosharp.measure.lm`.
+included, is :mod:`~geosharp.measuring.model_loading`'s; the tasks' data are read by
+:mod:`~geosharp.measuring.lm`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from geosharp.measure.errors import MeasureError
+from geosharp.measuring.errors import MeasureError
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 :class:`MeasureRow` is one measure at one ρ; :class:`MeasureReport` holds every row, the
 symmetry summary, the self-check and the settings, and prints as a plain-text table and writes
-JSON and CSV (and the HTML page of :mod:`~geosharp.measure.html`).
+JSON and CSV (and the HTML page of :mod:`~geosharp.measuring.html`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ _CSV_FIELDS = (
 #: The sizes a run used, in every line of results.csv (after the columns of one row): Auto-PGD
 #: steps, samples, batch size and maximum length in tokens, as ``settings`` holds them (the
 #: command line's options; ``gs.measure`` alone: what the batches show, see
-#: :func:`~geosharp.measure.estimate.batch_sizes`). Empty where a run has none (no text).
+#: :func:`~geosharp.measuring.estimate.batch_sizes`). Empty where a run has none (no text).
 SIZE_FIELDS = ("steps", "samples", "batch_size", "max_length")
 
 
@@ -374,6 +374,6 @@ class MeasureReport:
 
         Needs matplotlib. Returns the path.
         """
-        from geosharp.measure.html import write_html
+        from geosharp.measuring.html import write_html
 
         return write_html(self, path, title=title)

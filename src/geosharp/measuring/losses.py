@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from geosharp.measure.errors import MeasureError
+from geosharp.measuring.errors import MeasureError
 
 __all__ = ["IGNORE_INDEX", "default_loss", "resolve_loss"]
 

@@ -1,11 +1,11 @@
 """The language-model tasks of ``geosharp measure``, and PEFT adapter folders.
 
-Three tasks say what a model's loss is (:func:`detect_task` chooses one from the folder's
-config, ``--task`` forces one):
+Three tasks say what a model's loss is (:func:`~geosharp.measuring.lm_tasks.detect_task`
+chooses one from the folder's config, ``--task`` forces one):
 
 * ``classification``: labels (or float targets) from a column of the data, cross-entropy (or
   squared error) of the model's prediction per sample; read by
-  :func:`geosharp.measure.data_loading.load_data`.
+  :func:`geosharp.measuring.data_loading.load_data`.
 * ``causal-lm``: next-token cross-entropy on a text corpus (:func:`load_lm_data`). The corpus
   is a ``.txt`` file (one document per line, or the whole file cut into chunks of
   ``max_length`` tokens), a ``.jsonl``/``.json``/``.csv``/``.parquet`` file or a ``datasets``
@@ -21,12 +21,13 @@ config, ``--task`` forces one):
   target positions are ``-100``. This is the model's own ``labels=`` loss.
 
 A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) is loaded on its
-base model folder (:func:`load_peft`): the base is frozen and the adapter's weights (LoRA A and
-B) are the trainable parameters, so sharpness is measured over the adapter alone.
+base model folder (:func:`~geosharp.measuring.model_loading.load_peft`): the base is frozen and
+the adapter's weights (LoRA A and B) are the trainable parameters, so sharpness is measured over
+the adapter alone.
 
 This module reads the data of the language-model tasks; choosing the task is
-:mod:`~geosharp.measure.lm_tasks`', loading PEFT adapters :mod:`~geosharp.measure.model_loading`'
-(:func:`detect_task`, :func:`load_peft` and :data:`TASKS` are re-exported here).
+:mod:`~geosharp.measuring.lm_tasks`', loading PEFT adapters
+:mod:`~geosharp.measuring.model_loading`'.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.data_files import _columns, data_kind, read_table
-from geosharp.measure.data_loading import (
+from geosharp.measuring.data_files import _columns, data_kind, read_table
+from geosharp.measuring.data_loading import (
     DataSet,
     _check_batch_size,
     _length_limit,
@@ -47,23 +48,15 @@ from geosharp.measure.data_loading import (
     _tokenizer_and_source,
     tokenizer_line,
 )
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.lm_tasks import TASKS as TASKS
-from geosharp.measure.lm_tasks import adapter_base as adapter_base
-from geosharp.measure.lm_tasks import detect_task
-from geosharp.measure.lm_tasks import model_class as model_class
-from geosharp.measure.lm_tasks import read_adapter_config as read_adapter_config
-from geosharp.measure.losses import IGNORE_INDEX
-from geosharp.measure.model_loading import LoadedModel, load_peft
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.losses import IGNORE_INDEX
+from geosharp.measuring.model_loading import LoadedModel
 
 __all__ = [
     "SOURCE_COLS",
     "TARGET_COLS",
-    "TASKS",
     "TXT_MODES",
-    "detect_task",
     "load_lm_data",
-    "load_peft",
     "load_seq2seq_data",
     "next_token_targets",
 ]
@@ -247,7 +240,7 @@ def load_lm_data(
         dtype: Floating tensors of a data function are cast to this dtype.
 
     Returns:
-        A :class:`~geosharp.measure.data_loading.DataSet` (``n_tokens``: the predicted tokens).
+        A :class:`~geosharp.measuring.data_loading.DataSet` (``n_tokens``: the predicted tokens).
 
     Raises:
         MeasureError: On every problem with the corpus or its tokenization.
@@ -410,7 +403,7 @@ def load_seq2seq_data(
         dtype: Floating tensors of a data function are cast to this dtype.
 
     Returns:
-        A :class:`~geosharp.measure.data_loading.DataSet` (``n_tokens``: the target tokens).
+        A :class:`~geosharp.measuring.data_loading.DataSet` (``n_tokens``: the target tokens).
 
     Raises:
         MeasureError: On every problem with the data.

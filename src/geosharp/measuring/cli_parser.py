@@ -1,6 +1,6 @@
 """The arguments and the help of ``geosharp measure`` (:func:`add_parser`).
 
-Running the command is :mod:`~geosharp.measure.cli`'s, which re-exports :func:`add_parser`.
+Running the command is :mod:`~geosharp.measuring.cli`'s, which re-exports :func:`add_parser`.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.measure.core import (
+from geosharp.measuring.core import (
     DEFAULT_CURVATURE_ITERS,
     DEFAULT_CURVATURE_PROBES,
     DEFAULT_MEASURES,
     DEFAULT_RHOS,
     DEFAULT_STEPS,
 )
-from geosharp.measure.lm import SOURCE_COLS, TARGET_COLS, TASKS, TXT_MODES
+from geosharp.measuring.lm import SOURCE_COLS, TARGET_COLS, TXT_MODES
+from geosharp.measuring.lm_tasks import TASKS
 
 __all__ = ["add_data_arguments", "add_parser"]
 
@@ -85,7 +86,7 @@ def add_data_arguments(m: argparse.ArgumentParser) -> None:
 
     ``--task``, the batching (``--batch-size``, ``--samples``, ``--max-length``), the columns,
     the tokenizer, the PEFT base, a fresh head's classes, the loss, the device and the dtype
-    (read by :func:`geosharp.measure.pipeline.options_from_args`).
+    (read by :func:`geosharp.measuring.pipeline.options_from_args`).
     """
     m.add_argument(
         "--task",

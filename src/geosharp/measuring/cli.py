@@ -1,4 +1,4 @@
-"""``geosharp measure MODEL DATA``: loading (:mod:`~geosharp.measure.loading`), then measuring.
+"""``geosharp measure MODEL DATA``: loading (:mod:`~geosharp.measuring.pipeline`), then measuring.
 
 :func:`add_parser` adds the subcommand to the ``geosharp`` parser and :func:`run` executes it;
 every error a user can cause ends as ``geosharp: error: ...`` on stderr and exit status 2,
@@ -14,13 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from geosharp._io import OutputFolderError, ensure_writable_dir, os_error_line, os_error_status
-from geosharp.measure.cli_parser import add_parser as add_parser
-from geosharp.measure.core import (
-    DEFAULT_MEASURES,
-    DEFAULT_RHOS,
-    MeasureError,
-    measure,
-)
+from geosharp.measuring.cli_parser import add_parser as add_parser
+from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_RHOS, measure
+from geosharp.measuring.errors import MeasureError
 
 __all__ = ["add_parser", "check_out_dir", "run"]
 
@@ -80,7 +76,7 @@ def check_out_dir(out: Path) -> None:
 def _execute(args: argparse.Namespace) -> int:
     import torch
 
-    from geosharp.measure.pipeline import ModelSource, load_for_measure, options_from_args
+    from geosharp.measuring.pipeline import ModelSource, load_for_measure, options_from_args
 
     _validate(args)
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring

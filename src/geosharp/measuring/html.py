@@ -25,7 +25,7 @@ from geosharp._html import page_end, page_start
 from geosharp._io import atomic_write_text
 
 if TYPE_CHECKING:
-    from geosharp.measure.results import MeasureReport, MeasureRow
+    from geosharp.measuring.results import MeasureReport, MeasureRow
 
 __all__ = ["write_html"]
 
@@ -145,7 +145,7 @@ def _adaptive_html(note: str) -> str:
     """The adaptive-geometry note as a paragraph and a table of parameter patterns.
 
     Falls back to wrapped preformatted text if the note is not in
-    :func:`~geosharp.measure.core.adaptive_note`'s format.
+    :func:`~geosharp.measuring.core.adaptive_note`'s format.
     """
     e = html.escape
     head, *lines = note.splitlines()
@@ -208,7 +208,7 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
     """Write the report page.
 
     Args:
-        report: The :class:`~geosharp.measure.MeasureReport`.
+        report: The :class:`~geosharp.measuring.MeasureReport`.
         path: The ``.html`` file to write (its folder is created).
         title: Page title.
 

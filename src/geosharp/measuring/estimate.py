@@ -19,7 +19,7 @@ how.
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from geosharp.measure.estimate import estimate_run
+    >>> from geosharp.measuring.estimate import estimate_run
     >>> from geosharp.measures import parse_measure
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     >>> batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(2)]
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.results import _time
 from geosharp.measures import Measure
+from geosharp.measuring.results import _time
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
 

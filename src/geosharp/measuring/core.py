@@ -41,25 +41,19 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.measure.checks import (
+from geosharp.measures import Measure, parse_measure
+from geosharp.measuring.checks import (
     clean_pass,
     invariance_tol,
     loss_eps,
     row_warnings,
     self_check,
-    still_rising,
     without_unrepresentable,
 )
-
-# Defined in the module of their concern, imported from here by code that predates the split.
-from geosharp.measure.checks import flush_unrepresentable as flush_unrepresentable
-from geosharp.measure.checks import unrepresentable_weights as unrepresentable_weights
-from geosharp.measure.errors import MeasureError, MeasureWarning
-from geosharp.measure.estimate import RunEstimate, batch_sizes, estimate_run
-from geosharp.measure.losses import IGNORE_INDEX as IGNORE_INDEX
-from geosharp.measure.losses import default_loss, resolve_loss
-from geosharp.measure.results import MeasureReport, MeasureRow, _g, _time
-from geosharp.measures import Measure, curvature_name, parse_measure
+from geosharp.measuring.errors import MeasureError, MeasureWarning
+from geosharp.measuring.estimate import RunEstimate, batch_sizes, estimate_run
+from geosharp.measuring.losses import default_loss, resolve_loss
+from geosharp.measuring.results import MeasureReport, MeasureRow, _g, _time
 from geosharp.symmetry import ParameterSpace, find_symmetries, prove
 from geosharp.symmetry.verify import to_device as _to_device
 
@@ -70,17 +64,9 @@ __all__ = [
     "DEFAULT_RHOS",
     "DEFAULT_STEPS",
     "CheckedModel",
-    "MeasureError",
-    "MeasureReport",
-    "MeasureRow",
-    "MeasureWarning",
     "adaptive_note",
-    "curvature_name",
-    "default_loss",
     "measure",
     "prepare_measurement",
-    "resolve_loss",
-    "still_rising",
 ]
 
 #: The paper's three measures (SPEC §7): adaptive ℓ2, geodesic inv and mix at order 2.
@@ -466,7 +452,7 @@ def _estimate(
     """Say the run's estimated time, and on a long CPU run what each option would cut it to.
 
     Returns:
-        The :class:`~geosharp.measure.estimate.RunEstimate`; ``None`` if the pass failed.
+        The :class:`~geosharp.measuring.estimate.RunEstimate`; ``None`` if the pass failed.
     """
 
     def probe(spec: Measure, k: int) -> float:

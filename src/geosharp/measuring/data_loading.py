@@ -1,14 +1,14 @@
 """Loading the data to measure on, cut into ``(inputs, targets)`` batches for the model.
 
 Data: a Hugging Face ``datasets`` folder (``save_to_disk``), a CSV/TSV, JSONL, JSON or Parquet
-file of text and labels (read by :mod:`~geosharp.measure.data_files`, tokenized here with the
+file of text and labels (read by :mod:`~geosharp.measuring.data_files`, tokenized here with the
 model's tokenizer, padded per batch), an ``.npz`` of arrays, or ``module:function`` returning
 ``(inputs, targets)`` batches. The language-model and sequence-to-sequence tasks (a ``.txt``
-corpus too) are read by :mod:`~geosharp.measure.lm`. :func:`load_data` returns a
+corpus too) are read by :mod:`~geosharp.measuring.lm`. :func:`load_data` returns a
 :class:`DataSet`: the batches and what was read, warned about and mapped.
 
 Labels outside the model's classes, an empty data set, a missing column raise
-:class:`~geosharp.measure.errors.MeasureError` saying what to do.
+:class:`~geosharp.measuring.errors.MeasureError` saying what to do.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from geosharp.measure.data_files import (
+from geosharp.measuring.data_files import (
     _as_int,
     _columns,
     data_kind,
     parse_labels,
     read_table,
 )
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.model_loading import LoadedModel
-from geosharp.measure.resolve import import_callable
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.model_loading import LoadedModel
+from geosharp.measuring.resolve import import_callable
 from geosharp.models.hf import quiet_transformers
 
 __all__ = [
@@ -317,7 +317,7 @@ def _embedding_rows(model: Any) -> int | None:
 
 
 def _files_named() -> str:
-    from geosharp.measure.model_loading import TOKENIZER_FILES
+    from geosharp.measuring.model_loading import TOKENIZER_FILES
 
     return ", ".join(TOKENIZER_FILES) + " or a SentencePiece .model"
 
@@ -334,7 +334,7 @@ def _tokenizer_and_source(loaded: LoadedModel, folder: str | None, where: str) -
     Raises:
         MeasureError: No tokenizer, or one that is not the model's.
     """
-    from geosharp.measure.model_loading import has_tokenizer_files
+    from geosharp.measuring.model_loading import has_tokenizer_files
 
     if folder is not None:
         path = Path(str(folder)).expanduser()

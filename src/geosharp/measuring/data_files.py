@@ -6,7 +6,7 @@ CSV/TSV, JSONL/JSON or Parquet file or a Hugging Face ``datasets`` folder
 (``save_to_disk``); :func:`parse_labels` turns a label column into a target tensor (text
 labels mapped to class ids, every label checked) and :func:`infer_num_labels` counts the
 classes of a fresh classification head. Batching and tokenizing is
-:mod:`~geosharp.measure.data_loading`'s.
+:mod:`~geosharp.measuring.data_loading`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.resolve import _is_function_spec
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.resolve import _is_function_spec
 
 __all__ = ["data_kind", "infer_num_labels", "parse_labels", "read_table"]
 

@@ -1,7 +1,7 @@
 """The command line's strings turned into objects: a device, a dtype, ``module:function``.
 
-Shared by model and data loading (:mod:`~geosharp.measure.model_loading`,
-:mod:`~geosharp.measure.data_loading`): ``"auto"``/``"cuda:1"`` → :class:`torch.device`,
+Shared by model and data loading (:mod:`~geosharp.measuring.model_loading`,
+:mod:`~geosharp.measuring.data_loading`): ``"auto"``/``"cuda:1"`` → :class:`torch.device`,
 ``"bf16"`` → :data:`torch.bfloat16`, and ``package.module:build`` or ``path/to/file.py:build``
 → the callable it names.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from geosharp.measure.errors import MeasureError
+from geosharp.measuring.errors import MeasureError
 
 __all__ = ["import_callable", "resolve_device", "resolve_dtype"]
 

@@ -10,7 +10,7 @@ returns a :class:`LoadedModel`: the module on its device and in its dtype, with 
 loading needs to know (tokenizer folder, number of labels, architecture).
 
 A missing path, a checkpoint whose keys do not match, a folder without a task head and no
-``--num-labels`` raise :class:`~geosharp.measure.errors.MeasureError` saying what to do.
+``--num-labels`` raise :class:`~geosharp.measuring.errors.MeasureError` saying what to do.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measure.errors import MeasureError
-from geosharp.measure.lm_tasks import adapter_base, detect_task, model_class, read_adapter_config
-from geosharp.measure.resolve import (
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.lm_tasks import adapter_base, detect_task, model_class, read_adapter_config
+from geosharp.measuring.resolve import (
     _is_function_spec,
     import_callable,
     resolve_device,
@@ -509,7 +509,7 @@ def load_peft(
         folder: The adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
         base: The base model folder (default: the adapter config's ``base_model_name_or_path``).
         dtype: Parameter dtype.
-        task: The task (default: :func:`~geosharp.measure.lm_tasks.detect_task`).
+        task: The task (default: :func:`~geosharp.measuring.lm_tasks.detect_task`).
         num_labels: The classes of a fresh classification head of the base.
         label2id: Names of those classes.
         seed: Seed of fresh weights.
