@@ -8,12 +8,7 @@ parameter-sized buffers (``benchmarks/PROTOCOL.md`` lists every buffer of an asc
 from __future__ import annotations
 
 import math
-from dataclasses import is_dataclass
 from typing import TYPE_CHECKING
-
-from torch import Tensor
-
-from geosharp.geometry import Geometry
 
 if TYPE_CHECKING:
     from geosharp.estimators.assembly import _Assembly
@@ -50,23 +45,13 @@ class BufferAccounting:
         )
         seen = set(self._own)
         held = 0
-        todo: list = [g for p in self.pieces for g in (p.geometry, p.norm_geometry)]
-        visited: set[int] = set()
-        while todo:
-            obj = todo.pop()
-            if id(obj) in visited:
-                continue
-            visited.add(id(obj))
-            for value in vars(obj).values():
-                items = value if isinstance(value, (tuple, list)) else (value,)
-                for t in items:
-                    if isinstance(t, Geometry) or (is_dataclass(t) and not isinstance(t, type)):
-                        todo.append(t)  # a geometry, or what it holds (e.g. its factors)
-                    elif isinstance(t, Tensor):
-                        st = t.untyped_storage()
-                        if st.data_ptr() not in seen:
-                            seen.add(st.data_ptr())
-                            held += st.nbytes()
+        for p in self.pieces:
+            for geometry in (p.geometry, p.norm_geometry):
+                for t in geometry.held_tensors():
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        held += st.nbytes()
         a = self._assembly
         sizes = zip(a.gathered, a.gathered_sizes, strict=True)
         held += sum(n * self._itemsize[j] for j, n in sizes)

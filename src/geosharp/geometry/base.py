@@ -17,7 +17,8 @@ one value per batch element, so the squared norm of a perturbation spread over m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import is_dataclass
 
 import torch
 from torch import Tensor
@@ -56,6 +57,27 @@ class Geometry(ABC):
     def norm_sq(self, xi: Tangent) -> Tensor:
         """Squared metric norm ``⟨ξ, ξ⟩``, one value per batch element."""
         return self.inner(xi, xi)
+
+    # -- what it holds ----------------------------------------------------------------------
+    def held_tensors(self) -> Iterator[Tensor]:
+        """Every tensor this geometry holds (a tensor may come more than once).
+
+        Its point, its base-point factors (also inside dataclasses, such as a factor record) and
+        those of the geometries it holds; the caller counts storages.
+        """
+        todo: list[object] = [self]
+        visited: set[int] = set()
+        while todo:
+            obj = todo.pop()
+            if id(obj) in visited:
+                continue
+            visited.add(id(obj))
+            for value in vars(obj).values():
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, Tensor):
+                        yield t
+                    elif isinstance(t, Geometry) or (is_dataclass(t) and not isinstance(t, type)):
+                        todo.append(t)
 
     # -- quotient structure -----------------------------------------------------------------
     @abstractmethod
