@@ -18,7 +18,7 @@ from torch import nn
 
 import geosharp as gs
 from geosharp.measuring import MeasureError, MeasureWarning
-from geosharp.measuring.model_loading import check_safetensors, load_state_dict
+from geosharp.measuring.checkpoint_files import check_safetensors, load_state_dict
 from geosharp.measuring.results import rho_text
 
 FAST = ["--measures", "geodesic-inv-o2", "--rho", "1", "--steps", "1", "--max-length", "16"]

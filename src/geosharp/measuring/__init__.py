@@ -9,7 +9,8 @@ a list of batches in, a :class:`MeasureReport` out, no files. One module per con
 * :mod:`~geosharp.measuring.checks`: the self-check before measuring, the warnings after;
 * :mod:`~geosharp.measuring.results`: :class:`MeasureRow`, :class:`MeasureReport`, the table,
   JSON and CSV; :mod:`~geosharp.measuring.html`: the report page;
-* :mod:`~geosharp.measuring.model_loading`, :mod:`~geosharp.measuring.data_loading`,
+* :mod:`~geosharp.measuring.model_loading`, :mod:`~geosharp.measuring.checkpoint_files`,
+  :mod:`~geosharp.measuring.data_loading`,
   :mod:`~geosharp.measuring.data_files`, :mod:`~geosharp.measuring.resolve`,
   :mod:`~geosharp.measuring.lm_tasks` and
   :mod:`~geosharp.measuring.lm`: models and data from files for the command line;

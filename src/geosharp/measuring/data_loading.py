@@ -317,7 +317,7 @@ def _embedding_rows(model: Any) -> int | None:
 
 
 def _files_named() -> str:
-    from geosharp.measuring.model_loading import TOKENIZER_FILES
+    from geosharp.measuring.checkpoint_files import TOKENIZER_FILES
 
     return ", ".join(TOKENIZER_FILES) + " or a SentencePiece .model"
 
@@ -334,7 +334,7 @@ def _tokenizer_and_source(loaded: LoadedModel, folder: str | None, where: str) -
     Raises:
         MeasureError: No tokenizer, or one that is not the model's.
     """
-    from geosharp.measuring.model_loading import has_tokenizer_files
+    from geosharp.measuring.checkpoint_files import has_tokenizer_files
 
     if folder is not None:
         path = Path(str(folder)).expanduser()
