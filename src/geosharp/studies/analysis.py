@@ -200,7 +200,7 @@ def geodesic_vs_adaptive(
     ``geodesic-{inv,mix}-o2 {worst,average} l2`` is compared with ``adaptive {worst,average}
     l2`` at the same position of their ρ grids (smallest with smallest, …; radii of different
     balls are not comparable, positions are): ``Δτ = τ_geo − τ_ada`` on the models that have
-    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau_difference`), and a
+    both values, with a paired bootstrap CI (:func:`geosharp.stats.tau.tau_difference`), and a
     verdict by :func:`paired_verdict` (which measure correlates more strongly with the gap in
     the expected direction).
     """

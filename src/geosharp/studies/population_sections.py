@@ -5,10 +5,10 @@ For a study whose models carry hyperparameters (a manifest's other columns, SPEC
 
 * **granulated τ** (Jiang et al. 2020): ψ_k per hyperparameter k, the mean τ-a over groups of
   models that differ in k only, and Ψ, the mean of the defined ψ_k
-  (:func:`geosharp.stats.granulated_kendall`);
+  (:func:`geosharp.stats.granulated.granulated_kendall`);
 * **the conditional mutual information score** of the PGDL competition: the minimum over pairs
   of hyperparameters S (single ones when there is one) of ``I(V_s; V_gap | U_S) / H(V_gap |
-  U_S)`` (:func:`geosharp.stats.cmi_score`), with the minimizing S.
+  U_S)`` (:func:`geosharp.stats.granulated.cmi_score`), with the minimizing S.
 
 :func:`population_sections` is a folder-section provider (:mod:`geosharp.studies.sections`):
 it reads the hyperparameters recorded in ``study.sqlite`` and runs only for a folder that holds
