@@ -92,6 +92,7 @@ def log_scale(G: Tensor, H: Tensor) -> Tensor:
     ``(sG, H/s)`` adds ``log s``: a pair with ``‖G‖ = ‖H‖`` rescaled by s has ``log_scale = log s``.
 
     Example:
+        >>> import math
         >>> G = torch.eye(3, 2, dtype=torch.float64)
         >>> round(float(log_scale(4 * G, G / 4)), 6) == round(math.log(4), 6)
         True
