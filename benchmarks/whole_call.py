@@ -3,10 +3,11 @@
 A step's cost is ``(T(N₂) − T(N₁)) / (N₂ − N₁)`` with ``T(N)`` the wall time of one whole
 ``gs.sharpness(..., steps=N)`` call as a user makes it (a fresh call: the base-point cache
 cleared, symmetry finding, restarts, pairings, progress bookkeeping and everything else
-included), divided by one plain forward+backward of the same model on the same batches
-(``torch.autograd.grad`` of the loss over the trainable weights), timed right before the two
-calls. The plain step and the calls of every measure are interleaved in one process, repetition
-after repetition, the order of the measures rotating; the median over repetitions is reported.
+included), divided by a plain forward+backward of the same model on the same batches
+(``torch.autograd.grad`` of the loss over the trainable weights; the median of three), timed
+right before the two calls. The plain step and the calls of every measure are interleaved in
+one process, repetition after repetition, the order of the measures rotating; the median over
+repetitions is reported.
 
 Unlike ``regimes.py`` (which wraps the library's internals to break a call into stages and keeps
 the cache between the two calls), nothing here reaches inside the library: this script runs
@@ -143,9 +144,12 @@ def time_config(name: str, measures: list[str], n1: int, n2: int, repeats: int) 
     for r in range(repeats):
         k = r % len(measures)
         for m in measures[k:] + measures[:k]:
-            t = time.perf_counter()
-            plain_step(model, batches, loss_fn)
-            p = time.perf_counter() - t
+            plains = []
+            for _ in range(3):  # the median of three: one plain step alone is too noisy
+                t = time.perf_counter()
+                plain_step(model, batches, loss_fn)
+                plains.append(time.perf_counter() - t)
+            p = statistics.median(plains)
             t1, t2 = call(m, n1), call(m, n2)
             step = (t2 - t1) / (n2 - n1)
             reps[m].append(
