@@ -1,71 +1,59 @@
 """The ℓ∞ perturbation set of adaptive and Euclidean sharpness: the box and its sign steps.
 
 ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ`` (Euclidean), the ℓ∞ counterpart of the metric
-ball (SPEC §2). :class:`LinfBox` gives a
-:class:`~geosharp.estimators.perturbation.Perturbation` the operations Auto-PGD's ``norm="linf"``
-needs: the sign direction, the projection onto the box and a uniform sample of it.
+ball (SPEC §2): the operations Auto-PGD's ``norm="linf"`` needs, as functions of a
+perturbation's pieces (each piece's geometry gives its box scale ``|w|``, or ``None`` for the
+Euclidean box): the sign direction, the projection onto the box and a uniform sample of it.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from geosharp.estimators.pieces import Piece, Xi
 from geosharp.geometry.elementwise import draw_like
 
-__all__ = ["LinfBox"]
+__all__ = ["box", "sign_direction", "uniform_box"]
 
 
-class LinfBox:
-    """The ℓ∞ box of a perturbation's pieces (a mixin: it reads ``self.pieces``)."""
+def sign_direction(pieces: list[Piece], egrad: Xi) -> Xi:
+    """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
+    out = []
+    for p, e in zip(pieces, egrad, strict=True):
+        scale = p.geometry.box_scale()
+        if scale is None:
+            out.append(tuple(torch.sign(t) for t in e))
+        else:
+            out.append(tuple(torch.sign(t) * a for t, a in zip(e, scale, strict=True)))
+    return out
 
-    pieces: list[Piece]
 
-    @staticmethod
-    def _abs_w(p: Piece) -> tuple[Tensor, ...] | None:
-        return p.geometry.box_scale()
+def box(pieces: list[Piece], xi: Xi, rho: float) -> Xi:
+    """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+    out = []
+    for p, x in zip(pieces, xi, strict=True):
+        scale = p.geometry.box_scale()
+        bounds = [torch.full_like(t, rho) for t in x] if scale is None else [rho * a for a in scale]
+        out.append(
+            tuple(torch.maximum(torch.minimum(t, b), -b) for t, b in zip(x, bounds, strict=True))
+        )
+    return out
 
-    def sign_direction(self, egrad: Xi) -> Xi:
-        """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
-        out = []
-        for p, e in zip(self.pieces, egrad, strict=True):
-            scale = self._abs_w(p)
-            if scale is None:
-                out.append(tuple(torch.sign(t) for t in e))
-            else:
-                out.append(tuple(torch.sign(t) * a for t, a in zip(e, scale, strict=True)))
-        return out
 
-    def box(self, xi: Xi, rho: float) -> Xi:
-        """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
-        out = []
-        for p, x in zip(self.pieces, xi, strict=True):
-            scale = self._abs_w(p)
-            bounds = (
-                [torch.full_like(t, rho) for t in x] if scale is None else [rho * a for a in scale]
+def uniform_box(pieces: list[Piece], generator: torch.Generator | None, rho: float) -> Xi:
+    """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
+
+    One draw over all components of a piece, then split (the numbers do not depend on how
+    the piece is cut into components).
+    """
+    out = []
+    for p in pieces:
+        scale = p.geometry.box_scale()
+        u = draw_like(p.geometry.point, generator, torch.rand)
+        out.append(
+            tuple(
+                (2 * uk - 1) * rho * (scale[k] if scale is not None else 1)
+                for k, uk in enumerate(u)
             )
-            out.append(
-                tuple(
-                    torch.maximum(torch.minimum(t, b), -b) for t, b in zip(x, bounds, strict=True)
-                )
-            )
-        return out
-
-    def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
-        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
-
-        One draw over all components of a piece, then split (the numbers do not depend on how
-        the piece is cut into components).
-        """
-        out = []
-        for p in self.pieces:
-            scale = self._abs_w(p)
-            u = draw_like(p.geometry.point, generator, torch.rand)
-            out.append(
-                tuple(
-                    (2 * uk - 1) * rho * (scale[k] if scale is not None else 1)
-                    for k, uk in enumerate(u)
-                )
-            )
-        return out
+        )
+    return out

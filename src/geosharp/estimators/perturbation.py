@@ -19,21 +19,22 @@ the loss at ``θ′`` give the Euclidean gradient with respect to ``ξ`` (SPEC �
 base-point work (Gram matrices and their factorizations) happens once, in the constructor.
 
 The pieces and the layout helpers are in :mod:`geosharp.estimators.pieces`; the ℓ∞ box
-(:class:`~geosharp.estimators.linf.LinfBox`) and the memory accounting
-(:class:`~geosharp.estimators.memory.BufferAccounting`) are mixins of their own modules.
+(:mod:`~geosharp.estimators.linf`), the memory accounting (:mod:`~geosharp.estimators.memory`)
+and the cut to the rows a batch reaches (:mod:`~geosharp.estimators.rows`) are functions of the
+pieces in their own modules, which the methods of the one class :class:`Perturbation` call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from geosharp.estimators import linf, memory, rows
 from geosharp.estimators.assembly import _Assembly
-from geosharp.estimators.linf import LinfBox
-from geosharp.estimators.memory import BufferAccounting
 from geosharp.estimators.pieces import (
     Piece,
     Xi,
@@ -42,7 +43,6 @@ from geosharp.estimators.pieces import (
     _group_blocks,
     _rest_positions,
 )
-from geosharp.estimators.rows import RowCut
 from geosharp.geometry import (
     ElementwiseGeometry,
     EuclideanGeometry,
@@ -57,7 +57,7 @@ PERTURB = ("all", "blocks")
 BLOCK_METRICS = ("inv", "mix", "adaptive")
 
 
-class Perturbation(BufferAccounting, LinfBox, RowCut):
+class Perturbation:
     """Geometry of the perturbation set of one sharpness measure at the base point ``θ₀``.
 
     Args:
@@ -445,3 +445,67 @@ class Perturbation(BufferAccounting, LinfBox, RowCut):
             with torch.no_grad():
                 for t, w in pairs:
                     t.sub_(w)
+
+    # -- the ℓ∞ box (SPEC §2) -----------------------------------------------------------------
+    def sign_direction(self, egrad: Xi) -> Xi:
+        """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
+        return linf.sign_direction(self.pieces, egrad)
+
+    def box(self, xi: Xi, rho: float) -> Xi:
+        """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        return linf.box(self.pieces, xi, rho)
+
+    def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
+        """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        return linf.uniform_box(self.pieces, generator, rho)
+
+    # -- memory -------------------------------------------------------------------------------
+    def buffer_bytes(self) -> tuple[int, int]:
+        """The bytes of one perturbation ``ξ``, and those this perturbation holds beside it.
+
+        The second figure is what an ascent holds whatever its iterates
+        (:func:`geosharp.estimators.memory.held_bytes`); the model's own tensors are not
+        counted (a plain forward and backward holds them too).
+        """
+        held = memory.held_bytes(self.pieces, self._assembly, self._own, self._itemsize)
+        return memory.tangent_bytes(self.pieces), held
+
+    @property
+    def param_bytes(self) -> int:
+        """The bytes of the parameters the perturbation covers (one parameter-sized buffer)."""
+        return memory.param_bytes(self.space.shapes, self._itemsize)
+
+    # -- the rows a batch reaches ---------------------------------------------------------------
+    def row_tables(self) -> dict[str, int]:
+        """The parameters :meth:`on_rows` can cut: name → component of the rest piece.
+
+        Whole 2-D (or higher) parameters of a straight-line rest piece, e.g. embedding tables.
+        """
+        k = self._rest_piece if self.straight_rest else None
+        return rows.row_tables(self.pieces, k, self._assembly)
+
+    def on_rows(self, rows_kept: Mapping[str, Tensor]) -> Perturbation:
+        """This perturbation with some tables restricted to the rows a batch reaches.
+
+        The restricted rest piece holds only the rows given
+        (:func:`geosharp.estimators.rows.cut_to_rows`); the symmetry pieces are shared.
+
+        Args:
+            rows_kept: Parameter name (one of :meth:`row_tables`) → the rows kept (indices
+                along dimension 0).
+
+        Returns:
+            A new :class:`Perturbation` (or ``self`` when ``rows_kept`` is empty).
+        """
+        if not rows_kept:
+            return self
+        tables = self.row_tables()
+        k = self._rest_piece
+        rest = self.pieces[k] if k is not None else None
+        piece, entries = rows.cut_to_rows(rest, tables, rows_kept)
+        new = copy.copy(self)
+        new.pieces = list(self.pieces)
+        new.pieces[k] = piece  # type: ignore[index]
+        new._assembly = copy.copy(self._assembly)
+        new._assembly.rows = {**self._assembly.rows, **entries}
+        return new

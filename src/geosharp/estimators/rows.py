@@ -24,7 +24,6 @@ starts and the average case perturb every row and are not restricted.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,94 +33,68 @@ from torch import Tensor, nn
 
 from geosharp.estimators.pieces import Piece, Xi, _row_positions
 
-if TYPE_CHECKING:  # rows.py is imported by perturbation.py (RowCut is one of its bases)
+if TYPE_CHECKING:  # rows.py is imported by perturbation.py
     from geosharp.estimators.assembly import _Assembly
     from geosharp.estimators.perturbation import Perturbation
 
-__all__ = ["MAX_ROW_SHARE", "BatchRows", "RowCut", "table_modules"]
+__all__ = ["MAX_ROW_SHARE", "BatchRows", "cut_to_rows", "row_tables", "table_modules"]
 
 #: A table is cut only if the batch reaches at most this share of its rows.
 MAX_ROW_SHARE = 0.75
 
 
-class RowCut:
-    """A perturbation restricted to the rows of its tables that a batch reaches.
+def row_tables(pieces: list[Piece], rest_piece: int | None, assembly: _Assembly) -> dict[str, int]:
+    """The parameters a perturbation can cut to rows: name → component of its rest piece.
 
-    A mixin of :class:`~geosharp.estimators.perturbation.Perturbation`: it reads ``pieces``,
-    the rest piece and the assembly.
+    Whole 2-D (or higher) parameters of a straight-line rest piece (``rest_piece``, ``None``
+    when there is none or it is not followed along straight lines), e.g. embedding tables, not
+    already cut.
     """
+    if rest_piece is None:
+        return {}
+    point = pieces[rest_piece].geometry.point
+    return {
+        assembly.names[j]: c
+        for c, (j, whole) in enumerate(assembly.layout)
+        if whole and point[c].dim() >= 2 and c not in assembly.rows
+    }
 
-    pieces: list[Piece]
-    _rest_piece: int | None
-    _assembly: _Assembly
-    straight_rest: bool
 
-    def row_tables(self) -> dict[str, int]:
-        """The parameters :meth:`on_rows` can cut: name → component of the rest piece.
+def cut_to_rows(
+    piece: Piece | None, tables: Mapping[str, int], rows: Mapping[str, Tensor]
+) -> tuple[Piece, dict[int, tuple[Tensor, Tensor]]]:
+    """The rest piece restricted to the rows a batch reaches, and the assembly's row entries.
 
-        Whole 2-D (or higher) parameters of a straight-line rest piece, e.g. embedding tables.
-        """
-        k = self._rest_piece
-        if k is None or not self.straight_rest:
-            return {}
-        a = self._assembly
-        point = self.pieces[k].geometry.point
-        return {
-            a.names[j]: c
-            for c, (j, whole) in enumerate(a.layout)
-            if whole and point[c].dim() >= 2 and c not in a.rows
-        }
+    An embedding table's rows that no input of a batch looks up get no gradient at any
+    perturbation, so an ascent that starts at ``ξ = 0`` never moves them: they stay exactly
+    ``w``. The restricted piece holds, for each table, only the rows given (its component is
+    ``w[rows]``); the perturbed table is ``w`` with those rows replaced (the entries
+    ``component → (rows, w)`` tell the assembly so). Its norms equal the full ones wherever
+    the other rows of ``ξ`` are zero.
 
-    def on_rows(self, rows: Mapping[str, Tensor]) -> Perturbation:
-        """This perturbation with some tables restricted to the rows a batch reaches.
+    Args:
+        piece: The straight-line rest piece (``None`` if there is none: every name fails).
+        tables: :func:`row_tables` of the perturbation.
+        rows: Parameter name (one of ``tables``) → the rows kept (indices along dimension 0).
 
-        An embedding table's rows that no input of a batch looks up get no gradient at any
-        perturbation, so an ascent that starts at ``ξ = 0`` never moves them: they stay exactly
-        ``w``. Their part of every per-step pass over ``ξ`` (norms, the Riemannian gradient,
-        momentum, ``θ′``) is work with a known result, and their part of every ξ-sized buffer
-        memory with a known content. The restricted perturbation holds, for each table, only
-        the rows given (its component of the rest piece is ``w[rows]``); its perturbed table is
-        ``w`` with those rows replaced. Its norms equal the full ones wherever the other rows
-        of ``ξ`` are zero.
-
-        Args:
-            rows: Parameter name (one of :meth:`row_tables`) → the rows kept (indices along
-                dimension 0).
-
-        Returns:
-            A new :class:`Perturbation` sharing the symmetry pieces (or ``self`` when ``rows``
-            is empty).
-        """
-        if not rows:
-            return self
-        tables = self.row_tables()
-        k = self._rest_piece
-        assert k is not None or not tables
-        cut: dict[int, Tensor] = {}
-        for name, r in rows.items():
-            if name not in tables:
-                raise ValueError(
-                    f"{name!r} is not a whole table of the straight-line rest piece; "
-                    f"the tables are {sorted(tables)}"
-                )
-            c = tables[name]
-            cut[c] = r.to(device=self.pieces[k].geometry.point[c].device, dtype=torch.long)
-        piece = self.pieces[k]
-        g = piece.geometry
-        full = g.point
-        new_g = g.with_rows(cut)
-        new = copy.copy(self)
-        new.pieces = list(self.pieces)
-        new.pieces[k] = Piece(
-            piece.name,
-            _row_positions(piece, cut, full),
-            new_g,
-            new_g,
-            piece.order,
-        )
-        new._assembly = copy.copy(self._assembly)
-        new._assembly.rows = {**self._assembly.rows, **{c: (r, full[c]) for c, r in cut.items()}}
-        return new
+    Raises:
+        ValueError: If a name is not one of ``tables``.
+    """
+    for name in rows:
+        if name not in tables:
+            raise ValueError(
+                f"{name!r} is not a whole table of the straight-line rest piece; "
+                f"the tables are {sorted(tables)}"
+            )
+    assert piece is not None  # tables come from a rest piece
+    cut: dict[int, Tensor] = {}
+    for name, r in rows.items():
+        c = tables[name]
+        cut[c] = r.to(device=piece.geometry.point[c].device, dtype=torch.long)
+    full = piece.geometry.point
+    new_g = piece.geometry.with_rows(cut)
+    new = Piece(piece.name, _row_positions(piece, cut, full), new_g, new_g, piece.order)
+    return new, {c: (r, full[c]) for c, r in cut.items()}
 
 
 def table_modules(model: nn.Module, pert: Perturbation) -> dict[str, nn.Embedding]:
