@@ -43,6 +43,8 @@ MEASURES: dict[str, dict[str, Any]] = {
 
 CONFIGS = {
     "minilm-small": "MiniLM-L6, Study 3's set-up: 2 batches of 16 snippets, embeddings frozen",
+    "minilm-small-all": "MiniLM-L6, Study 3's 2 batches of 16 snippets, every weight perturbed "
+    "(embeddings too)",
     "minilm-32x64": "MiniLM-L6, random ids, one batch 32 × 64, every weight perturbed",
     "vit-tiny": "geosharp's ViT (d=64, 4 heads, 4 layers), one batch of 128 32×32 images",
     "mha-vit-128": "a ViT of 4 nn.TransformerEncoderLayer (nn.MultiheadAttention, d=64, "
@@ -63,11 +65,13 @@ def build(name: str) -> tuple[Any, list, Callable]:
     from torch import nn
 
     torch.manual_seed(0)
-    if name == "minilm-small":
+    if name in ("minilm-small", "minilm-small-all"):
         from geosharp.studies.minilm_text import MiniLMTextConfig, MiniLMTextStudy
 
         study = MiniLMTextStudy(MiniLMTextConfig())
         model = study.build()
+        if name == "minilm-small-all":
+            model.requires_grad_(True)
         return model.eval(), study.batches(), _ce
     if name == "minilm-32x64":
         from geosharp.models.hf import load_minilm
