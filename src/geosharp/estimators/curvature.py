@@ -75,6 +75,7 @@ from geosharp.estimators.harness import (
     batch_progress,
     check_float,
     check_int,
+    check_unsharded,
     objectives,
 )
 from geosharp.estimators.hessian import (
@@ -261,6 +262,7 @@ def curvature(
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_unsharded(model)
 
     space_given = space is not None
     space = space if space_given else find_symmetries(model, key_bias=key_bias)

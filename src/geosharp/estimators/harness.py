@@ -63,6 +63,32 @@ def check_float(name: str, value: Any, positive: bool = True) -> float:
     return value
 
 
+def check_unsharded(model: nn.Module) -> None:
+    """Refuse, in one line, a model whose trainable parameters are sharded ``DTensor``s.
+
+    A model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``) or another ``DTensor``
+    placement holds only its shard of every parameter on each rank; the perturbation works on
+    whole parameters, so such a model is refused before any work (the math of a sharded
+    perturbation is SPEC §10).
+
+    Raises:
+        NotImplementedError: If a trainable parameter is a ``DTensor``.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build of torch without distributed
+        return
+    names = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise NotImplementedError(
+            f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
+            "fully_shard): geosharp does not measure sharded models yet; measure the unsharded "
+            "model, on one process or with its batches split across ranks under torchrun "
+            "(docs/cluster.md)"
+        )
+
+
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """``value``, an int ``>= minimum`` (bools are not ints here).
 

@@ -38,6 +38,7 @@ from geosharp.estimators.harness import (
     PassBar,
     check_float,
     check_int,
+    check_unsharded,
     objectives,
     perturbation_of,
 )
@@ -234,6 +235,8 @@ def sharpness(
     """
     t0 = time.perf_counter()
     _check_measure(measure, kind, norm, perturb, metric, order)
+    if isinstance(model, nn.Module):
+        check_unsharded(model)
     rho = check_float("rho", rho)
     steps = check_int("steps", steps)
     samples = check_int("samples", samples)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.estimators.harness import check_unsharded
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.checks import (
     clean_pass,
@@ -166,6 +167,8 @@ def measure(
         (['adaptive worst l2', 'euclidean worst l2'], True)
     """
     t_start = time.perf_counter()
+    if isinstance(model, nn.Module):
+        check_unsharded(model)
     say = log or (lambda _msg: None)
     notes: list[str] = []
 

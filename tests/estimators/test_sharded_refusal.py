@@ -1,0 +1,70 @@
+"""A model sharded by FSDP2 is refused in one line before any work, by every entry point.
+
+Sharded models are not measured yet (the math is SPEC §10); until they are, ``gs.sharpness``,
+``gs.curvature`` and ``gs.measure`` say so instead of failing inside the perturbation. The
+check runs in a child process: it needs a process group (gloo, one rank) and ``fully_shard``.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, tempfile
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import geosharp as gs
+
+    store = tempfile.NamedTemporaryFile(delete=False).name
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
+        ce = nn.functional.cross_entropy
+        calls = {
+            "sharpness": lambda: gs.sharpness(model, ce, batches, measure="adaptive", steps=1),
+            "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
+            "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                print(name, "MEASURED")
+            except NotImplementedError as err:
+                print(name, "REFUSED", str(err).replace(chr(10), " "))
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+def test_an_fsdp2_sharded_model_is_refused_in_one_line():
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [
+        ln
+        for ln in out.stdout.splitlines()
+        if ln.split(" ")[0] in ("sharpness", "curvature", "measure")
+    ]
+    assert [ln.split(" ")[:2] for ln in lines] == [
+        ["sharpness", "REFUSED"],
+        ["curvature", "REFUSED"],
+        ["measure", "REFUSED"],
+    ]
+    for ln in lines:
+        assert "sharded DTensors ('0.weight' and 3 more" in ln
+        assert "docs/cluster.md" in ln
