@@ -314,6 +314,9 @@ def test_cli_jsonl_pairs_regression_and_custom_loss(bert_dir, net_dir, tmp_path,
     assert code == 0, err
     assert "--max-length 1000 exceeds what the model accepts (64 tokens)" in err
     assert "text column(s) 'premise', 'hypothesis'" in out
+    # the settings record the length used, not the one asked for
+    settings = json.loads((tmp_path / "p" / "results.json").read_text())["settings"]
+    assert settings["max_length"] == 64
     # float targets: the squared error (auto); a loss given as module:function
     tiny = f"{net_dir / 'tinynets.py'}"
     for model, data, loss in [

@@ -60,6 +60,8 @@ class DataSet:
             were class indices already).
         info: What was read, said without a warning (e.g. which columns were chosen).
         n_tokens: Number of predicted tokens (language-model and sequence-to-sequence tasks).
+        max_length: Tokens per sequence the batches were cut to (after capping ``--max-length``
+            to what the model accepts); ``None`` for data that are not token sequences.
     """
 
     batches: list[tuple[Any, Any]]
@@ -69,6 +71,7 @@ class DataSet:
     label_map: dict[str, int] = field(default_factory=dict)
     info: list[str] = field(default_factory=list)
     n_tokens: int | None = None
+    max_length: int | None = None
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -291,6 +294,7 @@ def load_data(
         warnings=warns,
         label_map=label_map,
         info=info,
+        max_length=max_length,
     )
 
 

@@ -337,6 +337,7 @@ def load_lm_data(
         warnings=warns,
         n_tokens=n_tokens,
         info=info,
+        max_length=max_length,
     )
 
 
@@ -493,4 +494,5 @@ def load_seq2seq_data(
         warnings=warns,
         n_tokens=n_tokens,
         info=info,
+        max_length=max_length,
     )

@@ -140,7 +140,7 @@ class ReadyModel:
             "data": data.description,
             "batch_size": self.options.batch_size,
             "samples": data.n_samples,
-            "max_length": self.options.max_length,
+            "max_length": self.options.max_length if data.max_length is None else data.max_length,
             **({"n_tokens": data.n_tokens} if data.n_tokens is not None else {}),
             **({"label_map": data.label_map} if data.label_map else {}),
             **({"model_info": loaded.info} if loaded.info else {}),
