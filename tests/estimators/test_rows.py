@@ -6,8 +6,6 @@ same iterates, the same value and the same trace; a table whose gradient reaches
 (tied to an output layer, or read directly elsewhere) must stay whole.
 """
 
-import importlib
-
 import pytest
 import torch
 from torch import nn
@@ -18,7 +16,6 @@ from geosharp.estimators.diagnostics import ascent_diagnostics
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.geometry import ElementwiseGeometry
 
-S = importlib.import_module("geosharp.estimators.sharpness")
 V, D = 300, 16
 
 
