@@ -604,3 +604,25 @@ def test_torchscript_wrapper_substitutes_parameters():
     got = torch.func.functional_call(wrapped, params, (x,))
     assert torch.allclose(got, torch.func.functional_call(net, params, (x,)))
     assert torch.allclose(wrapped(x), net(x))  # the originals are back
+
+
+def test_cli_freeze_leaves_parameters_out(bert_dir, tmp_path, capsys):
+    data = write_csv(tmp_path / "f.csv", SENTENCES[:4])
+    args = ["--measures", "adaptive", "--rho", "0.1", "--steps", "2", "--max-length", "16"]
+    code, out, err = run_cli(
+        capsys, bert_dir, data, *args, "--freeze", "*embeddings*", "--out", tmp_path / "f"
+    )
+    assert code == 0, err
+    said = out + err
+    assert "frozen by --freeze: " in said
+    res = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert res["settings"]["freeze"] == ["*embeddings*"]
+    code, out, err = run_cli(capsys, bert_dir, data, *args, "--out", tmp_path / "a")
+    whole = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert "freeze" not in whole["settings"]
+    # a pattern that matches nothing is one line, before the data are read
+    code, out, err = run_cli(
+        capsys, bert_dir, data, *args, "--freeze", "*nothing*", "--out", tmp_path / "n"
+    )
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "--freeze '*nothing*' matches no parameter of the model" in err

@@ -207,6 +207,20 @@ def test_the_python_call_returns_the_tau_table(population, tmp_path):
     assert list(table.dataframe()["measure"]) == ["adaptive worst l2"]
 
 
+def test_frozen_parameters_are_left_out_of_every_model(population, tmp_path):
+    kw = dict(measures=["adaptive"], rho=[0.05], steps=2, progress=False, log=lambda _: None)
+    data = str(population / "data.csv")
+    whole = study(population / "manifest.csv", data=data, out=tmp_path / "w", **kw, **OPTS)
+    part = study(
+        population / "manifest.csv", data=data, out=tmp_path / "f", freeze=("*embeddings*",),
+        **kw, **OPTS,
+    )  # fmt: skip
+    a, b = read_results(tmp_path / "w"), read_results(tmp_path / "f")
+    assert len(a) == len(b) == 4
+    assert all(x["value"] != y["value"] for x, y in zip(a, b, strict=True))
+    assert whole.rows[0]["n_models"] == part.rows[0]["n_models"] == 4
+
+
 def test_rows_given_in_python(population, tmp_path, monkeypatch):
     monkeypatch.chdir(population)
     rows = [{"model": f"models/{n}", "gap": tr - te, "lr": lr} for n, tr, te, lr, _ in ROWS]

@@ -85,8 +85,8 @@ def add_data_arguments(m: argparse.ArgumentParser) -> None:
     """The options of how a model's data are read: ``geosharp measure``'s and a population's.
 
     ``--task``, the batching (``--batch-size``, ``--samples``, ``--max-length``), the columns,
-    the tokenizer, the PEFT base, a fresh head's classes, the loss, the device and the dtype
-    (read by :func:`geosharp.measuring.pipeline.options_from_args`).
+    the tokenizer, the PEFT base, the frozen parameters, a fresh head's classes, the loss, the
+    device and the dtype (read by :func:`geosharp.measuring.pipeline.options_from_args`).
     """
     m.add_argument(
         "--task",
@@ -148,6 +148,14 @@ def add_data_arguments(m: argparse.ArgumentParser) -> None:
         default=None,
         help="the base model folder of a PEFT adapter (default: the adapter config's "
         "base_model_name_or_path)",
+    )
+    m.add_argument(
+        "--freeze",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="leave the parameters whose names match this glob out of the measurement, as a "
+        "frozen part of a fine-tune (e.g. '*embeddings*'); repeatable",
     )
     m.add_argument(
         "--num-labels",

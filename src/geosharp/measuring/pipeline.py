@@ -13,8 +13,9 @@ model is loaded, tokenized and checked the same way.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ class MeasureOptions:
     loss: str | None = "auto"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
+    #: Parameter-name patterns (``fnmatch``) left out of the measurement (``--freeze``).
+    freeze: tuple[str, ...] = ()
 
 
 def options_from_args(args: argparse.Namespace) -> MeasureOptions:
@@ -89,6 +92,7 @@ def options_from_args(args: argparse.Namespace) -> MeasureOptions:
         loss=args.loss,
         device=resolve_device(args.device),
         dtype=resolve_dtype(args.dtype),
+        freeze=tuple(getattr(args, "freeze", None) or ()),
     )
 
 
@@ -141,6 +145,7 @@ class ReadyModel:
             "batch_size": self.options.batch_size,
             "samples": data.n_samples,
             "max_length": self.options.max_length if data.max_length is None else data.max_length,
+            **({"freeze": list(self.options.freeze)} if self.options.freeze else {}),
             **({"n_tokens": data.n_tokens} if data.n_tokens is not None else {}),
             **({"label_map": data.label_map} if data.label_map else {}),
             **({"model_info": loaded.info} if loaded.info else {}),
@@ -184,9 +189,52 @@ def load_for_measure(
     say(f"task: {task} ({why})")
     table, num_labels, label2id = _read_labels(source, opts, task)
     loaded = _load_model(source, opts, task, num_labels, label2id, say, warn)
+    freeze(loaded.model, opts.freeze, say)  # a pattern matching nothing fails before the data
     data = _load_batches(opts, task, loaded, table, say, warn)
     flushed = _flush_unrepresentable(loaded.model, opts.dtype, warn)
     return ReadyModel(source, opts, task, why, loaded, data, loss, flushed)
+
+
+def freeze(model: torch.nn.Module, patterns: Sequence[str], say: Say | None = None) -> int:
+    """Leave the parameters whose names match a pattern out of the measurement.
+
+    Each ``fnmatch`` pattern (``"*embeddings*"``, ``"bert.encoder.layer.0.*"``) turns
+    ``requires_grad`` off for the parameters it matches, so every measure perturbs only the
+    others and lists these as excluded (what a frozen part of a fine-tune is).
+
+    Args:
+        model: The model (its parameters' ``requires_grad`` flags are changed).
+        patterns: The patterns; each must match at least one parameter name.
+        say: Where the count goes (default: nowhere).
+
+    Returns:
+        The number of weights frozen.
+
+    Raises:
+        MeasureError: If a pattern matches no parameter, or every trainable one is frozen.
+    """
+    if not patterns:
+        return 0
+    names = [n for n, _ in model.named_parameters()]
+    hit: dict[str, torch.nn.Parameter] = {}
+    for pat in patterns:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+        if not matched:
+            raise MeasureError(
+                f"--freeze {pat!r} matches no parameter of the model; its parameters are named "
+                f"like {', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+            )
+        hit.update((n, p) for n, p in model.named_parameters() if n in matched)
+    left = [p for n, p in model.named_parameters() if p.requires_grad and n not in hit]
+    if not left:
+        raise MeasureError("--freeze leaves no trainable parameter to measure")
+    n = 0
+    for p in hit.values():
+        n += p.numel() if p.requires_grad else 0
+        p.requires_grad_(False)
+    if say is not None:
+        say(f"frozen by --freeze: {len(hit)} parameter tensor(s), {n:,} weights")
+    return n
 
 
 # --------------------------------------------------------------------------------------------

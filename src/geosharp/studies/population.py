@@ -312,6 +312,7 @@ class PopulationStudy(Study):
             + "; ".join(f"{k}: " + ", ".join(f"{r:g}" for r in g) for k, g in self.grids.items()),
             "steps": self.cfg.steps,
             "seed": self.cfg.seed,
+            **({"frozen": ", ".join(o.freeze)} if o.freeze else {}),
         }
 
     def notes(self) -> list[str]:  # noqa: D102

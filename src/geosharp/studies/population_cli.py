@@ -147,6 +147,8 @@ def run(
     rho = parse_rho(args.rho)
     opts = options_from_args(args)
     options = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
+    if not options["freeze"]:  # the identity of a study measured before --freeze existed
+        del options["freeze"]
     settings = PopulationSettings(
         manifest=args.manifest,
         options=options,
