@@ -11,7 +11,8 @@ the loss of the model at the endpoint ``θ′(ξ)`` of a
 :class:`~geosharp.estimators.perturbation.Perturbation` (``θ′(0) = w``), and averages it over
 batches. This module holds what does not depend on the quantity:
 
-- the argument checks (:func:`check_float`, :func:`check_int`);
+- the argument checks (:func:`check_float`, :func:`check_int`) and the refusal of a sharded
+  model (:func:`check_unsharded`);
 - the objective ``f_S`` with its pass counts (:class:`Objective`), and its value at ``ξ = 0``
   with the embedding rows the clean forward reaches (:func:`clean_start`);
 - the perturbation of a call, with the symmetry search and the factorized geometry reused from
