@@ -239,13 +239,7 @@ def load_data(
     info: list[str] = []
     if all(c in cols for c in text_cols) and text_cols:
         tok, source = _tokenizer_and_source(loaded, tokenizer, where)
-        limit = _length_limit(loaded, tok)
-        if limit is not None and max_length > limit:
-            warns.append(
-                f"--max-length {max_length} exceeds what the model accepts ({limit} tokens); "
-                f"using {limit}"
-            )
-            max_length = limit
+        max_length = _max_length(loaded, tok, max_length, warns)
         batches, more = tokenize_rows(
             rows,
             tokenizer=tok,
@@ -462,6 +456,18 @@ def _first_batch_ids(batch_inputs: Mapping[str, Any]) -> list[list[int]]:
         row = ids[i] if mask is None else ids[i][mask[i].bool()]
         out.append([int(t) for t in row.tolist()])
     return out
+
+
+def _max_length(loaded: LoadedModel, tok: Any, max_length: int, warns: list[str]) -> int:
+    """``--max-length`` capped to what the model accepts (:func:`_length_limit`), with a warning."""
+    limit = _length_limit(loaded, tok)
+    if limit is not None and max_length > limit:
+        warns.append(
+            f"--max-length {max_length} exceeds what the model accepts ({limit} tokens); "
+            f"using {limit}"
+        )
+        return limit
+    return max_length
 
 
 def _length_limit(loaded: LoadedModel, tok: Any) -> int | None:

@@ -43,8 +43,8 @@ from geosharp.measuring.data_files import _columns, data_kind, read_table
 from geosharp.measuring.data_loading import (
     DataSet,
     _check_batch_size,
-    _length_limit,
     _load_function,
+    _max_length,
     _tokenizer_and_source,
     tokenizer_line,
 )
@@ -148,17 +148,6 @@ def _logits_size(loaded: LoadedModel, batches: list, warns: list[str]) -> None:
             f"{n_vocab:,} tokens), and the ascent keeps several such tensors and their "
             "gradients; lower --batch-size or --max-length if memory runs out"
         )
-
-
-def _max_length(loaded: LoadedModel, tok: Any, max_length: int, warns: list[str]) -> int:
-    limit = _length_limit(loaded, tok)
-    if limit is not None and max_length > limit:
-        warns.append(
-            f"--max-length {max_length} exceeds what the model accepts ({limit} tokens); "
-            f"using {limit}"
-        )
-        return limit
-    return max_length
 
 
 def _encode(tok: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:

@@ -215,7 +215,8 @@ def freeze(model: torch.nn.Module, patterns: Sequence[str], say: Say | None = No
     """
     if not patterns:
         return 0
-    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    names = list(params)
     hit: dict[str, torch.nn.Parameter] = {}
     for pat in patterns:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pat)]
@@ -224,9 +225,8 @@ def freeze(model: torch.nn.Module, patterns: Sequence[str], say: Say | None = No
                 f"--freeze {pat!r} matches no parameter of the model; its parameters are named "
                 f"like {', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
             )
-        hit.update((n, p) for n, p in model.named_parameters() if n in matched)
-    left = [p for n, p in model.named_parameters() if p.requires_grad and n not in hit]
-    if not left:
+        hit.update((n, params[n]) for n in matched)
+    if not any(p.requires_grad for n, p in params.items() if n not in hit):
         raise MeasureError("--freeze leaves no trainable parameter to measure")
     n = 0
     for p in hit.values():

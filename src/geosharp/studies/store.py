@@ -117,10 +117,7 @@ class Store:
             # journal, no WAL index beside it), so it can still be reported and exported
             uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1"
             self.conn = sqlite3.connect(uri, uri=True, timeout=60.0)
-            self.read_only = True
             return
-        #: ``True`` when an existing study was opened read-only (its folder cannot be written).
-        self.read_only = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=60.0)
         self.conn.execute("PRAGMA journal_mode=WAL")
