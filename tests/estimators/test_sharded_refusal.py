@@ -1,8 +1,9 @@
-"""A model sharded by FSDP2 is refused in one line before any work, by every entry point.
+"""What a model sharded by FSDP2 is refused, in one line before any work.
 
-Sharded models are not measured yet (the math is SPEC §10); until they are, ``gs.sharpness``,
-``gs.curvature`` and ``gs.measure`` say so instead of failing inside the perturbation. The
-check runs in a child process: it needs a process group (gloo, one rank) and ``fully_shard``.
+``gs.sharpness`` measures it with the element-wise measures (``test_fsdp.py``); its geodesic
+measures, ``gs.curvature`` and ``gs.measure`` say that they do not yet, instead of failing inside
+the perturbation. The check runs in a child process: it needs a process group (gloo, one rank)
+and ``fully_shard``.
 """
 
 import subprocess
@@ -33,6 +34,8 @@ SCRIPT = textwrap.dedent(
         ce = nn.functional.cross_entropy
         calls = {
             "sharpness": lambda: gs.sharpness(model, ce, batches, measure="adaptive", steps=1),
+            "geodesic": lambda: gs.sharpness(model, ce, batches, measure="geodesic", steps=1),
+            "average": lambda: gs.sharpness(model, ce, batches, measure="adaptive", kind="average"),
             "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
             "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
         }
@@ -58,13 +61,19 @@ def test_an_fsdp2_sharded_model_is_refused_in_one_line():
     lines = [
         ln
         for ln in out.stdout.splitlines()
-        if ln.split(" ")[0] in ("sharpness", "curvature", "measure")
+        if ln.split(" ")[0] in ("sharpness", "geodesic", "average", "curvature", "measure")
     ]
     assert [ln.split(" ")[:2] for ln in lines] == [
-        ["sharpness", "REFUSED"],
+        ["sharpness", "MEASURED"],
+        ["geodesic", "REFUSED"],
+        ["average", "REFUSED"],
         ["curvature", "REFUSED"],
         ["measure", "REFUSED"],
     ]
-    for ln in lines:
+    geodesic, average, curvature, measure = lines[1:]
+    assert "symmetry blocks' geometry on sharded rows (SPEC §10.2)" in geodesic
+    assert "kind='average'" in average
+    for ln, entry in ((curvature, "gs.curvature"), (measure, "gs.measure")):
         assert "sharded DTensors ('0.weight' and 3 more" in ln
+        assert f"{entry} does not measure sharded models yet" in ln
         assert "docs/cluster.md" in ln

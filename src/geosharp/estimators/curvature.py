@@ -262,7 +262,7 @@ def curvature(
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    check_unsharded(model)
+    check_unsharded(model, "gs.curvature")
 
     space_given = space is not None
     space = space if space_given else find_symmetries(model, key_bias=key_bias)

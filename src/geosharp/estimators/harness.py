@@ -29,6 +29,7 @@ spectrum of ``f_S`` at ``0`` in :mod:`geosharp.estimators.curvature`.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -64,13 +65,16 @@ def check_float(name: str, value: Any, positive: bool = True) -> float:
     return value
 
 
-def check_unsharded(model: nn.Module) -> None:
-    """Refuse, in one line, a model whose trainable parameters are sharded ``DTensor``s.
+def check_unsharded(model: nn.Module, entry: str) -> None:
+    """Refuse, in one line, a sharded model at an entry point that does not measure one yet.
 
-    A model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``) or another ``DTensor``
-    placement holds only its shard of every parameter on each rank; the perturbation works on
-    whole parameters, so such a model is refused before any work (the math of a sharded
-    perturbation is SPEC §10).
+    ``gs.sharpness`` measures a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``)
+    with the element-wise measures (:mod:`geosharp.estimators.sharded`); ``gs.curvature`` and
+    ``gs.measure`` do not yet, and say so before any work.
+
+    Args:
+        model: The model.
+        entry: The entry point named in the message (``"gs.curvature"``).
 
     Raises:
         NotImplementedError: If a trainable parameter is a ``DTensor``.
@@ -84,9 +88,8 @@ def check_unsharded(model: nn.Module) -> None:
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         raise NotImplementedError(
             f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
-            "fully_shard): geosharp does not measure sharded models yet; measure the unsharded "
-            "model, on one process or with its batches split across ranks under torchrun "
-            "(docs/cluster.md)"
+            f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness does, "
+            "with the adaptive and euclidean measures (docs/cluster.md)"
         )
 
 
@@ -167,6 +170,9 @@ class Objective:
         bar: A :class:`PassBar` advanced at every forward.
     """
 
+    #: Whether :func:`clean_start` may cut the perturbation to the embedding rows reached.
+    row_cut = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -208,16 +214,9 @@ class Objective:
         The batch, the counter and the bar are shared (e.g. with the perturbation cut to the
         embedding rows reached).
         """
-        return Objective(
-            self.model,
-            self.loss_fn,
-            pert,
-            self.inputs,
-            self.targets,
-            batch=self.batch,
-            counter=self.counter,
-            bar=self.bar,
-        )
+        other = copy.copy(self)
+        other.pert = pert
+        return other
 
     def __call__(
         self, xi: Xi, need_grad: bool | Callable[[float], bool], check: bool = True
@@ -279,7 +278,7 @@ def clean_start(f: Objective, need_grad: bool) -> tuple[float, Xi | None, BatchR
     Raises:
         ValueError: If the clean loss is not finite.
     """
-    rows = BatchRows(f.model, f.pert, enabled=need_grad)
+    rows = BatchRows(f.model, f.pert, enabled=need_grad and f.row_cut)
     with rows:
         if need_grad and not f.pert.pulls_back:
             loss, grad = f(f.pert.zeros(), True, False)
@@ -325,6 +324,7 @@ def objectives(
     device: torch.device,
     counter: dict[str, int] | None = None,
     bar: PassBar | None = None,
+    make: type[Objective] | None = None,
 ) -> Iterator[tuple[Objective, torch.Generator]]:
     """The objective of every batch, with a generator seeded by ``(seed, batch index)``.
 
@@ -340,6 +340,8 @@ def objectives(
         device: Where the data are moved (the model's parameters' device).
         counter: Shared by every objective (default: a new counter per batch).
         bar: A :class:`PassBar` advanced at every forward.
+        make: The objective's class (default :class:`Objective`; a sharded model's is
+            :func:`~geosharp.estimators.sharded.objective_class`).
 
     Yields:
         ``(objective, generator)``, one per batch, in order.
@@ -352,7 +354,8 @@ def objectives(
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TypeError(f"batch {b} must be a pair (inputs, targets)")
         inputs, targets = to_device(batch[0], device), to_device(batch[1], device)
-        f = Objective(model, loss_fn, pert, inputs, targets, batch=b, counter=counter, bar=bar)
+        cls = make or Objective
+        f = cls(model, loss_fn, pert, inputs, targets, batch=b, counter=counter, bar=bar)
         yield f, gen
 
 
@@ -390,6 +393,7 @@ def perturbation_of(
     key_bias: str,
     low_memory: bool,
     cache: bool,
+    shards: Any = None,
 ) -> Setup:
     """The parameter space and the perturbation of ``model``, at its own parameters.
 
@@ -399,10 +403,28 @@ def perturbation_of(
     (:mod:`geosharp.estimators.cache`). Adaptive and Euclidean measures of the whole model never
     look at the blocks: their space is the parameters alone.
 
+    A sharded model (``shards``, a :class:`~geosharp.estimators.sharded.ShardedParams`) gets the
+    perturbation of the rank's shards, from a copy of the base point's shards, with its norms
+    summed over the ranks; nothing is cached (the call writes the model's shards).
+
     Raises:
         ValueError: If the model has no trainable parameters, or ``perturb="blocks"`` and it
             has no symmetry blocks.
     """
+    if shards is not None:
+        space = shards.space()
+        pert = Perturbation(
+            space,
+            shards.base,
+            work_dtype=shards.base[space.param_names[0]].dtype if low_memory else None,
+            eps=eps,
+            corrected_norm=corrected_norm,
+            exact_steps=exact_steps,
+            perturb=perturb,
+            **perturbation_kwargs(measure, metric, order, perturb),
+        )
+        pert.reduce = shards.sum
+        return Setup(space, shards.base, pert, False)
     if space is None:
         blocks_needed = measure == "geodesic" or perturb == "blocks"
 

@@ -111,6 +111,10 @@ class Perturbation:
         if measure == "geodesic" and metric not in BLOCK_METRICS:
             raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
         self.space = space
+        #: Sums a tensor of partial sums over the ranks holding the other shards of the
+        #: perturbation (``None``: one process holds it whole; see
+        #: :mod:`geosharp.estimators.sharded`). Applied to every norm and pairing.
+        self.reduce: Callable[[Tensor], Tensor] | None = None
         self.measure = measure
         self.metric = metric
         self.order = order
@@ -200,14 +204,16 @@ class Perturbation:
 
     def norm_sq(self, xi: Xi) -> Tensor:
         """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""
-        return sum(p.norm_geometry.norm_sq(x).sum() for p, x in zip(self.pieces, xi, strict=True))
+        total = sum(p.norm_geometry.norm_sq(x).sum() for p, x in zip(self.pieces, xi, strict=True))
+        return total if self.reduce is None else self.reduce(torch.as_tensor(total))
 
     def inner(self, a: Xi | None, b: Xi | None) -> float:
         """The metric inner product ``⟨a, b⟩`` summed over pieces (``None``: the zero tangent)."""
         if a is None or b is None:
             return 0.0
         pairs = zip(self.pieces, a, b, strict=True)
-        return float(sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs))
+        total = sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs)
+        return float(total if self.reduce is None else self.reduce(torch.as_tensor(total)))
 
     def norm(self, xi: Xi) -> float:
         """Norm ``‖ξ‖`` as a float."""
@@ -277,6 +283,11 @@ class Perturbation:
                     add(1 + j, g.inner(x, d).sum())
             out.append(tuple(d))
             add(0, n)
+        if self.reduce is not None:  # one collective for every number of the step
+            dev = next((v.device for v in sums if v is not None), None)
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
+            stacked = torch.stack([zero if v is None else v for v in sums])
+            sums = list(self.reduce(stacked).unbind())
         dd, *inner = (0.0 if v is None else float(v) for v in sums)
         return out, dd, inner
 

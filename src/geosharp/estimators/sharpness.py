@@ -38,11 +38,17 @@ from geosharp.estimators.harness import (
     PassBar,
     check_float,
     check_int,
-    check_unsharded,
     objectives,
     perturbation_of,
 )
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
+from geosharp.estimators.sharded import (
+    ShardedParams,
+    check_supported,
+    is_sharded,
+    objective_class,
+    restored,
+)
 from geosharp.estimators.worst import WorstCase
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import eval_mode
@@ -235,8 +241,6 @@ def sharpness(
     """
     t0 = time.perf_counter()
     _check_measure(measure, kind, norm, perturb, metric, order)
-    if isinstance(model, nn.Module):
-        check_unsharded(model)
     rho = check_float("rho", rho)
     steps = check_int("steps", steps)
     samples = check_int("samples", samples)
@@ -245,6 +249,13 @@ def sharpness(
         buffer_budget = check_float("buffer_budget", buffer_budget)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    shards = None
+    if is_sharded(model):
+        check_supported(measure, perturb, kind, restarts, random_init)
+        if space is not None:
+            raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
+        shards = ShardedParams(model)
+        distributed = False  # every rank measures every batch, on its own rows of it
 
     setup = perturbation_of(
         model,
@@ -259,6 +270,7 @@ def sharpness(
         key_bias=key_bias,
         low_memory=low_memory,
         cache=cache,
+        shards=shards,
     )
     space = setup.space
     theta = [setup.base[n] for n in space.param_names]
@@ -278,8 +290,11 @@ def sharpness(
             "here (every coordinate uses the adaptive geometry); see space.summary()",
             stacklevel=2,
         )
-    with eval_mode(model), split:
-        fs = objectives(model, loss_fn, setup.pert, local, seed=seed, device=device, bar=bar)
+    make = None if shards is None else objective_class(shards)
+    with eval_mode(model), split, restored(shards):
+        fs = objectives(
+            model, loss_fn, setup.pert, local, seed=seed, device=device, bar=bar, make=make
+        )
         values = [case(f, gen) for f, gen in fs]
         counter = {k: sum(v.passes[k] for v in values) for k in ("forward", "backward")}
         per_batch, clean, perturbed, traces = split.gather(
@@ -318,6 +333,7 @@ def sharpness(
         else 0,
         "dtype": str(dtype),
         "device": str(device),
+        "sharded": None if shards is None else shards.describe(),
     }
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),

@@ -168,7 +168,7 @@ def measure(
     """
     t_start = time.perf_counter()
     if isinstance(model, nn.Module):
-        check_unsharded(model)
+        check_unsharded(model, "gs.measure")
     say = log or (lambda _msg: None)
     notes: list[str] = []
 

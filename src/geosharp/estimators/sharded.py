@@ -1,0 +1,316 @@
+r"""Sharpness of a model sharded by FSDP2, shard by shard (SPEC §10).
+
+A model whose trainable parameters are ``DTensor``\ s sharded by
+``torch.distributed.fsdp.fully_shard`` holds, on every rank, one shard of every parameter.
+Here the perturbation lives the same way: the base point, ``ξ``, the ascent's iterates and the
+gradient are the rank's shards (each ``1/world`` of a parameter-sized buffer), and the weights
+are never gathered whole by geosharp (FSDP's own forward gathers one layer at a time, as in
+training).
+
+A loss at ``θ′(ξ)`` is one forward and one backward of the model itself, not a
+:func:`torch.func.functional_call` (FSDP gathers its own shards before every layer, so
+substituted tensors would be bypassed):
+
+1. the rank's shard of ``θ′(ξ)`` is written into the parameters' local shards (in place);
+2. the model runs its forward on the rank's rows of the batch, and its backward, in which FSDP
+   reduce-scatters the gradient: every rank gets its shard of the gradient of the mean of the
+   ranks' losses;
+3. that gradient is pulled back through the rank's shard of the endpoint map (autograd,
+   locally) to ``ξ``'s shard.
+
+The value of a batch is the mean over ranks of the ranks' losses (one scalar all-reduce); the
+norms and pairings of Auto-PGD are sums over ranks of local sums (one scalar all-reduce per
+ascent step, :attr:`~geosharp.estimators.perturbation.Perturbation.reduce`), so every rank
+takes the same step decisions and gets the same result. The model's shards are written back
+from a copy of the base point when the call ends, bit for bit.
+
+What is supported: the element-wise measures (adaptive and Euclidean), worst case from
+``ξ = 0``, ℓ2 or ℓ∞ balls. The rest is refused in one line before any work
+(:func:`check_supported`): the symmetry blocks' geometry needs their ``h × h`` reductions
+(SPEC §10.2), which are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.estimators.harness import Objective
+from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.symmetry import ParameterSpace
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build of torch without distributed
+        return None
+    return DTensor
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build of torch without distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded: an FSDP2 module in it, or a trainable ``DTensor``."""
+    if _fsdp_modules(model):
+        return True
+    dt = _dtensor_type()
+    return dt is not None and any(p.requires_grad and isinstance(p, dt) for p in model.parameters())
+
+
+class ShardedParams:
+    """The rank's shards of a sharded model's trainable parameters.
+
+    Args:
+        model: A model whose every trainable parameter is a ``DTensor`` on one 1-D device mesh,
+            sharded along one dimension (``fully_shard`` of the layers and of the root).
+
+    Raises:
+        ValueError: If some trainable parameter is not a ``DTensor`` (a module left out of
+            ``fully_shard``), or a placement is not one ``Shard`` on a 1-D mesh (HSDP's
+            replicated dimension, tensor parallelism), or the parameters live on several
+            meshes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        #: FSDP's modules, resharded before every write (see :meth:`reshard`)
+        self.modules = _fsdp_modules(model)
+        self.reshard()
+        dt = _dtensor_type()
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        plain = [n for n, p in trainable if dt is None or not isinstance(p, dt)]
+        if plain:
+            more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
+            raise ValueError(
+                f"the model is sharded, but its parameter {plain[0]!r}{more} is not: apply "
+                "fully_shard to the root module too, so that every trainable parameter is a "
+                "sharded DTensor"
+            )
+        from torch.distributed.tensor import Shard
+
+        mesh = trainable[0][1].device_mesh
+        for n, p in trainable:
+            if p.device_mesh != mesh:
+                raise ValueError(
+                    f"the parameters {trainable[0][0]!r} and {n!r} live on different device "
+                    "meshes: geosharp measures a model sharded on one mesh"
+                )
+            if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+                raise ValueError(
+                    f"the parameter {n!r} is placed as {tuple(p.placements)} on a "
+                    f"{mesh.ndim}-D mesh: geosharp measures parameters sharded along one "
+                    "dimension of a 1-D mesh (FSDP2's fully_shard), not replicated ones (HSDP) "
+                    "or tensor parallelism"
+                )
+        self.names = tuple(n for n, _ in trainable)
+        self.params = [p for _, p in trainable]
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        #: the local shards themselves (views of FSDP's storage: a write is what it gathers)
+        self.locals = [p._local_tensor for p in self.params]
+        #: a copy of the base point's shards (one 1/world parameter-sized buffer)
+        self.base = {n: t.detach().clone() for n, t in zip(self.names, self.locals, strict=True)}
+
+    def describe(self) -> dict[str, Any]:
+        """What a result records of the sharding: the world size and the sharded dimensions."""
+        dims = sorted({p.placements[0].dim for p in self.params})
+        return {"world": self.world, "shard_dims": dims}
+
+    def space(self) -> ParameterSpace:
+        """The parameter space of the rank's shards (local shapes, no symmetry blocks)."""
+        shapes = tuple(t.shape for t in self.locals)
+        offsets, start = [], 0
+        for s in shapes:
+            offsets.append(start)
+            start += math.prod(s)
+        return ParameterSpace(self.names, shapes, tuple(offsets))
+
+    def reshard(self) -> None:
+        """Free every gathered parameter, so that the next forward gathers the shards again.
+
+        FSDP keeps the root module's parameters gathered after a forward until its backward:
+        after a forward with no backward, a forward would run on them, not on newly written
+        shards.
+        """
+        for m in self.modules:
+            m.reshard()
+
+    def write(self, tensors: Mapping[str, Tensor]) -> None:
+        """Copy the rank's shard of every parameter into the model (in place, no graph)."""
+        self.reshard()
+        with torch.no_grad():
+            for n, local in zip(self.names, self.locals, strict=True):
+                local.copy_(tensors[n])
+
+    def restore(self) -> None:
+        """Write the base point back: the shards bit-identical to before the call."""
+        self.write(self.base)
+
+    def zero_grad(self) -> None:
+        """Drop the parameters' gradients (FSDP accumulates into them)."""
+        for p in self.params:
+            p.grad = None
+
+    def grads(self) -> dict[str, Tensor]:
+        """The rank's shard of every parameter's gradient (zeros where none flowed)."""
+        out = {}
+        for n, p, local in zip(self.names, self.params, self.locals, strict=True):
+            g = p.grad
+            out[n] = torch.zeros_like(local) if g is None else g.to_local()
+        return out
+
+    def sum(self, t: Tensor) -> Tensor:
+        """``t`` (small, e.g. a few scalars) summed over the ranks, in float64."""
+        import torch.distributed as dist
+
+        out = t.detach().to(device=self.locals[0].device, dtype=torch.float64).clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def mean_loss(self, loss: Tensor) -> float:
+        """The mean over ranks of the ranks' losses."""
+        return float(self.sum(loss.reshape(1)) / self.world)
+
+
+@contextlib.contextmanager
+def restored(shards: ShardedParams | None) -> Iterator[None]:
+    """Write the base point back into the model's shards on any exit (nothing if ``None``)."""
+    try:
+        yield
+    finally:
+        if shards is not None:
+            shards.restore()
+            shards.zero_grad()
+
+
+def check_supported(
+    measure: str, perturb: str, kind: str, restarts: int, random_init: bool
+) -> None:
+    """Refuse, in one line, what a sharded model cannot be measured with yet.
+
+    Raises:
+        NotImplementedError: For geodesic sharpness or ``perturb="blocks"`` (the blocks' ``h × h``
+            reductions of SPEC §10.2), the average case, or random starts.
+    """
+    why = None
+    if measure == "geodesic" or perturb == "blocks":
+        why = (
+            f"measure={measure!r}, perturb={perturb!r}: the symmetry blocks' geometry on "
+            "sharded rows (SPEC §10.2) is not implemented yet; adaptive and euclidean "
+            "sharpness are"
+        )
+    elif kind != "worst":
+        why = "kind='average': random perturbations of a sharded model are not implemented yet"
+    elif restarts > 1 or random_init:
+        why = (
+            "restarts > 1 or random_init: random starts on a sharded model are not implemented yet"
+        )
+    if why is not None:
+        raise NotImplementedError(f"a sharded (FSDP2) model: {why}")
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def objective_class(shards: ShardedParams) -> type:
+    """The :class:`~geosharp.estimators.harness.Objective` of a sharded model, on its shards."""
+
+    class ShardedObjective(Objective):
+        """``f_S(ξ)`` of a sharded model: the rank's rows of ``S``, the rank's shard of ``ξ``."""
+
+        #: the embedding-row cut works on whole tables; a sharded table is kept whole
+        row_cut = False
+
+        def _loss(self) -> Tensor:
+            loss = self.loss_fn(_call(self.model, self.inputs), self.targets)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    "loss_fn(outputs, targets) must return a scalar tensor, got "
+                    f"{type(loss).__name__}"
+                )
+            self.counter["forward"] += 1
+            if self.bar is not None:
+                self.bar.update()
+            return loss.reshape(())
+
+        def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
+            pert, grad = self.pert, None
+            with pert.applied(xi) as moved:
+                if need_grad is False:
+                    with torch.no_grad():
+                        shards.write(pert.endpoint_params(moved, applied=True))
+                        value = shards.mean_loss(self._loss())
+                else:
+                    leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
+                    with torch.enable_grad():
+                        ends = pert.endpoint_params(leaves, applied=True)
+                        shards.write(ends)
+                        loss = self._loss()
+                        value = shards.mean_loss(loss)
+                        if not callable(need_grad) or need_grad(value):
+                            grad = self._pull_back(loss, ends, leaves)
+                        del loss, ends
+            if grad is not None:
+                self.counter["backward"] += 1
+            if check and not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss became {value} at a perturbation of norm {pert.norm(xi):.3g}: "
+                    "try a smaller rho"
+                )
+            return value, grad
+
+        def _pull_back(self, loss: Tensor, ends: Mapping[str, Tensor], leaves: list) -> Xi:
+            shards.zero_grad()
+            loss.backward()  # FSDP reduce-scatters: the gradient of the mean of the ranks' losses
+            g = shards.grads()
+            shards.zero_grad()
+            flat = [t for x in leaves for t in x]
+            outs = [(ends[n], g[n]) for n in shards.names if ends[n].requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in outs], flat, grad_outputs=[v for _, v in outs], allow_unused=True
+            )
+            it = iter(
+                gr if gr is not None else torch.zeros_like(t)
+                for gr, t in zip(grads, flat, strict=True)
+            )
+            return [tuple(next(it) for _ in x) for x in leaves]
+
+        def clean(self, need_grad: bool = False) -> tuple[float, Xi | None]:
+            shards.restore()
+            if not need_grad:
+                with torch.no_grad():
+                    return shards.mean_loss(self._loss()), None
+            with torch.enable_grad():
+                loss = self._loss()
+                value = shards.mean_loss(loss)
+                shards.zero_grad()
+                loss.backward()
+            del loss
+            self.counter["backward"] += 1
+            g = shards.grads()
+            shards.zero_grad()
+            return value, self.pert.grad_at_zero([g[n] for n in shards.names])
+
+        def on(self, pert: Perturbation) -> Objective:
+            other = copy.copy(self)
+            other.pert = pert
+            return other
+
+    return ShardedObjective

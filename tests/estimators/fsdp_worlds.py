@@ -1,0 +1,172 @@
+"""Sharpness of FSDP2-sharded models at world sizes 1, 2 and 4 against one unsharded process.
+
+Run as a script by ``test_fsdp.py`` (``torch.multiprocessing`` spawns the ranks, gloo on CPU):
+it measures every model unsharded in this process, then spawns each world size, whose ranks
+``fully_shard`` every layer and the root, measure the same model on their rows of every batch,
+and report their values and whether their shards came back bit-identical. It prints one JSON
+line.
+
+    python tests/estimators/fsdp_worlds.py 1,2,4
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import geosharp as gs
+
+MEASURES = ("adaptive", "euclidean")
+MODELS = ("bert", "llama-gqa-lora")
+DTYPES = ("float64", "float32")
+ROWS = 8  # rows of every batch: split evenly over 1, 2 or 4 ranks
+STEPS = 5
+
+
+def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny model from its config, the same on every rank (seeded)."""
+    torch.manual_seed(0)
+    if name == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(
+            vocab_size=50,  # 50 rows: uneven shards over 4 ranks
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return BertForSequenceClassification(cfg).to(dtype).eval()
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    base = LlamaForSequenceClassification(cfg).to(dtype).eval()
+    lora = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        init_lora_weights=False,  # B ≠ 0: the LoRA factors are not at a symmetric point
+    )
+    return get_peft_model(base, lora).eval()
+
+
+def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer layers, each its own FSDP unit."""
+    if hasattr(model, "bert"):
+        return list(model.bert.encoder.layer)
+    return list(model.base_model.model.model.layers)
+
+
+def batches() -> list[tuple[dict, torch.Tensor]]:
+    """Two batches of ROWS sequences (ids ≥ 1: no padding)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            {"input_ids": torch.randint(1, 50, (ROWS, 6), generator=g)},
+            torch.randint(0, 3, (ROWS,), generator=g),
+        )
+        for _ in range(2)
+    ]
+
+
+def ce(out, y):
+    return torch.nn.functional.cross_entropy(out.logits, y)
+
+
+def measure_all(model: torch.nn.Module, data: list) -> dict[str, dict]:
+    """Per measure: the value, the clean and the perturbed loss of every batch."""
+    out = {}
+    for m in MEASURES:
+        res = gs.sharpness(model, ce, data, measure=m, rho=0.05, steps=STEPS, progress=False)
+        out[m] = {
+            "value": res.value,
+            "clean": res.clean_losses,
+            "perturbed": res.perturbed_losses,
+            "sharded": res.settings["sharded"],
+        }
+    return out
+
+
+def rank_main(rank: int, world: int, store: str, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        from torch.distributed.fsdp import fully_shard
+
+        out = {}
+        n = ROWS // world
+        for name in MODELS:
+            for dt in DTYPES:
+                model = build(name, getattr(torch, dt))
+                for layer in layers(model):
+                    fully_shard(layer)
+                fully_shard(model)
+                before = [p._local_tensor.clone() for p in model.parameters()]
+                mine = [
+                    (
+                        {"input_ids": x["input_ids"][rank * n : (rank + 1) * n]},
+                        y[rank * n : (rank + 1) * n],
+                    )
+                    for x, y in batches()
+                ]
+                values = measure_all(model, mine)
+                same = all(
+                    torch.equal(a, p._local_tensor)
+                    for a, p in zip(before, model.parameters(), strict=True)
+                )
+                out[f"{name}/{dt}"] = {"values": values, "shards_identical": same}
+                del model
+        queue.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def main(worlds: list[int]) -> dict:
+    torch.set_num_threads(1)
+    ref = {
+        f"{name}/{dt}": measure_all(build(name, getattr(torch, dt)), batches())
+        for name in MODELS
+        for dt in DTYPES
+    }
+    result = {"reference": ref, "worlds": {}}
+    ctx = mp.get_context("spawn")
+    for world in worlds:
+        queue = ctx.Queue()
+        store = tempfile.NamedTemporaryFile(delete=False).name
+        os.unlink(store)
+        procs = [ctx.Process(target=rank_main, args=(r, world, store, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        ranks = dict(queue.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        result["worlds"][world] = ranks
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main([int(w) for w in sys.argv[1].split(",")])))
