@@ -282,10 +282,20 @@ def objective_class(shards: ShardedParams) -> type:
             g = shards.grads()
             shards.zero_grad()
             flat = [t for x in leaves for t in x]
-            outs = [(ends[n], g[n]) for n in shards.names if ends[n].requires_grad]
-            grads = torch.autograd.grad(
-                [o for o, _ in outs], flat, grad_outputs=[v for _, v in outs], allow_unused=True
-            )
+            outs = [(ends[n], g.pop(n)) for n in shards.names if ends[n].requires_grad]
+            where = {id(t): i for i, t in enumerate(flat)}
+            if all(id(o) in where for o, _ in outs):  # θ′ is ξ's own tensor: ∂L/∂ξ = ∂L/∂θ′
+                grads: list = [None] * len(flat)
+                for o, v in outs:
+                    grads[where[id(o)]] = v
+            else:
+                grads = torch.autograd.grad(
+                    [o for o, _ in outs],
+                    flat,
+                    grad_outputs=[v for _, v in outs],
+                    allow_unused=True,
+                )
+            del outs
             it = iter(
                 gr if gr is not None else torch.zeros_like(t)
                 for gr, t in zip(grads, flat, strict=True)

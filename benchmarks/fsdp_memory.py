@@ -1,0 +1,205 @@
+"""Per-rank memory and collectives of ``gs.sharpness`` on an FSDP2-sharded model (issue 27).
+
+Every rank (gloo on CPU, ``torch.multiprocessing``) builds the same BERT from a config,
+``fully_shard``\\ s every layer and the root, and then, under the peak resident set:
+
+- two plain sharded steps (the model's own forward on the rank's rows, ``loss.backward()``:
+  FSDP gathers each layer and reduce-scatters its gradient), the reference peak;
+- one ``gs.sharpness`` call (adaptive, ℓ2, ``--steps`` Auto-PGD steps).
+
+The peaks are the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``
+before each), with glibc told to return every buffer of 64 KiB or more to the system
+(``MALLOC_MMAP_THRESHOLD_=65536``, set for the ranks): a tensor tracer cannot follow FSDP's
+gathered parameters, whose storages are resized to 0 and back instead of freed.
+
+It prints, per world size, the call's peak above the plain step's in units of the rank's share
+of a parameter-sized buffer (``P · itemsize / world``), and the collectives per ascent step:
+the calls of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` counted
+during the call and during one plain step, per forward pass.
+
+    OMP_NUM_THREADS=1 python benchmarks/fsdp_memory.py --worlds 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def build(hidden: int, layers: int) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=30000,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=64,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(cfg).eval()
+
+
+def reset_peak() -> None:
+    """Reset the process's peak resident set (``VmHWM``) to its current size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """The process's peak resident set since :func:`reset_peak`, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class Count:
+    """Counts the calls of the collectives (by patching ``torch.distributed``)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.saved = {n: getattr(dist, n) for n in COLLECTIVES}
+
+    def __enter__(self) -> Count:
+        for n, f in self.saved.items():
+
+            def counted(*a, _f=f, _n=n, **k):
+                self.counts[_n] += 1
+                return _f(*a, **k)
+
+            setattr(dist, n, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n, f in self.saved.items():
+            setattr(dist, n, f)
+
+
+def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        from torch.distributed.fsdp import fully_shard
+
+        import geosharp as gs
+
+        model = build(args["hidden"], args["layers"])
+        n_params = sum(p.numel() for p in model.parameters())
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        g = torch.Generator().manual_seed(1)
+        rows = args["rows"] // world
+        ids = torch.randint(1, 30000, (args["rows"], args["seq"]), generator=g)
+        y = torch.randint(0, 2, (args["rows"],), generator=g)
+        mine = [
+            (
+                {"input_ids": ids[rank * rows : (rank + 1) * rows]},
+                y[rank * rows : (rank + 1) * rows],
+            )
+        ]
+
+        def ce(out, t):
+            return torch.nn.functional.cross_entropy(out.logits, t)
+
+        def plain() -> None:
+            for x, t in mine:
+                ce(model(**x), t).backward()
+            for p in model.parameters():
+                p.grad = None
+
+        plain()  # warm-up
+        reset_peak()
+        plain()
+        plain()
+        plain_peak = peak_rss()
+        with Count() as cp:
+            plain()
+        reset_peak()
+        with Count() as cc:
+            res = gs.sharpness(
+                model, ce, mine, measure="adaptive", rho=0.05, steps=args["steps"], progress=False
+            )
+        call_peak = peak_rss()
+        unit = n_params * 4 / world
+        queue.put(
+            (
+                rank,
+                {
+                    "params": n_params,
+                    "above_plain_units": (call_peak - plain_peak) / unit,
+                    "plain_collectives": dict(cp.counts),
+                    "call_collectives": dict(cc.counts),
+                    "forward": res.n_forward,
+                    "backward": res.n_backward,
+                    "value": res.value,
+                },
+            )
+        )
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    args = vars(a)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+    ctx = mp.get_context("spawn")
+    out = {}
+    for world in (int(w) for w in a.worlds.split(",")):
+        queue = ctx.Queue()
+        store = tempfile.NamedTemporaryFile(delete=False).name
+        os.unlink(store)
+        procs = [
+            ctx.Process(target=rank_main, args=(r, world, store, args, queue)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        ranks = dict(queue.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        out[world] = ranks
+        for rank, r in sorted(ranks.items()):
+            if isinstance(r, str):
+                print(f"world {world} rank {rank} failed:\n{r}")
+                continue
+            print(
+                f"world {world} rank {rank}: P = {r['params']:,}; peak above a plain sharded step "
+                f"{r['above_plain_units']:.2f} × P/world; passes {r['forward']} fwd / "
+                f"{r['backward']} bwd; collectives: plain step {r['plain_collectives']}, call "
+                f"{r['call_collectives']}; value {r['value']:.6g}"
+            )
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
