@@ -185,11 +185,11 @@ def lanczos(
     """
     n0 = op.norm(start)
     if n0 == 0.0:
-        return torch.zeros(0, dtype=torch.float64), 0
+        return torch.zeros(0, dtype=torch.float64, device="cpu"), 0
     basis: list[Tensor] = [start / n0]
     alphas: list[float] = []
     betas: list[float] = []
-    ritz = torch.zeros(0, dtype=torch.float64)
+    ritz = torch.zeros(0, dtype=torch.float64, device="cpu")  # the small problem: on the host
     tiny = torch.finfo(start.dtype)
     for j in range(iters):
         hv = op.hvp(basis[j])
@@ -197,9 +197,9 @@ def lanczos(
         # Full reorthogonalization subsumes the three-term recurrence w − αq_j − βq_{j−1}.
         w = orthogonalize(op, op.raise_index(hv), basis)
         beta = op.norm(w)
-        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        T = torch.diag(torch.tensor(alphas, dtype=torch.float64, device="cpu"))
         if j:
-            off = torch.tensor(betas, dtype=torch.float64)
+            off = torch.tensor(betas, dtype=torch.float64, device="cpu")
             T = T + torch.diag(off, 1) + torch.diag(off, -1)
         ritz, S = torch.linalg.eigh(T)
         scale = max(float(ritz.abs().max()), tiny.tiny)
