@@ -6,7 +6,8 @@ it measures every model unsharded in this process, then spawns each world size, 
 and report their values and whether their shards came back bit-identical. It prints one JSON
 line.
 
-    python tests/estimators/fsdp_worlds.py 1,2,4
+    python tests/estimators/fsdp_worlds.py 1,2,4          # gloo on CPU (the test)
+    python tests/estimators/fsdp_worlds.py 1,2 cuda       # nccl, one GPU per rank
 """
 
 from __future__ import annotations
@@ -23,9 +24,23 @@ import torch.multiprocessing as mp
 
 import geosharp as gs
 
-MEASURES = ("adaptive", "euclidean")
-MODELS = ("bert", "llama-gqa-lora")
-DTYPES = ("float64", "float32")
+#: label → (measure, norm)
+MEASURES = {
+    "adaptive": ("adaptive", "l2"),
+    "euclidean": ("euclidean", "l2"),
+    "adaptive-linf": ("adaptive", "linf"),
+}
+#: (model, dtype, rho) measured sharded and unsharded; bfloat16 at a radius that its 8-bit
+#: mantissa resolves (θ′ = w + ξ rounds ξ to ~1/256 of |w|: at ρ = 0.05 that is ~8 % of ξ)
+CASES = [
+    ("bert", "float64", 0.05),
+    ("bert", "float32", 0.05),
+    ("llama-gqa-lora", "float64", 0.05),
+    ("llama-gqa-lora", "float32", 0.05),
+    ("bert", "bfloat16", 0.5),
+]
+#: measured unsharded only: the float32 value on the same weights as the bfloat16 case
+REFERENCE_ONLY = [("bert", "float32", 0.5)]
 ROWS = 8  # rows of every batch: split evenly over 1, 2 or 4 ranks
 STEPS = 5
 
@@ -92,52 +107,71 @@ def batches() -> list[tuple[dict, torch.Tensor]]:
 
 
 def ce(out, y):
-    return torch.nn.functional.cross_entropy(out.logits, y)
+    """Cross-entropy, accumulated in float32 for a half-precision model."""
+    logits = out.logits
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits, y)
 
 
-def measure_all(model: torch.nn.Module, data: list) -> dict[str, dict]:
+def key(name: str, dt: str, rho: float) -> str:
+    return f"{name}/{dt}/{rho}"
+
+
+def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dict]:
     """Per measure: the value, the clean and the perturbed loss of every batch."""
     out = {}
-    for m in MEASURES:
-        res = gs.sharpness(model, ce, data, measure=m, rho=0.05, steps=STEPS, progress=False)
+    for m, (measure, norm) in MEASURES.items():
+        r = rho / 10 if norm == "linf" else rho  # a box of side ρ|w| holds a far larger move
+        res = gs.sharpness(
+            model, ce, data, measure=measure, norm=norm, rho=r, steps=STEPS, progress=False
+        )
         out[m] = {
             "value": res.value,
             "clean": res.clean_losses,
             "perturbed": res.perturbed_losses,
             "sharded": res.settings["sharded"],
+            "dtype": res.settings["dtype"],
+            "n_params": res.settings["n_params"],
         }
     return out
 
 
-def rank_main(rank: int, world: int, store: str, queue) -> None:
+def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device, (world,))
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
         out = {}
         n = ROWS // world
-        for name in MODELS:
-            for dt in DTYPES:
-                model = build(name, getattr(torch, dt))
-                for layer in layers(model):
-                    fully_shard(layer)
-                fully_shard(model)
-                before = [p._local_tensor.clone() for p in model.parameters()]
-                mine = [
-                    (
-                        {"input_ids": x["input_ids"][rank * n : (rank + 1) * n]},
-                        y[rank * n : (rank + 1) * n],
-                    )
-                    for x, y in batches()
-                ]
-                values = measure_all(model, mine)
-                same = all(
-                    torch.equal(a, p._local_tensor)
-                    for a, p in zip(before, model.parameters(), strict=True)
+        for name, dt, rho in CASES:
+            model = build(name, getattr(torch, dt)).to(dev)
+            for layer in layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            before = [p._local_tensor.clone() for p in model.parameters()]
+            mine = [
+                (
+                    {"input_ids": x["input_ids"][rank * n : (rank + 1) * n].to(dev)},
+                    y[rank * n : (rank + 1) * n].to(dev),
                 )
-                out[f"{name}/{dt}"] = {"values": values, "shards_identical": same}
-                del model
+                for x, y in batches()
+            ]
+            values = measure_all(model, mine, rho)
+            same = all(
+                torch.equal(a, p._local_tensor)
+                for a, p in zip(before, model.parameters(), strict=True)
+            )
+            out[key(name, dt, rho)] = {"values": values, "shards_identical": same}
+            del model
         queue.put((rank, out))
         dist.destroy_process_group()
     except BaseException:
@@ -145,12 +179,17 @@ def rank_main(rank: int, world: int, store: str, queue) -> None:
         raise
 
 
-def main(worlds: list[int]) -> dict:
+def main(worlds: list[int], device: str = "cpu") -> dict:
+    """The unsharded values (on ``device``'s first device) and every world size's."""
     torch.set_num_threads(1)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+
+    def on(data: list) -> list:
+        return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
+
     ref = {
-        f"{name}/{dt}": measure_all(build(name, getattr(torch, dt)), batches())
-        for name in MODELS
-        for dt in DTYPES
+        key(name, dt, rho): measure_all(build(name, getattr(torch, dt)).to(dev), on(batches()), rho)
+        for name, dt, rho in CASES + REFERENCE_ONLY
     }
     result = {"reference": ref, "worlds": {}}
     ctx = mp.get_context("spawn")
@@ -158,7 +197,10 @@ def main(worlds: list[int]) -> dict:
         queue = ctx.Queue()
         store = tempfile.NamedTemporaryFile(delete=False).name
         os.unlink(store)
-        procs = [ctx.Process(target=rank_main, args=(r, world, store, queue)) for r in range(world)]
+        procs = [
+            ctx.Process(target=rank_main, args=(r, world, store, queue, device))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         ranks = dict(queue.get(timeout=600) for _ in procs)
@@ -169,4 +211,5 @@ def main(worlds: list[int]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main([int(w) for w in sys.argv[1].split(",")])))
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"  # "cuda": nccl, one GPU per rank
+    print(json.dumps(main([int(w) for w in sys.argv[1].split(",")], device)))

@@ -9,6 +9,8 @@ and the root under ``fully_shard``, every batch's rows split over the ranks). As
   the clean loss (a sharpness is a difference of two losses of order 1: float32 rounding of
   the losses, ~1e-7, is a larger part of it; the unsharded float32 value itself differs from
   the float64 one by up to 1e-4 relative here);
+- bfloat16 (BERT, loss in float32, ρ = 0.5): losses within 4e-3, and the value within 2 % of
+  the float32 value on the same weights, sharded or not;
 - every rank gets the same numbers, and its shards are bit-identical after the calls.
 """
 
@@ -52,19 +54,49 @@ def test_sharded_values_equal_the_unsharded_ones(worlds, world):
     assert sorted(ranks) == [str(r) for r in range(int(world))]
     for rank, out in ranks.items():
         assert isinstance(out, dict), f"rank {rank} failed:\n{out}"
-        assert out.keys() == ref.keys()
+        assert set(out) == set(ref) - {"bert/float32/0.5"}
         for key, by_measure in out.items():
             assert by_measure["shards_identical"], (world, rank, key)
+            dtype = key.split("/")[1]
             for m, got in by_measure["values"].items():
                 want = ref[key][m]
-                assert got["sharded"] == {"world": int(world), "shard_dims": [0]}
+                in_place = m != "euclidean" and key.split("/")[2] != "0.5"  # adaptive, ρ ≤ 0.4
+                assert got["sharded"] == {
+                    "world": int(world),
+                    "shard_dims": [0],
+                    "base_point": "in place" if in_place else "copy",
+                }
                 assert want["sharded"] is None
-                if key.endswith("float64"):
+                assert got["dtype"] == want["dtype"]
+                assert got["n_params"] == want["n_params"]  # the whole model's, not the shard's
+                if dtype == "float64":
                     assert _rel(got["value"], want["value"]) <= 1e-10, (world, key, m)
                 else:
+                    loss_tol = 1e-5 if dtype == "float32" else 4e-3  # bfloat16: 8-bit mantissa
                     for part in ("clean", "perturbed"):
                         for g, w in zip(got[part], want[part], strict=True):
-                            assert _rel(g, w) <= 1e-5, (world, key, m, part)
-                    assert abs(got["value"] - want["value"]) <= 1e-5 * want["clean"][0]
+                            assert _rel(g, w) <= loss_tol, (world, key, m, part)
+                    diff = abs(got["value"] - want["value"])
+                    if dtype == "float32":
+                        assert diff <= 1e-5 * want["clean"][0], (world, key, m)
+                    else:
+                        assert diff <= 0.05 * want["value"], (world, key, m)
                 assert got["value"] > 0
         assert out == ranks["0"]  # every rank the same numbers
+
+
+def test_bfloat16_is_within_its_tolerance_of_float32_on_the_same_weights(worlds):
+    """The bfloat16 BERT (loss in float32) at ρ = 0.5 against float32 on the same weights.
+
+    Tolerance 2 % of the value (measured: 0.3–0.4 % unsharded; at ρ = 0.05 bfloat16 cannot
+    resolve ``w + ξ`` and differs by ~30 %, see ``docs/cluster.md``).
+    """
+    ref = worlds["reference"]
+    half, full = ref["bert/bfloat16/0.5"], ref["bert/float32/0.5"]
+    assert half["adaptive"]["dtype"] == "torch.bfloat16"
+    for m in half:
+        assert _rel(half[m]["value"], full[m]["value"]) <= 0.02, m
+    for world, ranks in worlds["worlds"].items():
+        for rank, out in ranks.items():
+            for m, got in out["bert/bfloat16/0.5"]["values"].items():
+                assert _rel(got["value"], full[m]["value"]) <= 0.02, (world, rank, m)

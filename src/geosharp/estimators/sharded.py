@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class ShardedParams:
             meshes.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, in_place: bool = False) -> None:
         #: FSDP's modules, resharded before every write (see :meth:`reshard`)
         self.modules = _fsdp_modules(model)
         self.reshard()
@@ -114,19 +114,41 @@ class ShardedParams:
                     "dimension of a 1-D mesh (FSDP2's fully_shard), not replicated ones (HSDP) "
                     "or tensor parallelism"
                 )
+        #: frozen parameters, left out as in an unsharded space
+        self.excluded = {
+            n: "requires_grad=False (frozen)"
+            for n, p in model.named_parameters()
+            if not p.requires_grad
+        }
+        #: parameters in the whole (unsharded) model
+        self.numel = sum(p.numel() for _, p in trainable)
         self.names = tuple(n for n, _ in trainable)
         self.params = [p for _, p in trainable]
         self.group = mesh.get_group()
         self.world = mesh.size()
         #: the local shards themselves (views of FSDP's storage: a write is what it gathers)
         self.locals = [p._local_tensor for p in self.params]
-        #: a copy of the base point's shards (one 1/world parameter-sized buffer)
-        self.base = {n: t.detach().clone() for n, t in zip(self.names, self.locals, strict=True)}
+        #: θ′ = w + ξ is added into the shards and subtracted again, exactly (:meth:`shift`);
+        #: else the base point is a copy of the shards and θ′ is written over them
+        self.in_place = in_place
+        #: the base point: the shards themselves (in place), or a copy of them (one 1/world
+        #: parameter-sized buffer)
+        self.base = {
+            n: t.detach() if in_place else t.detach().clone()
+            for n, t in zip(self.names, self.locals, strict=True)
+        }
+        self._shifted: Sequence[Tensor] | None = None
+        self._bits = _bits(self.locals) if in_place else None
 
     def describe(self) -> dict[str, Any]:
-        """What a result records of the sharding: the world size and the sharded dimensions."""
+        """What a result records of the sharding.
+
+        The world size, the sharded dimensions, and whether the base point was a copy of the
+        shards (``"copy"``) or the shards themselves (``"in place"``, :meth:`shift`).
+        """
         dims = sorted({p.placements[0].dim for p in self.params})
-        return {"world": self.world, "shard_dims": dims}
+        base = "in place" if self.in_place else "copy"
+        return {"world": self.world, "shard_dims": dims, "base_point": base}
 
     def space(self) -> ParameterSpace:
         """The parameter space of the rank's shards (local shapes, no symmetry blocks)."""
@@ -135,7 +157,7 @@ class ShardedParams:
         for s in shapes:
             offsets.append(start)
             start += math.prod(s)
-        return ParameterSpace(self.names, shapes, tuple(offsets))
+        return ParameterSpace(self.names, shapes, tuple(offsets), excluded=dict(self.excluded))
 
     def reshard(self) -> None:
         """Free every gathered parameter, so that the next forward gathers the shards again.
@@ -154,9 +176,50 @@ class ShardedParams:
             for n, local in zip(self.names, self.locals, strict=True):
                 local.copy_(tensors[n])
 
+    def shift(self, xi: Sequence[Tensor]) -> None:
+        """Add ``ξ`` into the shards, which then hold ``θ′ = w + ξ`` (:attr:`in_place` only).
+
+        Every component of ``ξ`` is first rounded in place to ``ξ′ = fl(fl(w + ξ) − w)``, the
+        displacement that ``fl(w + ξ)`` really is (what an unsharded call's ``ξ`` becomes too,
+        :meth:`~geosharp.estimators.perturbation.Perturbation.applied`). Wherever
+        ``|ξ_i| ≤ |w_i| / 2`` (or ``w_i = 0``) the subtraction is exact (Sterbenz), so
+        ``w + ξ′`` is a float: the shards hold ``fl(w + ξ)`` and :meth:`unshift` gives ``w``
+        back bit for bit. The adaptive ball of radius ``ρ ≤ 0.4`` guarantees the condition
+        (``|ξ_i| ≤ ρ |w_i|``); the call checks the bits at its end (:meth:`restore`).
+        """
+        self.reshard()
+        with torch.no_grad():
+            for x, w in zip(xi, self.locals, strict=True):
+                x.add_(w).sub_(w)
+                w.add_(x)
+        self._shifted = xi
+
+    def unshift(self) -> None:
+        """Subtract the ``ξ′`` of :meth:`shift`: the shards hold ``w`` again (nothing if none)."""
+        if self._shifted is None:
+            return
+        with torch.no_grad():
+            for x, w in zip(self._shifted, self.locals, strict=True):
+                w.sub_(x)
+        self._shifted = None
+
     def restore(self) -> None:
-        """Write the base point back: the shards bit-identical to before the call."""
-        self.write(self.base)
+        """Put the base point back: the shards bit-identical to before the call.
+
+        Raises:
+            RuntimeError: If in place and the shards' bits differ from the call's start (never
+                expected: :meth:`shift` is exact under its condition).
+        """
+        if not self.in_place:
+            self.write(self.base)
+            return
+        self.unshift()
+        self.reshard()
+        if self._bits is not None and _bits(self.locals) != self._bits:
+            raise RuntimeError(
+                "the model's shards differ from their values before the call: a perturbation "
+                "was not subtracted exactly (please report this)"
+            )
 
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (FSDP accumulates into them)."""
@@ -193,6 +256,30 @@ def restored(shards: ShardedParams | None) -> Iterator[None]:
         if shards is not None:
             shards.restore()
             shards.zero_grad()
+
+
+def _bits(tensors: Sequence[Tensor]) -> list[int]:
+    """A fingerprint of the tensors' bits: the integer sum of each one's raw words.
+
+    Any change of a single value changes it (no rounding: integer sums); two compensating
+    changes in one tensor would be needed to hide one.
+    """
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    with torch.no_grad():
+        return [
+            int(t.detach().reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64))
+            for t in tensors
+        ]
+
+
+#: The largest adaptive radius whose ball keeps ``|ξ_i| ≤ |w_i| / 2`` with a margin for the
+#: projection's rounding: the shards then hold ``θ′`` in place (:meth:`ShardedParams.shift`).
+IN_PLACE_RHO = 0.4
+
+
+def in_place_ok(measure: str, rho: float) -> bool:
+    """Whether ``θ′`` can be added into the shards and subtracted exactly, with no copy."""
+    return measure == "adaptive" and rho <= IN_PLACE_RHO
 
 
 def check_supported(
@@ -251,6 +338,8 @@ def objective_class(shards: ShardedParams) -> type:
             return loss.reshape(())
 
         def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
+            if shards.in_place:
+                return self._in_place(xi, need_grad, check)
             pert, grad = self.pert, None
             with pert.applied(xi) as moved:
                 if need_grad is False:
@@ -267,6 +356,37 @@ def objective_class(shards: ShardedParams) -> type:
                         if not callable(need_grad) or need_grad(value):
                             grad = self._pull_back(loss, ends, leaves)
                         del loss, ends
+            if grad is not None:
+                self.counter["backward"] += 1
+            if check and not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss became {value} at a perturbation of norm {pert.norm(xi):.3g}: "
+                    "try a smaller rho"
+                )
+            return value, grad
+
+        def _in_place(self, xi: Xi, need_grad: Any, check: bool) -> tuple[float, Xi | None]:
+            """The loss with ``θ′`` added into the shards: ``∂L/∂ξ = ∂L/∂θ′`` (one piece)."""
+            pert, grad = self.pert, None
+            (rest,) = xi  # the element-wise measures: one piece, one component per parameter
+            shards.shift(rest)
+            try:
+                if need_grad is False:
+                    with torch.no_grad():
+                        value = shards.mean_loss(self._loss())
+                else:
+                    with torch.enable_grad():
+                        loss = self._loss()
+                        value = shards.mean_loss(loss)
+                        if not callable(need_grad) or need_grad(value):
+                            shards.zero_grad()
+                            loss.backward()
+                            g = shards.grads()
+                            shards.zero_grad()
+                            grad = [tuple(g.pop(n) for n in shards.names)]
+                        del loss
+            finally:
+                shards.unshift()
             if grad is not None:
                 self.counter["backward"] += 1
             if check and not math.isfinite(value):
@@ -303,7 +423,11 @@ def objective_class(shards: ShardedParams) -> type:
             return [tuple(next(it) for _ in x) for x in leaves]
 
         def clean(self, need_grad: bool = False) -> tuple[float, Xi | None]:
-            shards.restore()
+            if shards.in_place:
+                shards.unshift()
+                shards.reshard()
+            else:
+                shards.restore()
             if not need_grad:
                 with torch.no_grad():
                     return shards.mean_loss(self._loss()), None

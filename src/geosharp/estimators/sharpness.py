@@ -45,6 +45,7 @@ from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
 from geosharp.estimators.sharded import (
     ShardedParams,
     check_supported,
+    in_place_ok,
     is_sharded,
     objective_class,
     restored,
@@ -254,7 +255,13 @@ def sharpness(
         check_supported(measure, perturb, kind, restarts, random_init)
         if space is not None:
             raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
-        shards = ShardedParams(model)
+        if distributed:
+            raise ValueError(
+                "distributed=True splits whole batches across ranks, each holding the whole "
+                "model; a sharded model measures every batch on every rank, on the rank's rows "
+                "of it: leave distributed unset"
+            )
+        shards = ShardedParams(model, in_place=in_place_ok(measure, rho))
         distributed = False  # every rank measures every batch, on its own rows of it
 
     setup = perturbation_of(
@@ -326,7 +333,7 @@ def sharpness(
         "buffer_budget": buffer_budget,
         "cached_base_point": setup.cached,
         "exact_steps": exact_steps if order == "exact" else None,
-        "n_params": space.numel(),
+        "n_params": space.numel() if shards is None else shards.numel,
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
         "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
         if measure == "geodesic" and metric != "adaptive"
