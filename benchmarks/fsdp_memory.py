@@ -5,7 +5,8 @@ Every rank (gloo on CPU, ``torch.multiprocessing``) builds the same BERT from a 
 
 - two plain sharded steps (the model's own forward on the rank's rows, ``loss.backward()``:
   FSDP gathers each layer and reduce-scatters its gradient), the reference peak;
-- one ``gs.sharpness`` call (adaptive, ℓ2, ``--steps`` Auto-PGD steps).
+- one ``gs.sharpness`` call (``--measure``, ℓ2, ``--rho``, ``--steps`` Auto-PGD steps): adaptive
+  at ρ ≤ 0.4 keeps the base point in the shards ("in place"), Euclidean (or a larger ρ) copies it.
 
 The peaks are the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``
 before each), with glibc told to return every buffer of 64 KiB or more to the system
@@ -135,7 +136,13 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         reset_peak()
         with Count() as cc:
             res = gs.sharpness(
-                model, ce, mine, measure="adaptive", rho=0.05, steps=args["steps"], progress=False
+                model,
+                ce,
+                mine,
+                measure=args["measure"],
+                rho=args["rho"],
+                steps=args["steps"],
+                progress=False,
             )
         call_peak = peak_rss()
         unit = n_params * 4 / world
@@ -144,6 +151,7 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
                 rank,
                 {
                     "params": n_params,
+                    "base_point": res.settings["sharded"]["base_point"],
                     "above_plain_units": (call_peak - plain_peak) / unit,
                     "plain_collectives": dict(cp.counts),
                     "call_collectives": dict(cc.counts),
@@ -167,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--measure", default="adaptive", help="adaptive or euclidean")
+    ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     args = vars(a)
@@ -192,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(
                 f"world {world} rank {rank}: P = {r['params']:,}; peak above a plain sharded step "
-                f"{r['above_plain_units']:.2f} × P/world; passes {r['forward']} fwd / "
+                f"{r['above_plain_units']:.2f} × P/world (base point {r['base_point']}); "
+                f"passes {r['forward']} fwd / "
                 f"{r['backward']} bwd; collectives: plain step {r['plain_collectives']}, call "
                 f"{r['call_collectives']}; value {r['value']:.6g}"
             )
