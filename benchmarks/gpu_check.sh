@@ -10,6 +10,9 @@
 # 3. the benchmark regimes (benchmarks/regimes.py) in float32 and bfloat16: absolute times per
 #    ascent step and the peak memory above a plain step (max_memory_allocated);
 # 4. the sharded memory benchmark on CPU (gloo) for the figures of docs/cluster.md.
+# Tried on this 2-core CPU (2026-12-04): device, fsdp (world 1, 2 on gloo, 25 s) and fsdp_memory
+# (18 s) ran; regimes reached its 180 s limit (MiniLM 32 × 64 in float32 and bfloat16 on one CPU
+# thread), as expected off a GPU.
 # Each step has its own time limit and writes its output to OUT; a failing step does not stop the
 # next one. The exit status is the number of failed steps.
 set -u
