@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,19 +48,20 @@ from geosharp.symmetry import ParameterSpace
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build of torch without distributed
-        return None
-    return DTensor
+    """``DTensor``, if ``torch.distributed.tensor`` is imported (else no model can hold one).
+
+    Looked up, never imported: a call on an ordinary model loads nothing of FSDP's.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a build of torch without distributed
+    module = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(module, "FSDPModule", None) if module is not None else None
+    if cls is None:  # FSDP2 not imported: no module of the model can be one
         return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if isinstance(m, cls)]
 
 
 def is_sharded(model: nn.Module) -> bool:
