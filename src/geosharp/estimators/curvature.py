@@ -75,7 +75,6 @@ from geosharp.estimators.harness import (
     batch_progress,
     check_float,
     check_int,
-    check_unsharded,
     objectives,
 )
 from geosharp.estimators.hessian import (
@@ -87,6 +86,7 @@ from geosharp.estimators.hessian import (
     lanczos,
 )
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
+from geosharp.estimators.sharded import check_unsharded
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
 

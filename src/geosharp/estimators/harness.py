@@ -11,8 +11,7 @@ the loss of the model at the endpoint ``θ′(ξ)`` of a
 :class:`~geosharp.estimators.perturbation.Perturbation` (``θ′(0) = w``), and averages it over
 batches. This module holds what does not depend on the quantity:
 
-- the argument checks (:func:`check_float`, :func:`check_int`) and the refusal of a sharded
-  model (:func:`check_unsharded`);
+- the argument checks (:func:`check_float`, :func:`check_int`);
 - the objective ``f_S`` with its pass counts (:class:`Objective`), and its value at ``ξ = 0``
   with the embedding rows the clean forward reaches (:func:`clean_start`);
 - the perturbation of a call, with the symmetry search and the factorized geometry reused from
@@ -63,34 +62,6 @@ def check_float(name: str, value: Any, positive: bool = True) -> float:
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
-
-
-def check_unsharded(model: nn.Module, entry: str) -> None:
-    """Refuse, in one line, a sharded model at an entry point that does not measure one yet.
-
-    ``gs.sharpness`` measures a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``)
-    with the element-wise measures (:mod:`geosharp.estimators.sharded`); ``gs.curvature`` and
-    ``gs.measure`` do not yet, and say so before any work.
-
-    Args:
-        model: The model.
-        entry: The entry point named in the message (``"gs.curvature"``).
-
-    Raises:
-        NotImplementedError: If a trainable parameter is a ``DTensor``.
-    """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build of torch without distributed
-        return
-    names = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
-    if names:
-        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        raise NotImplementedError(
-            f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
-            f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness does, "
-            "with the adaptive and euclidean measures (docs/cluster.md)"
-        )
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -196,7 +167,14 @@ class Objective:
         Raises:
             TypeError: If ``loss_fn`` does not return a scalar tensor.
         """
-        out = call_model(self.model, params, self.inputs)
+        return self.counted_loss(call_model(self.model, params, self.inputs))
+
+    def counted_loss(self, out: Any) -> Tensor:
+        """``loss_fn(out, targets)`` of one forward's outputs, counted as a forward pass.
+
+        Raises:
+            TypeError: If ``loss_fn`` does not return a scalar tensor.
+        """
         loss = self.loss_fn(out, self.targets)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(
@@ -404,8 +382,8 @@ def perturbation_of(
     look at the blocks: their space is the parameters alone.
 
     A sharded model (``shards``, a :class:`~geosharp.estimators.sharded.ShardedParams`) gets the
-    perturbation of the rank's shards, from a copy of the base point's shards, with its norms
-    summed over the ranks; nothing is cached (the call writes the model's shards).
+    perturbation of the rank's shards at its base point (:attr:`ShardedParams.base`), with its
+    norms summed over the ranks; nothing is cached (the call writes the model's shards).
 
     Raises:
         ValueError: If the model has no trainable parameters, or ``perturb="blocks"`` and it
@@ -413,19 +391,7 @@ def perturbation_of(
     """
     if shards is not None:
         space = shards.space()
-        pert = Perturbation(
-            space,
-            shards.base,
-            work_dtype=shards.base[space.param_names[0]].dtype if low_memory else None,
-            eps=eps,
-            corrected_norm=corrected_norm,
-            exact_steps=exact_steps,
-            perturb=perturb,
-            **perturbation_kwargs(measure, metric, order, perturb),
-        )
-        pert.reduce = shards.sum
-        return Setup(space, shards.base, pert, False)
-    if space is None:
+    elif space is None:
         blocks_needed = measure == "geodesic" or perturb == "blocks"
 
         def find() -> ParameterSpace:
@@ -438,10 +404,13 @@ def perturbation_of(
             space, _ = CACHE.get(entry, model, ("find", key_bias), find)
         else:
             space = find()
-    if space.numel() == 0:
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    named = dict(model.named_parameters())
-    base = {n: named[n].detach() for n in space.param_names}
+    if shards is not None:  # a rank's shards may be empty; the model's parameters are not
+        base = shards.base
+    else:
+        if space.numel() == 0:
+            raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+        named = dict(model.named_parameters())
+        base = {n: named[n].detach() for n in space.param_names}
     if perturb == "blocks" and not space.blocks:
         raise ValueError(
             "perturb='blocks' but the model has no symmetry blocks: nothing would move"
@@ -461,6 +430,10 @@ def perturbation_of(
             **pert_kw,
         )
 
+    if shards is not None:
+        pert = build()
+        pert.reduce = shards.sum
+        return Setup(space, base, pert, False)
     if not cache:
         return Setup(space, base, build(), False)
     key = (id(space), eps, corrected_norm, exact_steps, perturb, low_memory, *pert_kw.items())

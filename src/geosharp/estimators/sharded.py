@@ -21,8 +21,9 @@ substituted tensors would be bypassed):
 The value of a batch is the mean over ranks of the ranks' losses (one scalar all-reduce); the
 norms and pairings of Auto-PGD are sums over ranks of local sums (one scalar all-reduce per
 ascent step, :attr:`~geosharp.estimators.perturbation.Perturbation.reduce`), so every rank
-takes the same step decisions and gets the same result. The model's shards are written back
-from a copy of the base point when the call ends, bit for bit.
+takes the same step decisions and gets the same result. When the call ends the model's shards
+hold their values again, bit for bit: subtracted exactly (:meth:`ShardedParams.shift`, adaptive
+sharpness at ``ρ ≤ 0.4``), or written back from a copy of the base point.
 
 What is supported: the element-wise measures (adaptive and Euclidean), worst case from
 ``ξ = 0``, ℓ2 or ℓ∞ balls. The rest is refused in one line before any work
@@ -33,7 +34,6 @@ What is supported: the element-wise measures (adaptive and Euclidean), worst cas
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,8 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.harness import Objective
-from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.perturbation import Xi
 from geosharp.symmetry import ParameterSpace
+from geosharp.symmetry.verify import model_arguments
 
 
 def _dtensor_type() -> type | None:
@@ -72,6 +73,32 @@ def is_sharded(model: nn.Module) -> bool:
     return dt is not None and any(p.requires_grad and isinstance(p, dt) for p in model.parameters())
 
 
+def check_unsharded(model: nn.Module, entry: str) -> None:
+    """Refuse, in one line, a sharded model at an entry point that does not measure one yet.
+
+    ``gs.sharpness`` measures a model sharded by FSDP2 with the element-wise measures (this
+    module); ``gs.curvature`` and ``gs.measure`` do not yet, and say so before any work.
+
+    Args:
+        model: The model.
+        entry: The entry point named in the message (``"gs.curvature"``).
+
+    Raises:
+        NotImplementedError: If a trainable parameter is a ``DTensor``.
+    """
+    dt = _dtensor_type()
+    if dt is None:
+        return
+    names = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, dt)]
+    if names:
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        raise NotImplementedError(
+            f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
+            f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness does, "
+            "with the adaptive and euclidean measures (docs/cluster.md)"
+        )
+
+
 class ShardedParams:
     """The rank's shards of a sharded model's trainable parameters.
 
@@ -83,7 +110,7 @@ class ShardedParams:
         ValueError: If some trainable parameter is not a ``DTensor`` (a module left out of
             ``fully_shard``), or a placement is not one ``Shard`` on a 1-D mesh (HSDP's
             replicated dimension, tensor parallelism), or the parameters live on several
-            meshes.
+            meshes, or none is trainable.
     """
 
     def __init__(self, model: nn.Module, in_place: bool = False) -> None:
@@ -92,6 +119,8 @@ class ShardedParams:
         self.reshard()
         dt = _dtensor_type()
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
         plain = [n for n, p in trainable if dt is None or not isinstance(p, dt)]
         if plain:
             more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
@@ -205,6 +234,14 @@ class ShardedParams:
                 w.sub_(x)
         self._shifted = None
 
+    def to_base(self) -> None:
+        """Put the base point in the shards: subtract a pending shift, or write the copy back."""
+        if self.in_place:
+            self.unshift()
+            self.reshard()
+        else:
+            self.write(self.base)
+
     def restore(self) -> None:
         """Put the base point back: the shards bit-identical to before the call.
 
@@ -212,11 +249,7 @@ class ShardedParams:
             RuntimeError: If in place and the shards' bits differ from the call's start (never
                 expected: :meth:`shift` is exact under its condition).
         """
-        if not self.in_place:
-            self.write(self.base)
-            return
-        self.unshift()
-        self.reshard()
+        self.to_base()
         if self._bits is not None and _bits(self.locals) != self._bits:
             raise RuntimeError(
                 "the model's shards differ from their values before the call: a perturbation "
@@ -235,6 +268,18 @@ class ShardedParams:
             g = p.grad
             out[n] = torch.zeros_like(local) if g is None else g.to_local()
         return out
+
+    def backward(self, loss: Tensor) -> dict[str, Tensor]:
+        """The rank's shard of the gradient of the mean of the ranks' losses, by name.
+
+        FSDP's backward reduce-scatters it into the parameters' gradients, which are taken and
+        dropped (nothing accumulates from one loss to the next).
+        """
+        self.zero_grad()
+        loss.backward()
+        g = self.grads()
+        self.zero_grad()
+        return g
 
     def sum(self, t: Tensor) -> Tensor:
         """``t`` (small, e.g. a few scalars) summed over the ranks, in float64."""
@@ -310,14 +355,6 @@ def check_supported(
         raise NotImplementedError(f"a sharded (FSDP2) model: {why}")
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
 def objective_class(shards: ShardedParams) -> type:
     """The :class:`~geosharp.estimators.harness.Objective` of a sharded model, on its shards."""
 
@@ -328,81 +365,62 @@ def objective_class(shards: ShardedParams) -> type:
         row_cut = False
 
         def _loss(self) -> Tensor:
-            loss = self.loss_fn(_call(self.model, self.inputs), self.targets)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(
-                    "loss_fn(outputs, targets) must return a scalar tensor, got "
-                    f"{type(loss).__name__}"
-                )
-            self.counter["forward"] += 1
-            if self.bar is not None:
-                self.bar.update()
-            return loss.reshape(())
+            args, kwargs = model_arguments(self.inputs)
+            return self.counted_loss(self.model(*args, **kwargs))
 
         def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
-            if shards.in_place:
-                return self._in_place(xi, need_grad, check)
+            loss_at = self._in_place if shards.in_place else self._written
+            value, grad = loss_at(xi, need_grad)
+            if grad is not None:
+                self.counter["backward"] += 1
+            if check and not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss became {value} at a perturbation of norm "
+                    f"{self.pert.norm(xi):.3g}: try a smaller rho"
+                )
+            return value, grad
+
+        def _written(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
+            """The loss with ``θ′`` written over the shards, its gradient pulled back to ``ξ``."""
             pert, grad = self.pert, None
             with pert.applied(xi) as moved:
                 if need_grad is False:
                     with torch.no_grad():
                         shards.write(pert.endpoint_params(moved, applied=True))
-                        value = shards.mean_loss(self._loss())
-                else:
-                    leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
-                    with torch.enable_grad():
-                        ends = pert.endpoint_params(leaves, applied=True)
-                        shards.write(ends)
-                        loss = self._loss()
-                        value = shards.mean_loss(loss)
-                        if not callable(need_grad) or need_grad(value):
-                            grad = self._pull_back(loss, ends, leaves)
-                        del loss, ends
-            if grad is not None:
-                self.counter["backward"] += 1
-            if check and not math.isfinite(value):
-                raise FloatingPointError(
-                    f"the loss became {value} at a perturbation of norm {pert.norm(xi):.3g}: "
-                    "try a smaller rho"
-                )
+                        return shards.mean_loss(self._loss()), None
+                leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
+                with torch.enable_grad():
+                    ends = pert.endpoint_params(leaves, applied=True)
+                    shards.write(ends)
+                    loss = self._loss()
+                    value = shards.mean_loss(loss)
+                    if not callable(need_grad) or need_grad(value):
+                        grad = self._pull_back(shards.backward(loss), ends, leaves)
+                    del loss, ends
             return value, grad
 
-        def _in_place(self, xi: Xi, need_grad: Any, check: bool) -> tuple[float, Xi | None]:
+        def _in_place(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
             """The loss with ``θ′`` added into the shards: ``∂L/∂ξ = ∂L/∂θ′`` (one piece)."""
-            pert, grad = self.pert, None
+            grad = None
             (rest,) = xi  # the element-wise measures: one piece, one component per parameter
             shards.shift(rest)
             try:
                 if need_grad is False:
                     with torch.no_grad():
-                        value = shards.mean_loss(self._loss())
-                else:
-                    with torch.enable_grad():
-                        loss = self._loss()
-                        value = shards.mean_loss(loss)
-                        if not callable(need_grad) or need_grad(value):
-                            shards.zero_grad()
-                            loss.backward()
-                            g = shards.grads()
-                            shards.zero_grad()
-                            grad = [tuple(g.pop(n) for n in shards.names)]
-                        del loss
+                        return shards.mean_loss(self._loss()), None
+                with torch.enable_grad():
+                    loss = self._loss()
+                    value = shards.mean_loss(loss)
+                    if not callable(need_grad) or need_grad(value):
+                        g = shards.backward(loss)
+                        grad = [tuple(g.pop(n) for n in shards.names)]
+                    del loss
             finally:
                 shards.unshift()
-            if grad is not None:
-                self.counter["backward"] += 1
-            if check and not math.isfinite(value):
-                raise FloatingPointError(
-                    f"the loss became {value} at a perturbation of norm {pert.norm(xi):.3g}: "
-                    "try a smaller rho"
-                )
             return value, grad
 
-        def _pull_back(self, loss: Tensor, ends: Mapping[str, Tensor], leaves: list) -> Xi:
-            shards.zero_grad()
-            loss.backward()  # FSDP reduce-scatters: the gradient of the mean of the ranks' losses
-            g = shards.grads()
-            shards.zero_grad()
+        def _pull_back(self, g: dict[str, Tensor], ends: Mapping[str, Tensor], leaves: list) -> Xi:
+            """``∂L/∂ξ`` from the shards' gradient ``g`` through the endpoint ``ends(leaves)``."""
             flat = [t for x in leaves for t in x]
             outs = [(ends[n], g.pop(n)) for n in shards.names if ends[n].requires_grad]
             where = {id(t): i for i, t in enumerate(flat)}
@@ -425,28 +443,16 @@ def objective_class(shards: ShardedParams) -> type:
             return [tuple(next(it) for _ in x) for x in leaves]
 
         def clean(self, need_grad: bool = False) -> tuple[float, Xi | None]:
-            if shards.in_place:
-                shards.unshift()
-                shards.reshard()
-            else:
-                shards.restore()
+            shards.to_base()
             if not need_grad:
                 with torch.no_grad():
                     return shards.mean_loss(self._loss()), None
             with torch.enable_grad():
                 loss = self._loss()
                 value = shards.mean_loss(loss)
-                shards.zero_grad()
-                loss.backward()
+                g = shards.backward(loss)
             del loss
             self.counter["backward"] += 1
-            g = shards.grads()
-            shards.zero_grad()
             return value, self.pert.grad_at_zero([g[n] for n in shards.names])
-
-        def on(self, pert: Perturbation) -> Objective:
-            other = copy.copy(self)
-            other.pert = pert
-            return other
 
     return ShardedObjective

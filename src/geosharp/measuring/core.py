@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.harness import check_unsharded
+from geosharp.estimators.sharded import check_unsharded
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.checks import (
     clean_pass,

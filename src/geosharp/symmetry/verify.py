@@ -63,17 +63,26 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def call_model(model: nn.Module, params: Mapping[str, Tensor], inputs: Any) -> Any:
-    """``model(inputs)`` with the given parameters (``functional_call``; no weights copied).
+def model_arguments(inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``model(inputs)``.
 
     A dict of inputs is passed as keyword arguments (Hugging Face style), a tuple as positional
     arguments, anything else as the single argument.
     """
     if isinstance(inputs, Mapping):
-        return functional_call(model, dict(params), (), dict(inputs))
+        return (), dict(inputs)
     if isinstance(inputs, tuple):
-        return functional_call(model, dict(params), inputs)
-    return functional_call(model, dict(params), (inputs,))
+        return inputs, {}
+    return (inputs,), {}
+
+
+def call_model(model: nn.Module, params: Mapping[str, Tensor], inputs: Any) -> Any:
+    """``model(inputs)`` with the given parameters (``functional_call``; no weights copied).
+
+    The inputs are passed as :func:`model_arguments` says.
+    """
+    args, kwargs = model_arguments(inputs)
+    return functional_call(model, dict(params), args, kwargs)
 
 
 @contextmanager
