@@ -38,7 +38,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from geosharp.data import load_rotten_tomatoes  # noqa: E402
@@ -119,8 +118,8 @@ def evaluate(model, tok, texts: list[str], labels: np.ndarray) -> tuple[float, f
     for s in range(0, len(order), EVAL_BATCH):
         idx = order[s : s + EVAL_BATCH]
         enc = tok([texts[i] for i in idx], truncation=True, max_length=MAX_LENGTH,
-                  padding=True, return_tensors="pt")
-        logits = model(**enc).logits.float()
+                  padding=True, return_tensors="pt").to(model.device)
+        logits = model(**enc).logits.float().cpu()
         y = y_all[idx]
         wrong += int((logits.argmax(-1) != y).sum())
         loss += float(F.cross_entropy(logits, y, reduction="sum"))
@@ -152,6 +151,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder of the models and the manifest")
     ap.add_argument("--models", default=f"0:{N_MODELS}", help="a shard i:j of the population")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="cpu (the preregistered default) or cuda")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--smoke", action="store_true",
                     help="test the script: 2 steps on 16 snippets, 16 held out (not a study model)")
@@ -193,7 +193,11 @@ def main() -> None:
         y_train = noisy_labels(labels_all[idx], hp["label_noise"], n_sharp, hp["seed"])
         train_texts = list(texts_all[idx])
         enc = tok(train_texts, truncation=True, max_length=MAX_LENGTH)
-        train_ds = Dataset.from_dict({**enc, "labels": y_train.tolist()})
+        # a list of dicts is a map-style dataset for the Trainer (no `datasets` needed)
+        train_ds = [
+            {**{k: v[j] for k, v in enc.items()}, "labels": int(y_train[j])}
+            for j in range(len(train_texts))
+        ]
 
         transformers.set_seed(hp["seed"])
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
@@ -220,7 +224,7 @@ def main() -> None:
             optim="adamw_torch",
             seed=hp["seed"],
             data_seed=hp["seed"],
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
             save_strategy="no",
             eval_strategy="no",
             logging_strategy="no",
@@ -238,7 +242,7 @@ def main() -> None:
         t0 = time.perf_counter()
         result = trainer.train()
         t_train = time.perf_counter() - t0
-        model = trainer.model
+        model = trainer.model.to(args.device)
         train_err, train_loss = evaluate(model, tok, train_texts, y_train)
         test_err, test_loss = evaluate(model, tok, list(texts_all[heldout]), labels_all[heldout])
         t_all = time.perf_counter() - t0
@@ -264,7 +268,7 @@ def main() -> None:
             print(f"{name}: excluded ({why})", flush=True)
             continue
         model.eval()
-        model.save_pretrained(out / "models" / name)
+        model.to("cpu").save_pretrained(out / "models" / name)
         tok.save_pretrained(out / "models" / name)
         append(out / "manifest.csv", MANIFEST_COLUMNS, row)
         print(f"{name}: train error {train_err:.3f}, held-out error {test_err:.3f}, "

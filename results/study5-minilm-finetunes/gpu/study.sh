@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Study 5 on one GPU in one device call (PREREGISTRATION.md, addendum 1): train the 64 models,
+# run the pilot, decide S and N_SHARP by the preregistered rules against the time left, measure
+# with `geosharp study` (6 shards side by side), merge, and pack everything for the way back.
+#
+#   bash results/study5-minilm-finetunes/gpu/study.sh LIMIT_S [SMOKE]
+#
+# LIMIT_S: the seconds this script may run in all (it ends its phases before). Needs the
+# carried packages in .gpu-a/site and the low bytes of MiniLM-L6 in .gpu-b (gpu/carry.py).
+# SMOKE=1: 3 smoke models, 16 snippets, on whatever device there is (tries the script here).
+set -u
+LIMIT=${1:-560}
+SMOKE=${2:-0}
+T0=$SECONDS
+HERE=results/study5-minilm-finetunes
+W=${WORK:-/tmp/study5}
+OUT=${OUT:-$W/out}
+mkdir -p "$W/logs" "$OUT"
+export PYTHONPATH="$PWD/.gpu-a/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=1
+PY=${PY:-python3}
+say() { echo "[$(date +%T) +$((SECONDS - T0)) s] $*" | tee -a "$W/logs/study.log"; }
+left() { echo $((LIMIT - (SECONDS - T0))); }
+pack() {
+    say "packing"
+    (cd "$W" && tar czf "$OUT/study5.tar.gz" --exclude=./models --exclude=./out \
+        --exclude='*/checkpoints' --exclude=./trainer-tmp .)
+    cp "$W/logs/study.log" "$OUT/study.log"
+    ls -la "$OUT"
+}
+trap pack EXIT
+
+if [ "$SMOKE" = 1 ]; then
+    DEV=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+    TRAIN=(--smoke); NMODELS=3; NTRAIN=3; PILOT=smoke-000; PS=(--samples 16 --batch 8)
+    MEASURES=(adaptive geodesic-inv-o2-blocks); NPROC=2; BATCH=8; SAMPLES_CAP=16
+else
+    DEV=cuda; TRAIN=(); NMODELS=64; NTRAIN=8; PILOT=study5-000; PS=()
+    MEASURES=(adaptive geodesic-inv-o2 geodesic-mix-o2 adaptive-blocks geodesic-inv-o2-blocks
+              geodesic-mix-o2-blocks)
+    NPROC=6; BATCH=128; SAMPLES_CAP=0
+fi
+say "device $DEV, limit $LIMIT s, smoke $SMOKE"
+$PY -c "
+import torch, transformers, sys
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)
+print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')
+print('tf32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backends.cudnn.allow_tf32)
+" 2>&1 | tee -a "$W/logs/study.log"
+# the model of the wheel, bit-exact (SHA-256 checked); a smoke run may use the high bytes alone
+if [ "$SMOKE" = 1 ]; then JOIN=(--smoke); else JOIN=(); fi
+set -o pipefail
+$PY $HERE/gpu/carry.py join .gpu-a/site .gpu-b "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
+set +o pipefail
+
+# 1. the population: NTRAIN training shards side by side
+per=$(( (NMODELS + NTRAIN - 1) / NTRAIN ))
+pids=()
+for k in $(seq 0 $((NTRAIN - 1))); do
+    lo=$((k * per)); hi=$(( (k + 1) * per < NMODELS ? (k + 1) * per : NMODELS ))
+    timeout $((LIMIT * 45 / 100)) $PY $HERE/train.py --out "$W" --models $lo:$hi --device "$DEV" \
+        --threads 1 "${TRAIN[@]}" >"$W/logs/train-$k.log" 2>&1 &
+    pids+=($!)
+done
+say "training $NMODELS models in $NTRAIN shards"
+
+# 2. the pilot, as soon as the pilot model is in the manifest (its timed runs wait for training)
+until grep -q "^$PILOT," "$W/manifest.csv" 2>/dev/null; do
+    sleep 1
+    if [ $((SECONDS - T0)) -gt $((LIMIT / 3)) ]; then say "no pilot model"; exit 4; fi
+done
+say "pilot model trained: $(grep "^$PILOT," "$W/manifest.csv" | cut -d, -f1-4)"
+ppids=()
+for m in "${MEASURES[@]}"; do
+    $PY $HERE/pilot.py --model "$W/models/$PILOT" --data "$W/sharpness.csv" \
+        --pilot $PILOT --measures "$m" --device "$DEV" --wait-for "$W/trained.flag" \
+        --json "$W/pilot" "${PS[@]}" >"$W/logs/pilot-$m.log" 2>&1 &
+    ppids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+touch "$W/trained.flag"
+say "training done: $(($(wc -l <"$W/manifest.csv") - 1)) in the manifest, $(cat "$W/excluded.csv" 2>/dev/null | tail -n +2 | wc -l) excluded"
+for p in "${ppids[@]}"; do wait "$p"; done
+say "pilot done"
+grep -h "grid\|plan" "$W"/logs/pilot-*.log | cut -c1-300 | tee -a "$W/logs/study.log"
+
+# 3. the rules: S and N_SHARP against the time left (packing and merging keep 45 s)
+budget=$(( $(left) - 45 ))
+$PY $HERE/pilot.py --decide "$W"/pilot/*.json --models $(($(wc -l <"$W/manifest.csv") - 1)) \
+    --budget-s $budget --procs $NPROC --json "$W/plan.json" 2>&1 | tee -a "$W/logs/study.log"
+[ -f "$W/plan.json" ] || { say "no plan: the pilot failed (logs/pilot-*.log)"; exit 5; }
+S=$($PY -c "import json; print(json.load(open('$W/plan.json'))['steps'])")
+N=$($PY -c "import json; p = json.load(open('$W/plan.json')); print(min(p['samples'], $SAMPLES_CAP) if $SAMPLES_CAP else p['samples'])")
+ROWS=$($PY -c "import json; print(json.load(open('$W/plan.json'))['rows_per_model'])")
+mapfile -t RMAIN < <($PY -c "import json; print('\n'.join(json.load(open('$W/plan.json'))['rho_main']))")
+mapfile -t ROUTER < <($PY -c "import json; print('\n'.join(json.load(open('$W/plan.json'))['rho_outer']))")
+COMMON=(--data "$W/sharpness.csv" --text-col text --label-col label --task classification
+        --loss ce --max-length 64 --batch-size $BATCH --samples $N --steps $S --gap error
+        --device "$DEV" --threads 1 --no-progress)
+
+# 4. measuring: ρ₀ of every measure first (H1–H3), then the outer ρ, NPROC shards each
+measure() {  # measure NAME SECONDS MEASURES... -- RHO...
+    local name=$1 secs=$2; shift 2
+    local ms=() rs=()
+    while [ "$1" != "--" ]; do ms+=("$1"); shift; done; shift
+    rs=("$@")
+    local spids=()
+    for k in $(seq 1 $NPROC); do
+        timeout -s INT -k 20 "$secs" $PY -m geosharp study "$W/manifest.csv" "${COMMON[@]}" \
+            --measures "${ms[@]}" --rho "${rs[@]}" --shard $k/$NPROC --out "$W/$name-$k" \
+            >"$W/logs/$name-$k.log" 2>&1 &
+        spids+=($!)
+    done
+    for p in "${spids[@]}"; do wait "$p"; done
+    $PY -m geosharp merge "$W/$name" $(for k in $(seq 1 $NPROC); do echo "$W/$name-$k"; done) \
+        >"$W/logs/merge-$name.log" 2>&1
+    say "$name: $(grep -h 'measured' "$W"/logs/$name-*.log | tr '\n' ' ')"
+}
+say "measuring at rho0: S = $S, N_SHARP = $N, rows per model $ROWS; rho ${RMAIN[*]}"
+measure main $(( $(left) - 45 )) "${MEASURES[@]}" -- "${RMAIN[@]}"
+if [ "$ROWS" = 12 ] && [ "$(left)" -gt 90 ]; then
+    say "measuring the outer rho: ${ROUTER[*]}"
+    measure outer $(( $(left) - 40 )) adaptive geodesic-inv-o2 geodesic-mix-o2 -- "${ROUTER[@]}"
+else
+    say "outer rho not measured (rows per model $ROWS, $(left) s left)"
+fi
+say "done"
