@@ -17,7 +17,7 @@ echo "smoke rc $? after $((SECONDS - T0)) s"
 grep -h "measured\|plan:\|device\|cuda\|SMOKE\|Error\|error" /tmp/s5smoke/logs/*.log | cut -c1-240 | head -30
 cp /tmp/s5smoke/out/study5.tar.gz "$OUT/smoke.tar.gz" 2>/dev/null
 echo "== issue 27 GPU check"
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/.gpu-a/site:$PWD/src"
 T1=$SECONDS
 timeout 45 python tests/estimators/fsdp_worlds.py 1 cuda >"$OUT/fsdp.out" 2>"$OUT/fsdp.err"
 echo "fsdp world 1 on cuda (nccl): rc $? in $((SECONDS - T1)) s"
