@@ -1,9 +1,10 @@
 """What a model sharded by FSDP2 is refused, in one line before any work.
 
-``gs.sharpness`` measures it with the element-wise measures (``test_fsdp.py``); its geodesic
-measures, ``gs.curvature`` and ``gs.measure`` say that they do not yet, instead of failing inside
-the perturbation. The check runs in a child process: it needs a process group (gloo, one rank)
-and ``fully_shard``.
+``gs.sharpness`` and ``gs.measure`` measure it with the element-wise measures (``test_fsdp.py``,
+``tests/measure/test_fsdp_cli.py``); their geodesic and average-case measures, ``gs.measure``'s
+curvature measures and ``gs.curvature`` say that they do not yet, instead of failing inside the
+perturbation. The check runs in a child process: it needs a process group (gloo, one rank) and
+``fully_shard``.
 """
 
 import subprocess
@@ -23,6 +24,7 @@ SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import geosharp as gs
+    from geosharp.errors import MeasureError
 
     store = tempfile.NamedTemporaryFile(delete=False).name
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -38,12 +40,15 @@ SCRIPT = textwrap.dedent(
             "average": lambda: gs.sharpness(model, ce, batches, measure="adaptive", kind="average"),
             "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
             "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
+            "measure-geodesic": lambda: gs.measure(model, batches, measures=["geodesic-inv-o2"]),
+            "measure-average": lambda: gs.measure(model, batches, measures=["adaptive-average"]),
+            "measure-curvature": lambda: gs.measure(model, batches, measures=["curvature-lmax"]),
         }
         for name, call in calls.items():
             try:
                 call()
                 print(name, "MEASURED")
-            except NotImplementedError as err:
+            except (NotImplementedError, MeasureError) as err:
                 print(name, "REFUSED", str(err).replace(chr(10), " "))
     finally:
         dist.destroy_process_group()
@@ -64,22 +69,28 @@ def test_an_fsdp2_sharded_model_is_refused_in_one_line():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [
-        ln
-        for ln in out.stdout.splitlines()
-        if ln.split(" ")[0] in ("sharpness", "geodesic", "average", "curvature", "measure")
-    ]
+    names = ("sharpness", "geodesic", "average", "curvature", "measure")
+    lines = [ln for ln in out.stdout.splitlines() if ln.split(" ")[0].startswith(names)]
     assert [ln.split(" ")[:2] for ln in lines] == [
         ["sharpness", "MEASURED"],
         ["geodesic", "REFUSED"],
         ["average", "REFUSED"],
         ["curvature", "REFUSED"],
-        ["measure", "REFUSED"],
+        ["measure", "MEASURED"],
+        ["measure-geodesic", "REFUSED"],
+        ["measure-average", "REFUSED"],
+        ["measure-curvature", "REFUSED"],
     ]
-    geodesic, average, curvature, measure = lines[1:]
+    geodesic, average, curvature = lines[1:4]
     assert "symmetry blocks' geometry on sharded rows (SPEC §10.2)" in geodesic
     assert "kind='average'" in average
-    for ln, entry in ((curvature, "gs.curvature"), (measure, "gs.measure")):
-        assert "sharded DTensors ('0.weight' and 3 more" in ln
-        assert f"{entry} does not measure sharded models yet" in ln
+    assert "sharded DTensors ('0.weight' and 3 more" in curvature
+    assert "gs.curvature does not measure sharded models yet" in curvature
+    assert "docs/cluster.md" in curvature
+    m_geodesic, m_average, m_curvature = lines[5:]
+    assert "geodesic-inv-o2 worst l2 on a sharded (FSDP2) model: the symmetry blocks'" in m_geodesic
+    assert "the average case (random perturbations)" in m_average
+    assert "the curvature measures (gs.curvature)" in m_curvature
+    for ln in lines[5:]:
+        assert "a sharded model is measured with adaptive-l2, adaptive-linf" in ln
         assert "docs/cluster.md" in ln

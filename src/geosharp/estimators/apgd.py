@@ -57,8 +57,15 @@ def best_direction_rule(
     if budget is None:
         return True
     xi, held = pert.buffer_bytes()
+    need, have = 4 * xi + held, pert.param_bytes
+    if pert.reduce is not None:
+        # sharded: the sums over the ranks, so that every rank decides alike (a rank that
+        # recomputed a direction alone would run a forward the others do not: a collective
+        # mismatch); its own shard's figures differ where the shards are uneven
+        sums = pert.reduce(torch.tensor([float(need), float(have)], dtype=torch.float64))
+        need, have = (float(v) for v in sums.tolist())
     # to a hundredth of a buffer (small masks and scalars are not worth a recomputation)
-    return True if 4 * xi + held <= (budget + 0.01) * pert.param_bytes else None
+    return True if need <= (budget + 0.01) * have else None
 
 
 def checkpoints(n_iters: int) -> list[int]:

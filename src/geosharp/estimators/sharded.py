@@ -77,7 +77,8 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
     """Refuse, in one line, a sharded model at an entry point that does not measure one yet.
 
     ``gs.sharpness`` measures a model sharded by FSDP2 with the element-wise measures (this
-    module); ``gs.curvature`` and ``gs.measure`` do not yet, and say so before any work.
+    module), and ``gs.measure`` through it (:mod:`geosharp.measuring.sharded`);
+    ``gs.curvature`` does not yet, and says so before any work.
 
     Args:
         model: The model.
@@ -94,8 +95,8 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         raise NotImplementedError(
             f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
-            f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness does, "
-            "with the adaptive and euclidean measures (docs/cluster.md)"
+            f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness and "
+            "gs.measure do, with the adaptive and euclidean measures (docs/cluster.md)"
         )
 
 

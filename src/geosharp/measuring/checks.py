@@ -31,7 +31,10 @@ from geosharp.symmetry.verify import to_device as _to_device
 __all__ = [
     "RISE_TOL_ULPS",
     "RISE_WINDOW",
+    "batch_loss",
+    "check_finite_loss",
     "clean_pass",
+    "count_unrepresentable",
     "flush_unrepresentable",
     "invariance_tol",
     "loss_eps",
@@ -63,16 +66,20 @@ def unrepresentable_weights(model: nn.Module) -> dict[str, int]:
     for name, p in model.named_parameters():
         if not p.requires_grad or not p.is_floating_point():
             continue
-        w = p.detach()
-        # 1/w² is finite iff |w| ≥ max^(-1/2); test exactly only the few weights near that
-        near = w.abs() < 2.0 * torch.finfo(w.dtype).max ** -0.5
-        if not bool(near.any()):
-            continue
-        sub = w[near]
-        n = int(((sub != 0) & ~torch.isfinite(sub.reciprocal().square())).sum())
+        n = count_unrepresentable(p.detach())
         if n:
             found[name] = n
     return found
+
+
+def count_unrepresentable(w: Tensor) -> int:
+    """How many entries ``w_i ≠ 0`` of a plain tensor have a ``1/w_i²`` that is not finite."""
+    # 1/w² is finite iff |w| ≥ max^(-1/2); test exactly only the few weights near that
+    near = w.abs() < 2.0 * torch.finfo(w.dtype).max ** -0.5
+    if not bool(near.any()):
+        return 0
+    sub = w[near]
+    return int(((sub != 0) & ~torch.isfinite(sub.reciprocal().square())).sum())
 
 
 @torch.no_grad()
@@ -144,41 +151,58 @@ def clean_pass(
     losses = []
     with eval_mode(model), torch.no_grad():
         for b, batch in enumerate(batches):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise MeasureError(
-                    f"batch {b} must be a pair (inputs, targets), got {type(batch).__name__}"
-                )
-            inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
-            try:
-                out = call_model(model, params, inputs)
-            except Exception as err:
-                raise MeasureError(
-                    f"the model failed on batch {b}: {type(err).__name__}: {err}"
-                ) from err
-            try:
-                if uses_cross_entropy(loss_fn, targets):
-                    _check_labels(b, _logits(out), targets)
-                loss = loss_fn(out, targets)
-            except MeasureError as err:
-                if str(err).startswith(f"batch {b}"):
-                    raise
-                raise MeasureError(f"batch {b}: {err}") from err
-            except Exception as err:
-                raise MeasureError(
-                    f"the loss failed on batch {b}: {type(err).__name__}: {err}"
-                ) from err
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise MeasureError(
-                    f"the loss of batch {b} must be a scalar tensor, got {type(loss).__name__}"
-                )
-            value = float(loss)
-            if not math.isfinite(value):
-                raise MeasureError(
-                    f"the clean loss of batch {b} is {value}: sharpness is undefined. Check the "
-                    "data (NaN or inf inputs?), the model's weights and the loss"
-                )
-            losses.append(value)
+            value = batch_loss(b, batch, lambda x: call_model(model, params, x), loss_fn, device)
+            losses.append(check_finite_loss(b, value))
     return losses
+
+
+def batch_loss(
+    b: int, batch: Any, run: Callable[[Any], Any], loss_fn: Callable, device: torch.device
+) -> float:
+    """The loss of batch ``b`` with the model run as ``run(inputs)`` (no check of finiteness).
+
+    Raises:
+        MeasureError: Naming the batch: not a pair, a model or loss that fails on it, a loss
+            that is not a scalar, labels outside the model's classes.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise MeasureError(
+            f"batch {b} must be a pair (inputs, targets), got {type(batch).__name__}"
+        )
+    inputs, targets = _to_device(batch[0], device), _to_device(batch[1], device)
+    try:
+        out = run(inputs)
+    except Exception as err:
+        raise MeasureError(f"the model failed on batch {b}: {type(err).__name__}: {err}") from err
+    try:
+        if uses_cross_entropy(loss_fn, targets):
+            _check_labels(b, _logits(out), targets)
+        loss = loss_fn(out, targets)
+    except MeasureError as err:
+        if str(err).startswith(f"batch {b}"):
+            raise
+        raise MeasureError(f"batch {b}: {err}") from err
+    except Exception as err:
+        raise MeasureError(f"the loss failed on batch {b}: {type(err).__name__}: {err}") from err
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise MeasureError(
+            f"the loss of batch {b} must be a scalar tensor, got {type(loss).__name__}"
+        )
+    return float(loss)
+
+
+def check_finite_loss(b: int, value: float) -> float:
+    """``value``, the clean loss of batch ``b``; raises unless it is finite.
+
+    Raises:
+        MeasureError: If it is NaN or infinite.
+    """
+    if not math.isfinite(value):
+        raise MeasureError(
+            f"the clean loss of batch {b} is {value}: sharpness is undefined. Check the "
+            "data (NaN or inf inputs?), the model's weights and the loss"
+        )
+    return value
 
 
 def invariance_tol(model: nn.Module) -> float:

@@ -73,24 +73,41 @@ def check_out_dir(out: Path) -> None:
         raise MeasureError(str(err)) from err
 
 
+def _quiet(_msg: str) -> None:
+    """What a rank other than 0 of ``--fsdp`` says: nothing (rank 0 says it)."""
+
+
 def _execute(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
 
+    from geosharp.measuring import fsdp
     from geosharp.measuring.pipeline import ModelSource, load_for_measure, options_from_args
 
     _validate(args)
+    run = fsdp.check_args(args) if args.fsdp else None  # before loading anything
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     opts = options_from_args(args)
+    say, warn = (_say, _warn) if run is None or run.rank == 0 else (_quiet, _quiet)
+    if run is not None:
+        run.start()
+        opts = dataclasses.replace(opts, device=torch.device("cpu"))  # fully_shard moves shards
     source = ModelSource(args.model, weights=args.weights, base=args.base)
-    ready = load_for_measure(source, opts, say=_say, warn=_warn)
+    ready = load_for_measure(source, opts, say=say, warn=warn)
+    model, batches = ready.model, ready.batches
+    if run is not None:
+        model = run.shard(model, say)
+        batches = fsdp.local_rows(batches, run.rank, run.world)
+    default = fsdp.DEFAULT_MEASURES if run is not None else DEFAULT_MEASURES
 
     report = measure(
-        ready.model,
-        ready.batches,
+        model,
+        batches,
         ready.loss,
-        measures=args.measures or list(DEFAULT_MEASURES),
+        measures=args.measures or list(default),
         rhos=args.rho or list(DEFAULT_RHOS),
         steps=args.steps,
         eps=args.eps,
@@ -102,16 +119,19 @@ def _execute(args: argparse.Namespace) -> int:
         low_memory=args.low_memory,
         buffer_budget=args.buffer_budget,
         progress=False if args.no_progress else None,
-        log=_say,
-        warn=_warn,
+        log=say,
+        warn=warn,
     )
     report.warnings[:0] = ready.warnings
     report.settings = {**ready.settings(), **report.settings}
+    if run is not None:
+        report.settings["fsdp"] = run.describe()
     if not torch.cuda.is_available() and opts.device.type == "cpu":
         report.settings["threads"] = torch.get_num_threads()
-    _write(report, args)
+    if run is None or run.rank == 0:
+        _write(report, args)
     if report.failed:
-        _warn(f"{len(report.failed)} measurement(s) failed; see the table")
+        warn(f"{len(report.failed)} measurement(s) failed; see the table")
         return 1
     return 0
 
@@ -133,10 +153,23 @@ def _write(report: Any, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``geosharp measure`` with parsed arguments.
 
+    With ``--fsdp`` (one process per rank under ``torchrun``, :mod:`~geosharp.measuring.fsdp`)
+    the process ends here once a process group was started (:func:`~geosharp.measuring.fsdp.
+    finish`), with the same exit status.
+
     Returns:
         0 on success, 1 if some measurement failed (the others are reported) or the operating
         system failed during the work (disk full, ...), 2 on bad input, 130 if interrupted.
     """
+    rc = _run(args)
+    if getattr(args, "fsdp", False):
+        from geosharp.measuring.fsdp import finish
+
+        finish(rc)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return _execute(args)
     except KeyboardInterrupt:

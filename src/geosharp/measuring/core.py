@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.sharded import check_unsharded
+from geosharp.estimators.sharded import is_sharded
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.checks import (
     clean_pass,
@@ -55,6 +55,7 @@ from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.estimate import RunEstimate, batch_sizes, estimate_run
 from geosharp.measuring.losses import default_loss, resolve_loss
 from geosharp.measuring.results import MeasureReport, MeasureRow, _g, _time
+from geosharp.measuring.sharded import SKIPPED, ShardedCheck, check_plan, prepare_sharded
 from geosharp.symmetry import ParameterSpace, find_symmetries, prove
 from geosharp.symmetry.verify import to_device as _to_device
 
@@ -117,6 +118,13 @@ def measure(
     weights are so small that ``1/w²`` overflows (:func:`unrepresentable_weights`), a copy with
     them set to 0 is measured and a warning says so.
 
+    A model sharded by FSDP2 (every trainable parameter a sharded ``DTensor``; call it on every
+    rank with the rank's rows of every batch) is measured with the element-wise worst-case
+    measures (adaptive, Euclidean; ℓ2 or ℓ∞), every rank getting the same report; the other
+    measures are refused in one line before any work, and the symmetry search, the self-check
+    and the time estimate are skipped, with the reason in ``settings["sharded"]["skipped"]``
+    (:mod:`geosharp.measuring.sharded`, ``docs/cluster.md``).
+
     Args:
         model: Any ``nn.Module``, on the device and in the dtype to measure in.
         batches: ``(inputs, targets)`` pairs (iterated once and kept: every measure uses the
@@ -150,8 +158,9 @@ def measure(
 
     Raises:
         MeasureError: On no batches, a bad measure or ρ, a non-finite clean loss, labels outside
-            the model's classes, a model or loss that fails on the data, or a failed invariance
-            check (the message explains what to do).
+            the model's classes, a model or loss that fails on the data, a failed invariance
+            check, or a measure a sharded model cannot be measured with (the message explains
+            what to do).
 
     Example:
         >>> import torch
@@ -167,8 +176,7 @@ def measure(
         (['adaptive worst l2', 'euclidean worst l2'], True)
     """
     t_start = time.perf_counter()
-    if isinstance(model, nn.Module):
-        check_unsharded(model, "gs.measure")
+    sharded = isinstance(model, nn.Module) and is_sharded(model)
     say = log or (lambda _msg: None)
     notes: list[str] = []
 
@@ -180,21 +188,33 @@ def measure(
             warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
 
     specs, rhos, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
+    if sharded:
+        check_plan(specs, space)  # the measures a sharded model supports (measuring.sharded)
     if progress is None:
         progress = sys.stderr.isatty()
-    ready = prepare_measurement(
-        model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn
-    )
+    ready: CheckedModel | ShardedCheck
+    if sharded:
+        loss_fn, loss_name = resolve_loss(loss_fn)
+        batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
+        ready = prepare_sharded(model, batches, loss_fn, loss_name, say)
+    else:
+        ready = prepare_measurement(
+            model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn
+        )
     model, batches, loss_fn, loss_name = ready.model, ready.batches, ready.loss_fn, ready.loss_name
     space, summary, note = ready.space, ready.summary, ready.adaptive_note
     clean, invariance = ready.clean_losses, ready.invariance
     extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
     if buffer_budget != BUFFER_BUDGET:
         extra["buffer_budget"] = buffer_budget
-    estimate = _estimate(
-        model, loss_fn, batches, specs, rhos, steps, curv, say,
-        eps=eps, seed=seed, space=space, extra=extra,
-    )  # fmt: skip
+    estimate = None
+    if sharded:
+        say(f"time estimate: {SKIPPED['time_estimate']}")
+    else:
+        estimate = _estimate(
+            model, loss_fn, batches, specs, rhos, steps, curv, say,
+            eps=eps, seed=seed, space=space, extra=extra,
+        )  # fmt: skip
 
     rows = _measure_cells(
         model,
@@ -224,13 +244,13 @@ def measure(
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
         **({"curvature": curv} if any(s.family == "curvature" for s in specs) else {}),
-        **batch_sizes(batches),
+        **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
         **(
             {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
             if estimate is not None
             else {}
         ),
-        **_model_settings(model, space),
+        **(ready.settings() if isinstance(ready, ShardedCheck) else _model_settings(model, space)),
     }
     return MeasureReport(
         rows=rows,
@@ -239,7 +259,7 @@ def measure(
         invariance=invariance,
         clean_losses=clean,
         n_batches=len(batches),
-        n_samples=_n_samples(batches),
+        n_samples=ready.n_samples if isinstance(ready, ShardedCheck) else _n_samples(batches),
         settings=settings,
         warnings=notes,
         time_s=time.perf_counter() - t_start,
@@ -488,7 +508,7 @@ def _measure_cells(
     steps: int,
     eps: float,
     seed: int,
-    space: ParameterSpace,
+    space: ParameterSpace | None,
     progress: bool,
     curv: Mapping[str, Any],
     say: Callable[[str], None],
@@ -552,7 +572,7 @@ def _measure_one(
     steps: int,
     eps: float,
     seed: int,
-    space: ParameterSpace,
+    space: ParameterSpace | None,
     progress: bool,
     curv: Mapping[str, Any],
     low_memory: bool = False,

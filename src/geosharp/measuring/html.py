@@ -254,7 +254,10 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
 
     out.append("<h2>Self-check</h2>")
     inv = report.invariance
-    if inv is None:
+    skipped = (report.settings.get("sharded") or {}).get("skipped", {}).get("self_check")
+    if inv is None and skipped:
+        out.append(f"<p class='warn'>The invariance check was {e(skipped)}.</p>")
+    elif inv is None:
         out.append("<p class='warn'>The invariance check was skipped (--no-check).</p>")
     elif inv.n_blocks == 0:
         out.append("<p>No symmetry blocks were found, so there was nothing to re-parametrize.</p>")

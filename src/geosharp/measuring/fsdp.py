@@ -1,0 +1,261 @@
+r"""``geosharp measure --fsdp``: the model sharded by FSDP2 over the ranks of ``torchrun``.
+
+::
+
+    torchrun --standalone --nproc-per-node 8 -m geosharp measure MODEL DATA --fsdp ...
+
+Every rank runs the same command. :func:`check_args` refuses a bad combination in one line
+before anything is loaded (not under ``torchrun``, a measure a sharded model cannot be measured
+with, a device other than ``auto``/``cpu``/``cuda``, a batch that the ranks cannot split
+evenly). Then :class:`FsdpRun`
+
+1. initializes the process group (:func:`geosharp.estimators.distributed.init_distributed`:
+   ``nccl`` with one GPU per rank, ``cuda:LOCAL_RANK``, when CUDA is used, else ``gloo``);
+2. after the pipeline has loaded the model into CPU memory on every rank (the same weights
+   everywhere), applies ``fully_shard`` to every transformer layer
+   (:func:`transformer_layers`: the modules of a Hugging Face model's ``_no_split_modules``
+   classes in its ``nn.ModuleList``\ s, else the children of the ``nn.ModuleList``\ s of
+   repeated modules) and to the root, which moves each rank's shard to its device;
+3. gives every rank its rows of every batch (:func:`local_rows`: rank ``r`` of ``W`` holds rows
+   ``r·m/W … (r+1)·m/W − 1`` of a batch of ``m``): a sharded model measures every batch on every
+   rank, each on its rows (FSDP's collectives need every rank in every forward), unlike the
+   whole-batch split of :class:`~geosharp.estimators.distributed.BatchSplit` for unsharded
+   models;
+
+and :func:`geosharp.measure` measures it (:mod:`geosharp.measuring.sharded`). Rank 0 alone
+prints and writes the results; every rank prints its error if it fails. At the end the process
+group is destroyed and the process ends without the interpreter's teardown (:func:`finish`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.measuring.errors import MeasureError
+
+__all__ = [
+    "DEFAULT_MEASURES",
+    "TORCHRUN_VARS",
+    "FsdpRun",
+    "check_args",
+    "finish",
+    "local_rows",
+    "transformer_layers",
+]
+
+#: What ``torchrun`` sets in every rank's environment.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: ``--fsdp`` without ``--measures``: the element-wise one of the paper's three measures.
+DEFAULT_MEASURES = ("adaptive-l2",)
+
+
+@dataclass
+class FsdpRun:
+    """One rank of ``geosharp measure --fsdp`` (:func:`check_args` builds it).
+
+    Attributes:
+        rank: This rank.
+        world: The ranks.
+        local_rank: This rank on its node (its GPU).
+        device: Where the shards live: ``cuda`` (the current device, ``cuda:LOCAL_RANK``) or
+            ``cpu``.
+        layers: The layers sharded as their own units (:meth:`shard` sets it).
+    """
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    layers: list[str] = field(default_factory=list)
+
+    @property
+    def backend(self) -> str:
+        """``nccl`` for GPUs, ``gloo`` for CPUs."""
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def start(self) -> None:
+        """Initialize the process group from ``torchrun``'s environment."""
+        from geosharp.estimators.distributed import init_distributed
+
+        init_distributed(self.backend)
+
+    def shard(self, model: nn.Module, say: Callable[[str], None]) -> nn.Module:
+        """``fully_shard`` every transformer layer and the root, on a 1-D mesh of the ranks."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        layers = transformer_layers(model)
+        names = {id(m): n for n, m in model.named_modules()}
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.layers = [names[id(m)] for m in layers]
+        if layers:
+            kinds = sorted({type(m).__name__ for m in layers})
+            say(
+                f"fsdp: {len(layers)} layer(s) ({', '.join(kinds)}) and the root sharded over "
+                f"{self.world} rank(s) ({self.backend}, {self.device.type})"
+            )
+        else:
+            say(
+                f"fsdp: no repeated layers found, so only the root is sharded over {self.world} "
+                "rank(s): every forward gathers the whole model at once"
+            )
+        return model
+
+    def describe(self) -> dict[str, Any]:
+        """What the result records of the run (``settings["fsdp"]``)."""
+        return {
+            "world": self.world,
+            "backend": self.backend,
+            "device": self.device.type,
+            "layers": len(self.layers),
+            "layer_names": self.layers[:3] + (["..."] if len(self.layers) > 3 else []),
+            "rows": "every batch split evenly over the ranks, in contiguous blocks",
+        }
+
+
+def check_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> FsdpRun:
+    """Refuse, in one line before anything is loaded, what ``--fsdp`` cannot run.
+
+    Args:
+        args: The parsed ``geosharp measure`` arguments (with ``--fsdp``).
+        env: The environment (default: ``os.environ``).
+
+    Returns:
+        The rank's :class:`FsdpRun` (the process group not yet initialized).
+
+    Raises:
+        MeasureError: Not under ``torchrun``, a measure that a sharded model cannot be
+            measured with, ``--device`` other than ``auto``, ``cpu`` or ``cuda``, or a
+            ``--batch-size``/``--samples`` the ranks cannot split evenly.
+    """
+    from geosharp.measures import parse_measure
+    from geosharp.measuring.resolve import resolve_device
+    from geosharp.measuring.sharded import refusal
+
+    env = os.environ if env is None else env
+    missing = [k for k in TORCHRUN_VARS if k not in env]
+    if missing:
+        raise MeasureError(
+            f"--fsdp runs one process per rank under torchrun, but {', '.join(missing)} "
+            "is not set: launch with `torchrun --standalone --nproc-per-node N -m geosharp "
+            "measure MODEL DATA --fsdp ...` (docs/cluster.md)"
+        )
+    for text in args.measures or DEFAULT_MEASURES:
+        why = refusal(parse_measure(text))
+        if why is not None:
+            raise MeasureError(f"--fsdp: {why}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise MeasureError(
+            f"--fsdp with --device {args.device}: each rank puts its shard on its own GPU "
+            "(cuda:LOCAL_RANK) or on the CPU; use --device auto, cuda or cpu"
+        )
+    try:
+        rank, world, local = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError as err:
+        raise MeasureError(
+            f"--fsdp: torchrun's RANK, WORLD_SIZE or LOCAL_RANK is not an integer: {err}"
+        ) from err
+    if args.batch_size % world:
+        raise MeasureError(
+            f"--fsdp: --batch-size {args.batch_size} is not a multiple of the {world} ranks: "
+            "every rank measures its equal share of the rows of every batch"
+        )
+    if args.samples and args.samples % args.batch_size % world:
+        raise MeasureError(
+            f"--fsdp: the last batch of --samples {args.samples} at --batch-size "
+            f"{args.batch_size} holds {args.samples % args.batch_size} rows, not a multiple of "
+            f"the {world} ranks: choose --samples a multiple of {world}"
+        )
+    device = resolve_device(args.device)  # cuda only where CUDA is available
+    return FsdpRun(rank=rank, world=world, local_rank=local, device=torch.device(device.type))
+
+
+def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    r"""The layers of a model that ``fully_shard`` makes units of their own.
+
+    The children of the model's ``nn.ModuleList``\ s whose class is one of a Hugging Face
+    model's ``_no_split_modules`` (its transformer blocks); where there are none, the children
+    of every ``nn.ModuleList`` of at least two modules of one class. Only the outermost: a
+    layer inside another is left to it.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    classes: set[str] = set()
+    for m in model.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if isinstance(names, (list, tuple, set)):
+            classes.update(str(n) for n in names)
+    found = [c for ml in lists for c in ml if type(c).__name__ in classes]
+    if not found:
+        found = [c for ml in lists if len(ml) >= 2 and len({type(c) for c in ml}) == 1 for c in ml]
+    inner = {id(d) for m in found for d in m.modules() if d is not m}
+    return [m for m in found if id(m) not in inner]
+
+
+def _split(obj: Any, rows: int, lo: int, hi: int) -> Any:
+    """Rows ``lo:hi`` of every tensor of a (nested) batch whose first dimension is ``rows``."""
+    if isinstance(obj, Tensor):
+        return obj[lo:hi] if obj.dim() > 0 and obj.shape[0] == rows else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _split(v, rows, lo, hi) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_split(v, rows, lo, hi) for v in obj)
+    return obj
+
+
+def local_rows(batches: Sequence[Any], rank: int, world: int) -> list[tuple[Any, Any]]:
+    """Rank ``rank``'s rows of every ``(inputs, targets)`` batch: its contiguous ``1/world``.
+
+    Raises:
+        MeasureError: If a batch's rows (the first dimension of its targets) are not known or
+            not a multiple of ``world``.
+
+    Example:
+        >>> x, y = torch.arange(12).reshape(6, 2), torch.arange(6)
+        >>> [(a.tolist(), b.tolist()) for a, b in local_rows([(x, y)], 1, 3)]
+        [([[4, 5], [6, 7]], [2, 3])]
+    """
+    out = []
+    for b, batch in enumerate(batches):
+        inputs, targets = batch
+        rows = targets.shape[0] if isinstance(targets, Tensor) and targets.dim() > 0 else None
+        if rows is None or rows % world:
+            what = "no rows (its targets are not a tensor)" if rows is None else f"{rows} rows"
+            raise MeasureError(
+                f"--fsdp: batch {b} has {what}, which the {world} ranks cannot split evenly: "
+                f"choose --batch-size and --samples multiples of {world}"
+            )
+        n = rows // world
+        lo, hi = rank * n, (rank + 1) * n
+        out.append((_split(inputs, rows, lo, hi), _split(targets, rows, lo, hi)))
+    return out
+
+
+def finish(rc: int) -> None:
+    """End a rank: destroy the process group (if one was started), then the process.
+
+    The interpreter's teardown is skipped (``os._exit`` after flushing): on CPU builds of
+    torch a gloo process that ran FSDP2 has aborted in it now and then ("terminate called
+    without an active exception") after its work was done. Without a process group (a refusal
+    before anything was loaded) it returns, and the command ends as usual.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)

@@ -1,0 +1,293 @@
+r"""``gs.measure`` of a model sharded by FSDP2: the element-wise measures, shard by shard.
+
+A model whose trainable parameters are ``DTensor``\ s sharded by
+``torch.distributed.fsdp.fully_shard`` is measured by :func:`geosharp.sharpness`'s sharded path
+(:mod:`geosharp.estimators.sharded`): every rank passes its own rows of every batch, and every
+rank gets the same values. What :func:`~geosharp.measuring.core.measure` does around the
+measurements runs here without gathering the weights whole:
+
+- **refused before any work** (:func:`check_plan`), one line each: geodesic sharpness and the
+  attention-only measures (the symmetry blocks' geometry on sharded rows, SPEC §10.2), the
+  average case (noise drawn by global position), the curvature measures and relative flatness;
+- **checked, collectively**: every trainable parameter is a sharded ``DTensor`` on one mesh
+  (:class:`~geosharp.estimators.sharded.ShardedParams`), no weight's ``1/w²`` overflows (counted
+  on the shards and summed over the ranks: a sharded model is not copied, so it is refused
+  rather than flushed), every rank holds as many batches and, batch by batch, as many rows
+  (the batch's loss is the mean of the ranks' losses), and the clean loss of every batch —
+  a plain forward of the model (FSDP gathers one layer at a time), the mean over ranks — is
+  finite with valid labels. A rank whose batch fails tells the others, so that every rank
+  raises the same error instead of waiting for it;
+- **skipped, with the reason in the result** (:data:`SKIPPED`, the report's
+  ``settings["sharded"]["skipped"]``): the symmetry search and its proof, the invariance
+  self-check and the time estimate. Each re-runs the model with substituted weights
+  (:func:`torch.func.functional_call`), which FSDP's own gathers of the shards would bypass,
+  and the element-wise measures use no symmetry blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from geosharp.estimators.sharded import ShardedParams
+from geosharp.measures import Measure
+from geosharp.measuring.checks import batch_loss, check_finite_loss, count_unrepresentable
+from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.estimate import _rows, batch_sizes
+from geosharp.symmetry import ParameterSpace
+from geosharp.symmetry.verify import eval_mode, model_arguments
+
+__all__ = ["SKIPPED", "ShardedCheck", "check_plan", "prepare_sharded", "refusal"]
+
+#: What ``gs.measure`` does not run on a sharded model, and why (recorded in the result).
+SKIPPED = {
+    "symmetry_search": "not run on a sharded model: proving a block re-runs the model with "
+    "substituted weights (torch.func.functional_call), which FSDP's gathers of the shards "
+    "bypass; the element-wise measures measured here use no symmetry blocks",
+    "self_check": "not run on a sharded model: it re-parametrizes the symmetry blocks, which "
+    "were not searched (see symmetry_search)",
+    "time_estimate": "not made for a sharded model: its timing passes substitute weights "
+    "(torch.func.functional_call), which FSDP's gathers of the shards bypass",
+}
+
+#: The measures a sharded model is measured with, as ``geosharp measure --measures`` reads them.
+SUPPORTED = "adaptive-l2, adaptive-linf, euclidean-l2, euclidean-linf (worst case)"
+
+
+def refusal(spec: Measure) -> str | None:
+    """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can)."""
+    why = None
+    kw = spec.kwargs()
+    if spec.family == "curvature":
+        why = "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
+    elif spec.family == "relative flatness":
+        why = "relative flatness of a sharded model is not implemented yet"
+    elif kw.get("measure") == "geodesic" or kw.get("perturb") == "blocks":
+        why = (
+            "the symmetry blocks' geometry on sharded rows (SPEC §10.2) is not implemented yet "
+            "(geodesic and attention-only measures)"
+        )
+    elif kw.get("kind") != "worst":
+        why = "the average case (random perturbations) of a sharded model is not implemented yet"
+    if why is None:
+        return None
+    return (
+        f"{spec.name} on a sharded (FSDP2) model: {why}; a sharded model is measured with "
+        f"{SUPPORTED} (docs/cluster.md)"
+    )
+
+
+def check_plan(specs: Sequence[Measure], space: ParameterSpace | None) -> None:
+    """Refuse, in one line before any work, what ``gs.measure`` cannot measure sharded.
+
+    Raises:
+        MeasureError: For the first measure :func:`refusal` refuses, or a ``space`` given.
+    """
+    for spec in specs:
+        why = refusal(spec)
+        if why is not None:
+            raise MeasureError(why)
+    if space is not None:
+        raise MeasureError(
+            "space: a sharded model's parameter space is its ranks' shards, with no symmetry "
+            "blocks; pass space=None"
+        )
+
+
+@dataclass
+class ShardedCheck:
+    """A sharded model checked and ready to measure (:func:`prepare_sharded`).
+
+    The fields :func:`~geosharp.measuring.core.measure` reads of a ``CheckedModel``, and what
+    the report records of the sharding.
+
+    Attributes:
+        model: The model.
+        batches: The rank's rows of every batch, on the shards' device.
+        loss_fn: The loss.
+        loss_name: Its name.
+        space: ``None`` (the measures build the space of the shards themselves).
+        summary: The symmetry summary: not searched, and why.
+        adaptive_note: Which coordinates use the adaptive geometry: all of them.
+        clean_losses: The loss of every batch (the mean over ranks), all finite.
+        invariance: ``None`` (the self-check was not run: :data:`SKIPPED`).
+        shards: The checked shards.
+        rows: The rows of every batch, summed over the ranks.
+        longest_input: The widest batch of token ids over the ranks (``None``: not token ids).
+    """
+
+    model: nn.Module
+    batches: list
+    loss_fn: Callable
+    loss_name: str
+    space: None
+    summary: str
+    adaptive_note: str
+    clean_losses: list[float]
+    invariance: None
+    shards: ShardedParams
+    rows: list[int | None]
+    longest_input: int | None
+
+    @property
+    def n_samples(self) -> int | None:
+        """Samples in all batches over all ranks, if the batches say."""
+        if any(r is None for r in self.rows):
+            return None
+        return sum(r for r in self.rows if r is not None)
+
+    def settings(self) -> dict[str, Any]:
+        """What the report records of the model, the batches and the sharding."""
+        first = self.shards.locals[0]
+        sizes: dict[str, Any] = {}
+        if self.rows and all(r is not None for r in self.rows):
+            sizes["largest_batch"] = max(r for r in self.rows if r is not None)
+        if self.longest_input is not None:
+            sizes["longest_input"] = self.longest_input
+        return {
+            **sizes,
+            "n_params": self.shards.numel,
+            "device": str(first.device),
+            "dtype": str(first.dtype).replace("torch.", ""),
+            "sharded": {
+                "world": self.shards.world,
+                "shard_dims": sorted({p.placements[0].dim for p in self.shards.params}),
+                "skipped": dict(SKIPPED),
+            },
+        }
+
+
+def prepare_sharded(
+    model: nn.Module,
+    batches: list,
+    loss_fn: Callable,
+    loss_name: str,
+    say: Callable[[str], None],
+) -> ShardedCheck:
+    """Check a sharded model and the rank's rows of the batches, collectively (module docs).
+
+    Every rank must call it with its own rows of the same batches.
+
+    Args:
+        model: The model, every trainable parameter a sharded ``DTensor``.
+        batches: The rank's rows of every batch, as a list on the shards' device.
+        loss_fn: The loss (resolved).
+        loss_name: Its name.
+        say: Called with what was checked or skipped.
+
+    Returns:
+        A :class:`ShardedCheck`.
+
+    Raises:
+        MeasureError: On every rank alike: a parameter not sharded on one mesh, weights whose
+            ``1/w²`` overflows, the ranks holding different batches or rows, or a clean loss
+            that fails or is not finite.
+    """
+    try:
+        shards = ShardedParams(model, in_place=True)  # checks only: nothing is copied or moved
+    except ValueError as err:
+        raise MeasureError(str(err)) from err
+    _check_representable(shards)
+    rows, widest = _check_rows(shards, batches)
+    say(f"symmetry blocks: {SKIPPED['symmetry_search']}")
+    say(f"self-check: {SKIPPED['self_check']}")
+    clean = _clean_pass(model, loss_fn, batches, shards)
+    say(
+        f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all "
+        f"finite; each the mean over the {shards.world} ranks' rows)"
+    )
+    summary = f"symmetry blocks: not searched ({SKIPPED['symmetry_search']})"
+    note = (
+        f"adaptive geometry: every trainable coordinate ({shards.numel:,}) — the element-wise "
+        "measures of a sharded model give every coordinate the adaptive (or Euclidean) geometry"
+    )
+    return ShardedCheck(
+        model, batches, loss_fn, loss_name, None, summary, note, clean, None, shards, rows, widest
+    )
+
+
+def _exchange(shards: ShardedParams, obj: Any) -> list[Any]:
+    """``obj`` of every rank of the shards' group, in rank order."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * shards.world
+    dist.all_gather_object(out, obj, group=shards.group)
+    return out
+
+
+def _check_representable(shards: ShardedParams) -> None:
+    """Refuse weights whose ``1/w²`` overflows, counted on the shards and summed over ranks."""
+    n = sum(count_unrepresentable(t.detach()) for t in shards.locals if t.is_floating_point())
+    total = int(shards.sum(torch.tensor(float(n))))
+    if total:
+        raise MeasureError(
+            f"{total} weight(s) of the sharded model are so small that 1/w² overflows "
+            f"{shards.locals[0].dtype} (the adaptive metric cannot be evaluated there); a sharded "
+            "model is not copied, so set them to 0 before fully_shard "
+            "(geosharp.measuring.checks.flush_unrepresentable; geosharp measure --fsdp does)"
+        )
+
+
+def _check_rows(shards: ShardedParams, batches: list) -> tuple[list[int | None], int | None]:
+    """The rows of every batch summed over the ranks, and the widest input over the ranks.
+
+    Raises:
+        MeasureError: If the ranks hold different numbers of batches, or of rows of a batch.
+    """
+    local = [
+        _rows(b[0], b[1]) if isinstance(b, (tuple, list)) and len(b) == 2 else None for b in batches
+    ]
+    everyone = _exchange(shards, (local, batch_sizes(batches).get("longest_input")))
+    counts = [len(rows) for rows, _ in everyone]
+    if any(c != counts[0] for c in counts):
+        raise MeasureError(
+            f"the ranks hold different numbers of batches ({', '.join(map(str, counts))} on "
+            "ranks 0, 1, ...): every rank passes its own rows of the same batches"
+        )
+    total: list[int | None] = []
+    for b in range(counts[0]):
+        per_rank = [rows[b] for rows, _ in everyone]
+        if any(r is None for r in per_rank):
+            total.append(None)
+            continue
+        if any(r != per_rank[0] for r in per_rank):
+            raise MeasureError(
+                f"batch {b}: the ranks hold {', '.join(map(str, per_rank))} rows; a sharded "
+                "model's batch loss is the mean of the ranks' losses, which is the batch's loss "
+                "only when every rank holds as many rows: split every batch evenly"
+            )
+        total.append(sum(r for r in per_rank if r is not None))
+    widths = [w for _, w in everyone if w is not None]
+    return total, max(widths) if len(widths) == len(everyone) else None
+
+
+def _clean_pass(
+    model: nn.Module, loss_fn: Callable, batches: Sequence[Any], shards: ShardedParams
+) -> list[float]:
+    """The clean loss of every batch, the mean over ranks; every rank raises the same error."""
+    device = shards.locals[0].device
+
+    def run(inputs: Any) -> Any:
+        args, kwargs = model_arguments(inputs)
+        return model(*args, **kwargs)
+
+    losses = []
+    with eval_mode(model), torch.no_grad():
+        try:
+            for b, batch in enumerate(batches):
+                try:
+                    value, error = batch_loss(b, batch, run, loss_fn, device), None
+                except MeasureError as err:
+                    value, error = float("nan"), str(err)
+                failed = [(r, e) for r, e in enumerate(_exchange(shards, error)) if e is not None]
+                if failed:
+                    r, e = failed[0]
+                    raise MeasureError(e if shards.world == 1 else f"{e} (on rank {r})")
+                losses.append(check_finite_loss(b, shards.mean_loss(torch.tensor(value))))
+        finally:
+            shards.reshard()  # a forward without backward leaves the root's weights gathered
+    return losses

@@ -1,0 +1,199 @@
+"""``geosharp measure --fsdp`` under ``torchrun`` equals ``geosharp measure`` (issue 27).
+
+A tiny BERT for sequence classification (built from a config, with a WordPiece tokenizer written
+here: nothing is downloaded) and a CSV of 8 sentences in 2 batches of 4 rows are measured by
+``torchrun --standalone --nproc-per-node 2 -m geosharp measure ... --fsdp`` (gloo on CPU: two
+layers and the root under ``fully_shard``, 2 rows of every batch per rank) and by the unsharded
+command in this process. Asserted:
+
+- float32, at ρ = 3 (the base point a copy of the shards): every value within 1e-5 (relative)
+  of the unsharded one, and every clean and perturbed loss within 1e-6;
+- float32, at ρ = 0.3 (adaptive: θ′ added into the shards in place): the losses within 1e-6 and
+  the value within 1e-5 of the clean loss (a value of 3e-3 is a difference of two losses of
+  1.1, whose float32 rounding, 1e-7, is a larger part of it; measured: 2e-5 of the value);
+- float64, at ρ = 0.3 and 3: every value within 1e-10 (relative);
+- rank 0 alone prints the table and writes the results, which record the sharding and what was
+  skipped; and a bad combination is refused in one line, exit status 2, before anything loads.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from geosharp.cli import main
+
+transformers = pytest.importorskip("transformers")
+dist = pytest.importorskip("torch.distributed")
+
+VOCAB = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    *"the a movie film was great terrible boring good bad i loved it not worth ticket".split(),
+    *"an of every minute plot acting , . !".split(),
+]
+SENTENCES = [
+    ("the movie was great", 2),
+    ("a terrible, boring film", 0),
+    ("i loved every minute of it", 2),
+    ("not worth the ticket", 0),
+    ("the plot was not bad", 1),
+    ("good acting, bad film", 1),
+    ("the film was good", 2),
+    ("a bad movie", 0),
+]
+MEASURES = ["adaptive-l2", "euclidean-l2", "adaptive-linf"]
+COMMON = [
+    "--measures", *MEASURES, "--rho", "0.3", "3", "--steps", "5", "--batch-size", "4",
+    "--max-length", "16", "--no-progress", "--threads", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bert_and_data(tmp_path_factory):
+    """A tiny ``BertForSequenceClassification`` (3 labels, 2 layers) and a CSV of 8 rows."""
+    d = tmp_path_factory.mktemp("fsdpbert")
+    model = d / "bert"
+    model.mkdir()
+    (model / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tok = transformers.BertTokenizer.from_pretrained(str(model))
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    transformers.BertForSequenceClassification(cfg).save_pretrained(model)
+    tok.save_pretrained(model)
+    data = d / "train.csv"
+    data.write_text("text,label\n" + "".join(f'"{t}",{y}\n' for t, y in SENTENCES))
+    return model, data
+
+
+def _torchrun(model, data, out, dtype):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        torchrun, "--standalone", "--nproc-per-node", "2", "-m", "geosharp", "measure",
+        str(model), str(data), *COMMON, "--dtype", dtype, "--out", str(out), "--fsdp",
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys, dtype):
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    model, data = bert_and_data
+    sharded = _torchrun(model, data, tmp_path / "sharded", dtype)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    code = main(["measure", str(model), str(data), *COMMON, "--dtype", dtype, "--out",
+                 str(tmp_path / "whole")])  # fmt: skip
+    capsys.readouterr()
+    assert code == 0
+    got = json.loads((tmp_path / "sharded" / "results.json").read_text())
+    want = json.loads((tmp_path / "whole" / "results.json").read_text())
+
+    # rank 0 alone prints the table and writes; the result says how it was sharded
+    assert sharded.stdout.count("results: ") == 1
+    assert sharded.stdout.count("adaptive worst linf") == 4  # 2 progress lines, 2 table rows
+    assert "fsdp: 2 layer(s) (FSDPBertLayer) and the root sharded over 2 rank(s) (gloo" in (
+        sharded.stdout
+    )
+    st = got["settings"]
+    assert st["fsdp"]["world"] == 2 and st["fsdp"]["backend"] == "gloo"
+    assert st["fsdp"]["layers"] == 2
+    assert st["sharded"]["world"] == 2
+    assert set(st["sharded"]["skipped"]) == {"symmetry_search", "self_check", "time_estimate"}
+    assert got["invariance_check"] is None and want["invariance_check"]["passed"]
+    assert st["n_params"] == want["settings"]["n_params"]
+    assert got["n_samples"] == want["n_samples"] == 8
+    assert st["largest_batch"] == want["settings"]["largest_batch"] == 4
+    for a, b in zip(got["clean_losses"], want["clean_losses"], strict=True):
+        assert _rel(a, b) <= 1e-6
+
+    assert [(r["measure"], r["rho"]) for r in got["results"]] == [
+        (r["measure"], r["rho"]) for r in want["results"]
+    ]
+    for g, w in zip(got["results"], want["results"], strict=True):
+        where = (dtype, g["measure"], g["rho"], g["value"], w["value"])
+        assert g["error"] is None and w["error"] is None, where
+        assert g["value"] > 0, where
+        if dtype == "float64":
+            assert _rel(g["value"], w["value"]) <= 1e-10, where
+            continue
+        for part in ("clean_losses", "perturbed_losses"):
+            for a, b in zip(g[part], w[part], strict=True):
+                assert _rel(a, b) <= 1e-6, (*where, part)
+        if g["rho"] == 3 or g["measure"] != "adaptive worst l2":
+            assert _rel(g["value"], w["value"]) <= 1e-5, where
+        else:  # in place at ρ = 0.3: a value of 3e-3, a difference of two float32 losses of 1.1
+            assert abs(g["value"] - w["value"]) <= 1e-5 * w["clean_losses"][0], where
+
+
+TORCHRUN_ENV = {
+    "RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29999",
+}
+
+
+def _refused(capsys, *args):
+    code = main(["measure", "no-such-model-folder", "no-such-data.csv", "--fsdp", *args])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("geosharp: error: "), err
+    assert "no-such" not in err  # refused before the model or the data is looked at
+    return lines[0]
+
+
+def test_fsdp_without_torchrun_is_refused_before_loading(capsys, monkeypatch):
+    for k in TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    line = _refused(capsys)
+    assert "--fsdp runs one process per rank under torchrun" in line
+    assert "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is not set" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--measures", "geodesic-inv-o2"], "symmetry blocks' geometry on sharded rows"),
+        (["--measures", "adaptive-l2", "adaptive-blocks"], "attention-only"),
+        (["--measures", "adaptive-average"], "the average case (random perturbations)"),
+        (["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
+        (["--measures", "relative-flatness"], "relative flatness of a sharded model"),
+        (["--device", "cuda:1"], "use --device auto, cuda or cpu"),
+        (["--batch-size", "5"], "--batch-size 5 is not a multiple of the 2 ranks"),
+        (["--samples", "9", "--batch-size", "4"], "choose --samples a multiple of 2"),
+    ],
+)
+def test_a_bad_combination_with_fsdp_is_one_line(capsys, monkeypatch, args, says):
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    line = _refused(capsys, *args)
+    assert says in line
+    if "--measures" in args:
+        assert line.startswith("geosharp: error: --fsdp: ")
+        assert "a sharded model is measured with adaptive-l2, adaptive-linf" in line
