@@ -5,6 +5,7 @@
 # 27's GPU check (FSDP2 on the one GPU with nccl, the benchmark regimes in float32 and bfloat16).
 #
 #   bash results/study5-minilm-finetunes/gpu/check.sh      # on the device; figures into $OUT
+# There it runs from .gpu-a/snap (`git archive HEAD`) with SITE=<repo>/.gpu-a/site.
 set -u
 OUT=${OUT:-/tmp/check-out}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ echo "smoke rc $? after $((SECONDS - T0)) s"
 grep -h "measured\|plan:\|device\|cuda\|SMOKE\|Error\|error" /tmp/s5smoke/logs/*.log | cut -c1-240 | head -30
 cp /tmp/s5smoke/out/study5.tar.gz "$OUT/smoke.tar.gz" 2>/dev/null
 echo "== issue 27 GPU check"
-export PYTHONPATH="$PWD/.gpu-a/site:$PWD/src"
+export PYTHONPATH="${SITE:-$PWD/.gpu-a/site}:$PWD/src"
 T1=$SECONDS
 timeout 45 python tests/estimators/fsdp_worlds.py 1 cuda >"$OUT/fsdp.out" 2>"$OUT/fsdp.err"
 echo "fsdp world 1 on cuda (nccl): rc $? in $((SECONDS - T1)) s"

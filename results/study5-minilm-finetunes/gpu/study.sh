@@ -6,7 +6,9 @@
 #   bash results/study5-minilm-finetunes/gpu/study.sh LIMIT_S [SMOKE]
 #
 # LIMIT_S: the seconds this script may run in all (it ends its phases before). Needs the
-# carried packages in .gpu-a/site and the low bytes of MiniLM-L6 in .gpu-b (gpu/carry.py).
+# carried packages in $SITE (.gpu-a/site) and the low bytes of MiniLM-L6 in $LO (.gpu-b), from
+# gpu/carry.py. On the device it runs from .gpu-a/snap, a `git archive` of the commit that ran
+# (the working tree there may hold a colleague's uncommitted edits).
 # SMOKE=1: 3 smoke models, 16 snippets, on whatever device there is (tries the script here).
 set -u
 LIMIT=${1:-560}
@@ -16,7 +18,9 @@ HERE=results/study5-minilm-finetunes
 W=${WORK:-/tmp/study5}
 OUT=${OUT:-$W/out}
 mkdir -p "$W/logs" "$OUT"
-export PYTHONPATH="$PWD/.gpu-a/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+SITE=${SITE:-$PWD/.gpu-a/site}   # the carried packages (gpu/carry.py split)
+LO=${LO:-$PWD/.gpu-b}             # the low bytes of MiniLM-L6
+export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1
 PY=${PY:-python3}
@@ -51,7 +55,7 @@ print('tf32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backe
 # the model of the wheel, bit-exact (SHA-256 checked); a smoke run may use the high bytes alone
 if [ "$SMOKE" = 1 ]; then JOIN=(--smoke); else JOIN=(); fi
 set -o pipefail
-$PY $HERE/gpu/carry.py join .gpu-a/site .gpu-b "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
+$PY $HERE/gpu/carry.py join "$SITE" "$LO" "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
 set +o pipefail
 
 # 1. the population: NTRAIN training shards side by side
