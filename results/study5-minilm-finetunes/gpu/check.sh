@@ -20,11 +20,11 @@ cp /tmp/s5smoke/out/study5.tar.gz "$OUT/smoke.tar.gz" 2>/dev/null
 echo "== issue 27 GPU check"
 export PYTHONPATH="${SITE:-$PWD/.gpu-a/site}:$PWD/src"
 T1=$SECONDS
-timeout 45 python tests/estimators/fsdp_worlds.py 1 cuda >"$OUT/fsdp.out" 2>"$OUT/fsdp.err"
+timeout 45 python3 tests/estimators/fsdp_worlds.py 1 cuda >"$OUT/fsdp.out" 2>"$OUT/fsdp.err"
 echo "fsdp world 1 on cuda (nccl): rc $? in $((SECONDS - T1)) s"
 tail -15 "$OUT/fsdp.out"; tail -3 "$OUT/fsdp.err"
 T1=$SECONDS
-timeout 50 python benchmarks/regimes.py --device cuda --dtype float32,bfloat16 \
+timeout 50 python3 benchmarks/regimes.py --device cuda --dtype float32,bfloat16 \
     --configs minilm-32x64 --repeats 2 --steps 1,3 --eps 1e-6 --json "$OUT/regimes.json" \
     >"$OUT/regimes.out" 2>"$OUT/regimes.err"
 echo "regimes on cuda: rc $? in $((SECONDS - T1)) s"

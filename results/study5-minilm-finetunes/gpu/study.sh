@@ -24,6 +24,7 @@ export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1
 PY=${PY:-python3}
+GS=($PY -c 'import sys; from geosharp.cli import main; sys.exit(main())')  # the geosharp command
 say() { echo "[$(date +%T) +$((SECONDS - T0)) s] $*" | tee -a "$W/logs/study.log"; }
 left() { echo $((LIMIT - (SECONDS - T0))); }
 pack() {
@@ -111,13 +112,13 @@ measure() {  # measure NAME SECONDS MEASURES... -- RHO...
     rs=("$@")
     local spids=()
     for k in $(seq 1 $NPROC); do
-        timeout -s INT -k 20 "$secs" $PY -m geosharp study "$W/manifest.csv" "${COMMON[@]}" \
+        timeout -s INT -k 20 "$secs" "${GS[@]}" study "$W/manifest.csv" "${COMMON[@]}" \
             --measures "${ms[@]}" --rho "${rs[@]}" --shard $k/$NPROC --out "$W/$name-$k" \
             >"$W/logs/$name-$k.log" 2>&1 &
         spids+=($!)
     done
     for p in "${spids[@]}"; do wait "$p"; done
-    $PY -m geosharp merge "$W/$name" $(for k in $(seq 1 $NPROC); do echo "$W/$name-$k"; done) \
+    "${GS[@]}" merge "$W/$name" $(for k in $(seq 1 $NPROC); do echo "$W/$name-$k"; done) \
         >"$W/logs/merge-$name.log" 2>&1
     say "$name: $(grep -h 'measured' "$W"/logs/$name-*.log | tr '\n' ' ')"
 }
