@@ -287,7 +287,8 @@ def _clean_pass(
                 if failed:
                     r, e = failed[0]
                     raise MeasureError(e if shards.world == 1 else f"{e} (on rank {r})")
-                losses.append(check_finite_loss(b, shards.mean_loss(torch.tensor(value))))
+                value = shards.mean_loss(torch.tensor(value, dtype=torch.float64))
+                losses.append(check_finite_loss(b, value))
         finally:
             shards.reshard()  # a forward without backward leaves the root's weights gathered
     return losses
