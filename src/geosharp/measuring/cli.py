@@ -97,16 +97,17 @@ def _execute(args: argparse.Namespace) -> int:
         opts = dataclasses.replace(opts, device=torch.device("cpu"))  # fully_shard moves shards
     source = ModelSource(args.model, weights=args.weights, base=args.base)
     ready = load_for_measure(source, opts, say=say, warn=warn)
-    model, batches = ready.model, ready.batches
+    model, batches, loss = ready.model, ready.batches, ready.loss
     if run is not None:
         model = run.shard(model, say)
         batches = fsdp.local_rows(batches, run.rank, run.world)
+        loss = run.loss(loss, ready.task, warn)
     default = fsdp.DEFAULT_MEASURES if run is not None else DEFAULT_MEASURES
 
     report = measure(
         model,
         batches,
-        ready.loss,
+        loss,
         measures=args.measures or list(default),
         rhos=args.rho or list(DEFAULT_RHOS),
         steps=args.steps,

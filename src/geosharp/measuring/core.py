@@ -394,7 +394,8 @@ def _prepare_batches(
         raise MeasureError("there are no batches: the data set is empty")
     device = next(iter(model.parameters())).device
     batches = [_to_device(b, device) if isinstance(b, (tuple, list)) else b for b in batches]
-    if loss_fn is default_loss and isinstance(batches[0], (tuple, list)):
+    unwrapped = getattr(loss_fn, "__wrapped__", loss_fn)  # geosharp measure --fsdp's weighing
+    if unwrapped is default_loss and isinstance(batches[0], (tuple, list)):
         floating = isinstance(batches[0][1], Tensor) and batches[0][1].is_floating_point()
         loss_name = "auto: squared error" if floating else "auto: cross-entropy"
     return batches, loss_name

@@ -22,7 +22,14 @@ evenly). Then :class:`FsdpRun`
    whole-batch split of :class:`~geosharp.estimators.distributed.BatchSplit` for unsharded
    models;
 
-and :func:`geosharp.measure` measures it (:mod:`geosharp.measuring.sharded`). Rank 0 alone
+The loss of a batch is then the mean of the ranks' losses: the batch's loss for a mean over
+rows (classification), as every rank holds as many rows. A language model's cross-entropy is a
+mean over the tokens that are not padding, which the ranks hold unequally many of; for the
+``causal-lm`` and ``seq2seq`` tasks with the built-in loss, :func:`token_weighted` weighs each
+rank's mean by its share of the batch's tokens (one scalar all-reduce per forward), so that the
+mean over ranks is the batch's mean over all its tokens, as in one process.
+
+:func:`geosharp.measure` measures it (:mod:`geosharp.measuring.sharded`). Rank 0 alone
 prints and writes the results; every rank prints its error if it fails. At the end the process
 group is destroyed and the process ends without the interpreter's teardown (:func:`finish`).
 """
@@ -48,6 +55,7 @@ __all__ = [
     "check_args",
     "finish",
     "local_rows",
+    "token_weighted",
     "transformer_layers",
 ]
 
@@ -68,6 +76,7 @@ class FsdpRun:
         device: Where the shards live: ``cuda`` (the current device, ``cuda:LOCAL_RANK``) or
             ``cpu``.
         layers: The layers sharded as their own units (:meth:`shard` sets it).
+        loss_weighing: How the ranks' losses make the batch's (:meth:`loss` sets it).
     """
 
     rank: int
@@ -75,6 +84,7 @@ class FsdpRun:
     local_rank: int
     device: torch.device
     layers: list[str] = field(default_factory=list)
+    loss_weighing: str = "none: every rank holds as many rows (a mean over rows)"
 
     @property
     def backend(self) -> str:
@@ -112,6 +122,37 @@ class FsdpRun:
             )
         return model
 
+    def loss(self, spec: Any, task: str, warn: Callable[[str], None]) -> Any:
+        """The loss to measure: a language model's built-in one weighed by token shares.
+
+        Args:
+            spec: The pipeline's loss: a name (``"auto"``, ``"ce"``) or a callable.
+            task: The task (``classification``, ``causal-lm``, ``seq2seq``).
+            warn: Where a warning goes (a callable loss on a language-model task).
+
+        Returns:
+            ``spec``, or :func:`token_weighted` of it.
+        """
+        from geosharp.measuring.losses import resolve_loss
+
+        if task == "classification":
+            return spec
+        if spec is None or isinstance(spec, str):
+            fn, name = resolve_loss(spec)
+            self.loss_weighing = (
+                "token-weighted: each rank's mean over its tokens times its share of the "
+                "batch's tokens, so that the mean over ranks is the batch's mean over tokens"
+            )
+            return token_weighted(fn, name, self.world)
+        self.loss_weighing = "none: the mean of the ranks' losses (a callable --loss)"
+        warn(
+            f"--fsdp with --loss {getattr(spec, '__name__', spec)} on the {task} task: a batch's "
+            "loss is the mean of the ranks' losses on their rows, which is the batch's own loss "
+            "only if yours is a mean over rows (the built-in cross-entropy, a mean over tokens, "
+            "is weighed by each rank's share of the tokens)"
+        )
+        return spec
+
     def describe(self) -> dict[str, Any]:
         """What the result records of the run (``settings["fsdp"]``)."""
         return {
@@ -121,6 +162,7 @@ class FsdpRun:
             "layers": len(self.layers),
             "layer_names": self.layers[:3] + (["..."] if len(self.layers) > 3 else []),
             "rows": "every batch split evenly over the ranks, in contiguous blocks",
+            "loss_weighing": self.loss_weighing,
         }
 
 
@@ -239,6 +281,42 @@ def local_rows(batches: Sequence[Any], rank: int, world: int) -> list[tuple[Any,
         lo, hi = rank * n, (rank + 1) * n
         out.append((_split(inputs, rows, lo, hi), _split(targets, rows, lo, hi)))
     return out
+
+
+def token_weighted(loss_fn: Callable, name: str, world: int) -> Callable:
+    """``loss_fn``, a mean over the targets that are not ``-100``, weighed by the rank's share.
+
+    A rank holding ``n_r`` of a batch's ``N`` tokens returns ``world · n_r / N`` times its mean:
+    the mean of these over the ranks is ``Σ_r n_r·mean_r / N``, the mean over all the batch's
+    tokens (what one process computes). ``N`` is summed over the ranks at every call, so every
+    rank must call it as often as the others (every forward, as FSDP requires anyway).
+
+    Args:
+        loss_fn: The loss, a mean over the targets not equal to ``-100`` (cross-entropy).
+        name: Its name in the results (``"auto"``, ``"ce"``).
+        world: The ranks.
+
+    Returns:
+        The weighted loss; ``__wrapped__`` is ``loss_fn``.
+    """
+    import functools
+
+    import torch.distributed as dist
+
+    from geosharp.measuring.losses import IGNORE_INDEX, _logits
+
+    @functools.wraps(loss_fn)
+    def weighted(outputs: Any, targets: Tensor) -> Tensor:
+        mean = loss_fn(outputs, targets)
+        n = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        total = n.clone()
+        dist.all_reduce(total)
+        if float(n) == 0.0:  # no token on this rank: its mean is 0/0, its share 0
+            return _logits(outputs).sum() * 0.0
+        return mean * (world * n / total).to(mean.dtype).reshape(())
+
+    weighted.__name__ = name
+    return weighted
 
 
 def finish(rc: int) -> None:

@@ -128,6 +128,7 @@ def resolve_loss(loss: str | Callable | None) -> tuple[Callable[[Any, Any], Tens
 
 def uses_cross_entropy(loss_fn: Callable, targets: Any) -> bool:
     """Whether ``loss_fn`` is cross-entropy on these targets (so labels must be class ids)."""
+    loss_fn = getattr(loss_fn, "__wrapped__", loss_fn)  # e.g. geosharp measure --fsdp's weighing
     if loss_fn is _cross_entropy:
         return True
     return (

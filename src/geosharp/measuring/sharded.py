@@ -198,7 +198,7 @@ def prepare_sharded(
     clean = _clean_pass(model, loss_fn, batches, shards)
     say(
         f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all "
-        f"finite; each the mean over the {shards.world} ranks' rows)"
+        f"finite; each the mean of the {shards.world} ranks' losses on their rows)"
     )
     summary = f"symmetry blocks: not searched ({SKIPPED['symmetry_search']})"
     note = (
