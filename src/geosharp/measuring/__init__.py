@@ -14,8 +14,11 @@ a list of batches in, a :class:`MeasureReport` out, no files. One module per con
   :mod:`~geosharp.measuring.data_files`, :mod:`~geosharp.measuring.resolve`,
   :mod:`~geosharp.measuring.lm_tasks` and
   :mod:`~geosharp.measuring.lm`: models and data from files for the command line;
+* :mod:`~geosharp.measuring.sharded`: ``gs.measure`` of a model sharded by FSDP2 (what is
+  refused, checked collectively and skipped);
 * :mod:`~geosharp.measuring.cli`: the ``geosharp measure`` subcommand (its arguments and help:
-  :mod:`~geosharp.measuring.cli_parser`);
+  :mod:`~geosharp.measuring.cli_parser`; ``--fsdp`` under ``torchrun``:
+  :mod:`~geosharp.measuring.fsdp`);
 * :mod:`~geosharp.measuring.errors`: :class:`MeasureError`, :class:`MeasureWarning`.
 
 Example:
