@@ -118,7 +118,7 @@ def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys,
     # rank 0 alone prints the table and writes; the result says how it was sharded
     assert sharded.stdout.count("results: ") == 1
     assert sharded.stdout.count("adaptive worst linf") == 4  # 2 progress lines, 2 table rows
-    assert "fsdp: 2 layer(s) (FSDPBertLayer) and the root sharded over 2 rank(s) (gloo" in (
+    assert "fsdp: 2 layer(s) (BertLayer) and the root sharded over 2 rank(s) (gloo" in (
         sharded.stdout
     )
     st = got["settings"]

@@ -86,7 +86,7 @@ def _execute(args: argparse.Namespace) -> int:
     from geosharp.measuring.pipeline import ModelSource, load_for_measure, options_from_args
 
     _validate(args)
-    run = fsdp.check_args(args) if args.fsdp else None  # before loading anything
+    run = fsdp.check_args(args) if getattr(args, "fsdp", False) else None  # before any loading
     check_out_dir(args.out)  # before any work: a read-only --out fails now, not after measuring
     if args.threads is not None:
         torch.set_num_threads(args.threads)

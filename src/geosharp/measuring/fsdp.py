@@ -105,12 +105,18 @@ class FsdpRun:
         mesh = init_device_mesh(self.device.type, (self.world,))
         layers = transformer_layers(model)
         names = {id(m): n for n, m in model.named_modules()}
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        kinds = sorted({type(m).__name__ for m in layers})  # before FSDP renames the classes
+        try:
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        except Exception as err:
+            raise MeasureError(
+                f"--fsdp: FSDP2's fully_shard cannot shard this model ({type(model).__name__}): "
+                f"{type(err).__name__}: {err}"
+            ) from err
         self.layers = [names[id(m)] for m in layers]
         if layers:
-            kinds = sorted({type(m).__name__ for m in layers})
             say(
                 f"fsdp: {len(layers)} layer(s) ({', '.join(kinds)}) and the root sharded over "
                 f"{self.world} rank(s) ({self.backend}, {self.device.type})"
