@@ -56,7 +56,9 @@ print('tf32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backe
 # the model of the wheel, bit-exact (SHA-256 checked); a smoke run may use the high bytes alone
 if [ "$SMOKE" = 1 ]; then JOIN=(--smoke); else JOIN=(); fi
 set -o pipefail
-$PY $HERE/gpu/carry.py join "$SITE" "$LO" "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
+if [ -f "$SITE/minilm.json" ]; then  # else: the wheels are installed (pip), nothing to join
+    $PY $HERE/gpu/carry.py join "$SITE" "$LO" "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
+fi
 set +o pipefail
 
 # 1. the population: NTRAIN training shards side by side
