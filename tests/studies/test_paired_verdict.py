@@ -89,3 +89,43 @@ def test_geodesic_vs_adaptive_with_adaptive_negative_and_geodesic_near_zero():
     assert pair["diff"] > 0  # τ_geo − τ_ada: the old rule read this as geodesic stronger
     assert pair["direction"] == "negative" and pair["verdict"] == "adaptive stronger"
     assert pair["direction_from"] == "τ geodesic + τ adaptive"
+
+
+# -- a direction stated before measuring (geosharp study MANIFEST --expect) ------------------
+def test_stated_direction_decides_where_the_taus_would_not():
+    # Study 5's outer ρ (results/study5-minilm-finetunes): τ_geo +0.05, τ_ada −0.09, Δτ +0.14
+    # [+0.02, +0.25]. From the data the direction is negative and the pair reads "adaptive
+    # stronger"; with the preregistered positive direction it is geodesic that is stronger.
+    assert paired_verdict(0.02, 0.25, 0.05, -0.09).verdict == "adaptive stronger"
+    got = paired_verdict(0.02, 0.25, 0.05, -0.09, expected="positive")
+    assert (got.verdict, got.direction, got.direction_from) == (
+        "geodesic stronger",
+        "positive",
+        "stated (--expect)",
+    )
+    neg = paired_verdict(0.02, 0.25, 0.05, -0.09, expected="negative")
+    assert (neg.verdict, neg.direction) == ("adaptive stronger", "negative")
+    # a paper value wins over a stated direction
+    assert paired_verdict(0.02, 0.25, 0.05, -0.09, -0.3, "positive").direction_from == "paper"
+    with pytest.raises(ValueError, match="positive"):
+        paired_verdict(0.02, 0.25, 0.05, -0.09, expected="up")
+
+
+def test_stated_direction_reaches_the_pairs_and_the_section():
+    from geosharp.studies.sections import paired_section
+
+    gaps = [0.1 * i for i in range(12)]
+    ada = [-g for g in gaps]  # τ_ada = −1
+    geo = [1, 0, 2, 1, 0, 2, 1, 2, 0, 1, 0, 2]
+    gap_of = {f"m{i}": g for i, g in enumerate(gaps)}
+    (pair,) = geodesic_vs_adaptive(_cells(geo, ada, gaps), gap_of, None, 500, 0.95, 0, "positive")
+    assert pair["direction"] == "positive" and pair["direction_from"] == "stated (--expect)"
+    assert pair["verdict"] == "geodesic stronger"  # τ_geo ≈ 0 beats τ_ada = −1 in that direction
+    (section,) = paired_section([pair], 0.95)
+    assert section.caption.endswith(
+        "Here s is the direction stated before measuring (--expect positive), not the sign of "
+        "τ-geodesic + τ-adaptive."
+    )
+    assert section.rows[0][2] == "single ρ"  # one ρ per measure: no grid position to name
+    (plain,) = geodesic_vs_adaptive(_cells(geo, ada, gaps), gap_of, None, 500, 0.95, 0)
+    assert "stated" not in paired_section([plain], 0.95)[0].caption

@@ -279,9 +279,17 @@ def test_cli_runs_a_manifest_and_its_symmetry_test(population, tmp_path, capsys)
         "float64",
         "--no-progress",
     ]
-    rc = main(["study", *args])
+    rc = main(["study", *args, "--expect", "positive"])
     assert rc == 0, capsys.readouterr().err
     assert (out / "report.html").is_file() and len(read_results(out)) == 8
+    # the stated direction is the paired verdict's (a report setting, not the configuration)
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    pairs = summary["geodesic_vs_adaptive"]
+    assert pairs and {p["direction_from"] for p in pairs} == {"stated (--expect)"}
+    assert {p["direction"] for p in pairs} == {"positive"}
+    with pytest.raises(SystemExit) as bad:
+        main(["study", *args, "--expect", "up"])
+    assert bad.value.code == 2 and "--expect" in capsys.readouterr().err
     rc = main(["symmetry-test", *args, "--scale", "2", "5"])
     assert rc == 0, capsys.readouterr().err
     with (out / "symmetry_test.csv").open(encoding="utf-8") as f:

@@ -194,6 +194,7 @@ def geodesic_vs_adaptive(
     n_boot: int,
     level: float,
     seed: int,
+    expected: str | None = None,
 ) -> list[dict[str, object]]:
     """Paired comparison of each geodesic measure with adaptive ℓ2 of the same kind.
 
@@ -233,7 +234,7 @@ def geodesic_vs_adaptive(
             tg = cg.summary.tau_a if cg.summary else math.nan
             ta = ca.summary.tau_a if ca.summary else math.nan
             paper_tau = float(paper[family]) if paper and family in paper else None
-            judged = paired_verdict(d.ci_low, d.ci_high, tg, ta, paper_tau)
+            judged = paired_verdict(d.ci_low, d.ci_high, tg, ta, paper_tau, expected)
             out.append(
                 {
                     "geodesic": name,
@@ -256,13 +257,17 @@ def geodesic_vs_adaptive(
     return out
 
 
+#: The directions a user can state for the paired verdict (``--expect``).
+EXPECTED = ("positive", "negative")
+
+
 @dataclass(frozen=True)
 class PairedVerdict:
     """What :func:`paired_verdict` concluded.
 
     Attributes:
         direction: ``"negative"`` or ``"positive"`` (the expected sign of τ), or ``"none"``.
-        direction_from: ``"paper"`` or ``"τ geodesic + τ adaptive"``.
+        direction_from: ``"paper"``, ``"stated (--expect)"`` or ``"τ geodesic + τ adaptive"``.
         verdict: ``"geodesic stronger"``, ``"adaptive stronger"`` (each possibly followed by
             ``"; neither τ has the expected sign"``), ``"no clear difference (CI contains
             0)"``, ``"undefined"`` or ``"undefined (no expected direction …)"``.
@@ -279,6 +284,7 @@ def paired_verdict(
     tau_geodesic: float,
     tau_adaptive: float,
     paper_tau: float | None = None,
+    expected: str | None = None,
 ) -> PairedVerdict:
     """Which of two measures correlates more strongly with the gap in the expected direction.
 
@@ -286,10 +292,12 @@ def paired_verdict(
     and its CI is ``s·[ci_low, ci_high]``, the paired bootstrap CI of ``Δτ = τ_geo − τ_ada``:
 
     - ``s`` is the sign of the paper's τ for the geodesic family when the study has one
-      (``paper_tau``); otherwise the sign of ``τ_geo + τ_ada``, the direction the two
-      measures share on balance (so a τ near 0 cannot flip it: with ``τ_ada = −0.71`` the
-      direction is negative whether ``τ_geo`` is ``+0.01`` or ``−0.01``). When that sum is 0
-      (or not finite) there is no expected direction and the verdict is undefined.
+      (``paper_tau``); else the direction the user stated before measuring (``expected``,
+      ``geosharp study MANIFEST --expect``); otherwise the sign of ``τ_geo + τ_ada``, the
+      direction the two measures share on balance (so a τ near 0 cannot flip it: with
+      ``τ_ada = −0.71`` the direction is negative whether ``τ_geo`` is ``+0.01`` or
+      ``−0.01``). When that sum is 0 (or not finite) there is no expected direction and the
+      verdict is undefined.
     - ``"geodesic stronger"`` when the whole CI of ``s·Δτ`` is above 0, ``"adaptive
       stronger"`` when it is below 0, else ``"no clear difference (CI contains 0)"``.
     - Where the stronger measure's ``s·τ`` is not positive (only possible with a paper
@@ -309,6 +317,8 @@ def paired_verdict(
         tau_geodesic: τ of the geodesic measure.
         tau_adaptive: τ of the adaptive measure.
         paper_tau: The paper's τ for the geodesic family, if any.
+        expected: ``"positive"`` or ``"negative"``: the expected sign of τ stated by the
+            user (used when there is no paper τ), or ``None``.
 
     Example:
         >>> paired_verdict(0.2, 0.6, 0.1, -0.3).verdict  # Δτ = τ_geo − τ_ada = +0.4
@@ -317,9 +327,15 @@ def paired_verdict(
         'adaptive stronger'
         >>> paired_verdict(-0.1, 0.1, 0.0, 0.0).verdict
         'undefined (no expected direction: τ geodesic + τ adaptive = 0 and no paper value)'
+        >>> paired_verdict(0.02, 0.25, 0.05, -0.09, expected="positive").verdict
+        'geodesic stronger'
     """
+    if expected is not None and expected not in EXPECTED:
+        raise ValueError(f"expected must be one of {EXPECTED} or None, got {expected!r}")
     if paper_tau is not None and math.isfinite(paper_tau) and paper_tau != 0:
         sign, source = math.copysign(1.0, paper_tau), "paper"
+    elif expected is not None:
+        sign, source = (1.0 if expected == "positive" else -1.0), "stated (--expect)"
     else:
         total = tau_geodesic + tau_adaptive
         source = "τ geodesic + τ adaptive"

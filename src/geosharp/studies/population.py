@@ -423,6 +423,7 @@ def run_population(
     progress: bool | None = None,
     shard: Shard | None = None,
     log: Callable[[str], None] | None = None,
+    expected: str | None = None,
 ) -> RunSummary:
     """Check the manifest, fix the radii, measure every model, write the report.
 
@@ -436,12 +437,21 @@ def run_population(
         progress: Progress bars (default: when stderr is a terminal).
         shard: Only this part ``k/n`` of the models (``geosharp merge`` joins the parts).
         log: Where one-line status messages go (default: stderr).
+        expected: The sign of τ you expect, ``"positive"`` (sharper models generalize worse)
+            or ``"negative"``, stated before measuring: the direction of the report's paired
+            verdict (geodesic against adaptive). ``None``: the sign of τ_geo + τ_ada. A report
+            setting, not part of the study's configuration.
 
     Returns:
         The runner's :class:`~geosharp.studies.runner.RunSummary`.
     """
+    from geosharp.studies.analysis import EXPECTED
+
+    if expected is not None and expected not in EXPECTED:
+        raise MeasureError(f"--expect must be one of {', '.join(EXPECTED)}, got {expected!r}")
     out = Path(out_dir)
     study = PopulationStudy(settings, log=log)
+    study.expected = expected
     say = study.say
     m = study.manifest
     say(f"manifest: {len(m.rows)} models; {m.gap_line()}")
@@ -531,6 +541,7 @@ def study(
     force: bool = False,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
+    expected: str | None = None,
     **data_options: Any,
 ) -> StudyTable:
     """``geosharp study MANIFEST`` in one call: does sharpness predict *your* models' gaps?
@@ -557,6 +568,8 @@ def study(
         force: Reuse a folder that records a different configuration.
         progress: Progress bars (default: when stderr is a terminal).
         log: Where progress lines go (default: stderr).
+        expected: ``"positive"`` or ``"negative"``: the sign of τ you expect, the direction
+            of the paired verdict (default: the sign of τ_geo + τ_ada).
         **data_options: ``geosharp measure``'s data options by their Python names:
             ``task``, ``tokenizer``, ``text_col``, ``label_col``, ``source_col``,
             ``target_col``, ``txt_mode``, ``split``, ``batch_size``, ``samples``,
@@ -595,7 +608,9 @@ def study(
         skip_bad=skip_bad,
         check=check,
     )
-    summary = run_population(settings, out, force=force, progress=progress, log=log)
+    summary = run_population(
+        settings, out, force=force, progress=progress, log=log, expected=expected
+    )
     cells = json.loads((out / "summary.json").read_text(encoding="utf-8"))["cells"]
     rows = [{k: c.get(k) for k in _CELL_KEYS} for c in cells]
     report = summary.report.html if summary.report is not None else None

@@ -87,6 +87,13 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
     )
     p.add_argument("--no-check", action="store_true", help="no invariance self-check per model")
     p.add_argument(
+        "--expect",
+        choices=("positive", "negative"),
+        default=None,
+        help="the sign of τ you expect, stated before measuring (positive: sharper models "
+        "generalize worse): the direction of the paired verdict (default: from the data)",
+    )
+    p.add_argument(
         "--curvature",
         action="store_true",
         help="also λ_max and the trace of geodesic inv and mix, adaptive and Euclidean curvature",
@@ -170,7 +177,13 @@ def run(
     ensure_writable_dir(out)
     progress = False if args.no_progress else None
     summary = run_population(
-        settings, out, force=args.force, progress=progress, shard=shard, log=_say
+        settings,
+        out,
+        force=args.force,
+        progress=progress,
+        shard=shard,
+        log=_say,
+        expected=getattr(args, "expect", None),
     )
     print(
         f"{Path(args.manifest).name}: measured {summary.measured}, reused {summary.reused} "

@@ -158,6 +158,7 @@ def write_report(
     n_perm: int = 2000,
     level: float = 0.95,
     seed: int = 0,
+    expected: str | None = None,
 ) -> ReportPaths:
     """Write the τ table, scatter plots, HTML page and JSON summary of a study.
 
@@ -189,6 +190,8 @@ def write_report(
         n_perm: Permutations for each p-value.
         level: Coverage of the CIs.
         seed: Seed of the bootstrap and the permutations.
+        expected: ``"positive"`` or ``"negative"``: the sign of τ stated before measuring,
+            the paired verdict's direction when there is no paper τ (``None``: from the data).
 
     Returns:
         The paths written, as a :class:`ReportPaths`.
@@ -208,6 +211,7 @@ def write_report(
         n_perm=n_perm,
         level=level,
         seed=seed,
+        expected=expected,
     )
     extra_sections = [*sections, *folder_sections(out, analysis.gaps)]  # as given + the folder's
     all_sections = [*paired_section(analysis.paired, level), *extra_sections]
@@ -294,6 +298,7 @@ def _analyse(
     n_perm: int,
     level: float,
     seed: int,
+    expected: str | None = None,
 ) -> _Analysis:
     """Step 1 of :func:`write_report`: validate, correlate, compare with the paper, pair."""
     rows = check_models(models)
@@ -303,7 +308,7 @@ def _analyse(
     )
     rhos = sorted({r for by_rho in cells.values() for r in by_rho}, key=rho_key)
     paper_col, comparison = paper_columns(cells, paper, paper_match, level)
-    paired = geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed)
+    paired = geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed, expected)
     return _Analysis(rows, gaps, cells, rhos, paper_col, comparison, paired)
 
 

@@ -117,6 +117,10 @@ class Study(ABC):
     gap_label: str = "generalization gap"
     #: The paper's τ per measure family (SPEC §7), or ``None``.
     paper: dict[str, float] | None = None
+    #: The sign of τ the user expects (``"positive"``: sharper models generalize worse, or
+    #: ``"negative"``), stated before measuring; the paired verdict's direction when there is
+    #: no paper τ (:func:`~geosharp.studies.analysis.paired_verdict`). ``None``: from the data.
+    expected: str | None = None
     #: How geodesic measures treat attention key biases (``find_symmetries(key_bias=…)``).
     #: ``"keep"`` (key biases are rows of ``H_QK``) is the setting Studies 1–3 were measured
     #: with, so their committed results reproduce; a study that quotients them out says so
@@ -367,6 +371,7 @@ def _record_report_meta(store: Store, study: Study) -> None:
         "title": study.title,
         "gap_label": study.gap_label,
         "paper": study.paper,
+        "expected": study.expected,
         "settings": study.settings(),
         "population": included,
         "notes": study.notes(),
@@ -429,6 +434,7 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         measurements=measurements,
         settings=settings,
         paper=info.get("paper"),
+        expected=info.get("expected"),
         notes=all_notes,
         gap_label=info.get("gap_label", "generalization gap"),
     )

@@ -102,7 +102,9 @@ def paired_rows(paired: Sequence[Mapping[str, object]]) -> list[list[str]]:
     for p in paired:
         k, size = int(p["position"]), int(p["grid_size"])  # type: ignore[call-overload]
         position = (
-            "smallest ρ"
+            "single ρ"
+            if size == 1
+            else "smallest ρ"
             if k == 0
             else "largest ρ"
             if k == size - 1
@@ -131,6 +133,12 @@ def paired_section(paired: Sequence[Mapping[str, object]], level: float) -> list
         return []
     title = "Geodesic against adaptive sharpness, model by model"
     method = PAIRED_METHOD.format(level=100 * level)
+    stated = {p["direction"] for p in paired if p.get("direction_from") == "stated (--expect)"}
+    if stated:
+        method += (
+            f" Here s is the direction stated before measuring (--expect {', '.join(stated)}),"
+            " not the sign of τ-geodesic + τ-adaptive."
+        )
     return [Section(title, list(PAIRED_HEAD), paired_rows(paired), method)]
 
 
