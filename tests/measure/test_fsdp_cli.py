@@ -31,28 +31,13 @@ import torch
 
 from geosharp.cli import main
 
+from ..test_measure import SENTENCES as _SIX
+from ..test_measure import VOCAB  # the tiny BERT's word pieces
+
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
 
-VOCAB = [
-    "[PAD]",
-    "[UNK]",
-    "[CLS]",
-    "[SEP]",
-    "[MASK]",
-    *"the a movie film was great terrible boring good bad i loved it not worth ticket".split(),
-    *"an of every minute plot acting , . !".split(),
-]
-SENTENCES = [
-    ("the movie was great", 2),
-    ("a terrible, boring film", 0),
-    ("i loved every minute of it", 2),
-    ("not worth the ticket", 0),
-    ("the plot was not bad", 1),
-    ("good acting, bad film", 1),
-    ("the film was good", 2),
-    ("a bad movie", 0),
-]
+SENTENCES = [*_SIX, ("the film was good", 2), ("a bad movie", 0)]  # 8 rows: 2 ranks × 4
 MEASURES = ["adaptive-l2", "euclidean-l2", "adaptive-linf"]
 COMMON = [
     "--measures", *MEASURES, "--rho", "0.3", "3", "--steps", "5", "--batch-size", "4",
