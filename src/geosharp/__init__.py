@@ -17,7 +17,7 @@ from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring import measure
-from geosharp.studies.population import study
+from geosharp.studies.population_call import study
 from geosharp.symmetry import (
     GLBlock,
     ParameterSpace,

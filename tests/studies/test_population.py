@@ -22,7 +22,8 @@ from geosharp.cli import main
 from geosharp.errors import MeasureError
 from geosharp.measures import parse_measure
 from geosharp.stats import kendall_tau_a
-from geosharp.studies.population import PopulationSettings, parse_rho, run_population, study
+from geosharp.studies.population import PopulationSettings, parse_rho, run_population
+from geosharp.studies.population_call import study
 from geosharp.studies.runner import Shard
 
 from ..measure.conftest import CORPUS, make_tokenizer

@@ -17,15 +17,15 @@ one grid for every measure (``--rho 0.01 0.1 1``), one per measure or family
 on a pilot model (``--rho auto``: the manifest's first model, ``auto:NAME`` another), which looks
 at the pilot's sharpness only — never at a gap or a τ.
 
-:func:`study` is the same in one Python call.
+:func:`geosharp.studies.population_call.study` is the same in one Python call; the radii
+are :mod:`geosharp.studies.population_radii`'s.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from geosharp._io import atomic_write_text
 from geosharp.errors import MeasureError
 from geosharp.measures import Measure, parse_measure
 from geosharp.studies.manifest import Manifest, ManifestRow, read_manifest
+from geosharp.studies.population_radii import RadiusPlan, parse_rho
 from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE
 from geosharp.studies.runner import (
     Prepared,
@@ -50,102 +51,12 @@ __all__ = [
     "PopulationSettings",
     "PopulationStudy",
     "RadiusPlan",
-    "StudyTable",
     "parse_rho",
     "run_population",
-    "study",
 ]
 
 #: The paper's three measures.
 DEFAULT_POPULATION_MEASURES = ("adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2")
-
-
-@dataclass(frozen=True)
-class RadiusPlan:
-    """How the radii of a population are chosen (``--rho``).
-
-    Attributes:
-        grid: One grid for every measure that takes ρ, or ``None``.
-        per_key: Grids per measure name or family (``"adaptive"``, ``"geodesic"``, …).
-        pilot: ``None``, or the model whose sharpness sets every measure's grid by the ρ rule
-            (``""``: the manifest's first model).
-    """
-
-    grid: tuple[float, ...] | None = None
-    per_key: tuple[tuple[str, tuple[float, ...]], ...] = ()
-    pilot: str | None = None
-
-    def text(self) -> str:
-        """As the log and the report say it."""
-        if self.pilot is not None:
-            return f"ρ rule on the pilot {self.pilot or '(first model)'}"
-        if self.grid is not None:
-            return "one grid: " + ", ".join(f"{r:g}" for r in self.grid)
-        return "; ".join(f"{k} " + ", ".join(f"{r:g}" for r in g) for k, g in self.per_key)
-
-    def grid_of(self, measure: Measure) -> tuple[float, ...]:
-        """The grid of one measure (by its name, then its family's key).
-
-        Raises:
-            MeasureError: If the plan has no grid for it.
-        """
-        if self.grid is not None:
-            return self.grid
-        keys = dict(self.per_key)
-        if measure.name in keys:
-            return keys[measure.name]
-        family = measure.kwargs().get("measure", "")
-        if family in keys:
-            return keys[family]
-        raise MeasureError(
-            f"--rho gives no radii for {measure.name}: add {family}=R1,R2,... (or one grid for "
-            "all measures)"
-        )
-
-
-def _radii(text: str, where: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.replace(",", " ").split())
-    except ValueError:
-        raise MeasureError(f"--rho {where}: {text!r} is not a list of numbers") from None
-    if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
-        raise MeasureError(f"--rho {where}: radii must be finite numbers > 0, got {text!r}")
-    return values
-
-
-def parse_rho(values: Sequence[str] | None) -> RadiusPlan:
-    """Read ``--rho``: numbers (one grid), ``KEY=R1,R2,...`` clauses, or ``auto[:MODEL]``.
-
-    Example:
-        >>> parse_rho(["0.01", "0.1"]).grid
-        (0.01, 0.1)
-        >>> parse_rho(["adaptive=0.1,1", "geodesic=0.01"]).per_key
-        (('adaptive', (0.1, 1.0)), ('geodesic', (0.01,)))
-        >>> parse_rho(["auto:run-3"]).pilot
-        'run-3'
-    """
-    if not values:
-        return RadiusPlan(pilot="")
-    if len(values) == 1 and values[0].split(":")[0].strip().lower() == "auto":
-        pilot = values[0].partition(":")[2]
-        return RadiusPlan(pilot=pilot.strip())
-    if all("=" in v for v in values):
-        clauses = []
-        for v in values:
-            key, _, grid = v.partition("=")
-            key = key.strip()
-            if key in {"geodesic", "adaptive", "euclidean"}:
-                name = key
-            else:
-                name = parse_measure(key).name
-            clauses.append((name, _radii(grid, key)))
-        return RadiusPlan(per_key=tuple(clauses))
-    if any("=" in v for v in values):
-        raise MeasureError(
-            "--rho: give one grid (numbers), or KEY=R1,R2,... for every measure or family, "
-            "or auto[:MODEL]; not both"
-        )
-    return RadiusPlan(grid=_radii(" ".join(values), "grid"))
 
 
 @dataclass
@@ -474,168 +385,3 @@ def run_population(
 
 def _pilot_of(out: Path) -> str | None:
     return _read_json(out / MANIFEST_FILE).get("rho_rule", {}).get("pilot")
-
-
-@dataclass
-class StudyTable:
-    """What :func:`study` returns: the τ table as rows, and where everything was written.
-
-    Attributes:
-        rows: One dict per (measure, ρ): ``measure``, ``rho``, ``tau_a``, ``tau_b``,
-            ``ci_low``, ``ci_high``, ``p_value``, ``n_models``, ``note``.
-        out_dir: The study folder.
-        report: ``report.html``.
-        gap: How the gap was read.
-    """
-
-    rows: list[dict[str, Any]]
-    out_dir: Path
-    report: Path | None
-    gap: str
-
-    def dataframe(self) -> Any:
-        """The rows as a pandas ``DataFrame`` (needs pandas)."""
-        import pandas as pd
-
-        return pd.DataFrame(self.rows)
-
-    def __str__(self) -> str:
-        lines = [f"{'measure':<32} {'rho':>8} {'tau':>6}  CI", "-" * 60]
-        for r in self.rows:
-            rho = "–" if r["rho"] is None else f"{r['rho']:g}"
-            lines.append(
-                f"{r['measure']:<32} {rho:>8} {r['tau_a']:+.2f}  "
-                f"[{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
-            )
-        return "\n".join(lines)
-
-
-_CELL_KEYS = (
-    "measure",
-    "rho",
-    "tau_a",
-    "tau_b",
-    "ci_low",
-    "ci_high",
-    "p_value",
-    "n_models",
-    "note",
-)
-
-
-def study(
-    manifest: str | Path | Sequence[Mapping[str, Any]],
-    *,
-    data: str,
-    out: str | Path,
-    measures: Sequence[str] = DEFAULT_POPULATION_MEASURES,
-    rho: Sequence[float] | Mapping[str, Sequence[float]] | str | None = None,
-    steps: int = 20,
-    eps: float = 0.0,
-    seed: int = 0,
-    curvature: bool = False,
-    gap: str | None = None,
-    base: str | None = None,
-    skip_bad: bool = False,
-    check: bool = True,
-    force: bool = False,
-    progress: bool | None = None,
-    log: Callable[[str], None] | None = None,
-    expected: str | None = None,
-    **data_options: Any,
-) -> StudyTable:
-    """``geosharp study MANIFEST`` in one call: does sharpness predict *your* models' gaps?
-
-    Args:
-        manifest: A ``.csv``/``.jsonl``/``.parquet`` manifest, or its rows as dicts (then
-            written to ``OUT/manifest.jsonl``, relative paths read from the current folder).
-        data: The data every model is measured on (as ``geosharp measure`` takes it).
-        out: The study folder.
-        measures: Measures in ``geosharp measure``'s grammar (default: the paper's three).
-        rho: One grid (numbers), grids per measure or family (a dict), ``"auto"`` or
-            ``"auto:NAME"`` (the ρ rule on a pilot; the default).
-        steps: Auto-PGD steps.
-        eps: Gram damping.
-        seed: Seed of the self-check and the ascent.
-        curvature: Also measure the curvature plan of the built-in studies (λ_max and trace of
-            geodesic inv and mix, adaptive and Euclidean curvature).
-        curvature_iters: Most Lanczos iterations per batch (λ).
-        curvature_probes: Hutchinson probes per batch (trace).
-        gap: The gap rule when several fit (``"gap"``, ``"error"``, ``"accuracy"``, ``"loss"``).
-        base: Base model of PEFT adapters without a ``base`` column.
-        skip_bad: Measure the rest when a row's model does not load (listed in the report).
-        check: Run the invariance self-check on every model.
-        force: Reuse a folder that records a different configuration.
-        progress: Progress bars (default: when stderr is a terminal).
-        log: Where progress lines go (default: stderr).
-        expected: ``"positive"`` or ``"negative"``: the sign of τ you expect, the direction
-            of the paired verdict (default: the sign of τ_geo + τ_ada).
-        **data_options: ``geosharp measure``'s data options by their Python names:
-            ``task``, ``tokenizer``, ``text_col``, ``label_col``, ``source_col``,
-            ``target_col``, ``txt_mode``, ``split``, ``batch_size``, ``samples``,
-            ``max_length``, ``num_labels``, ``loss``, ``device``, ``dtype``.
-
-    Returns:
-        The :class:`StudyTable` (``.dataframe()`` with pandas).
-
-    Raises:
-        MeasureError: On a bad manifest or option, before any model is measured.
-    """
-    from geosharp.measuring.pipeline import MeasureOptions
-    from geosharp.measuring.resolve import resolve_device, resolve_dtype
-
-    out = Path(out)
-    if not isinstance(manifest, (str, Path)):
-        manifest = _write_rows(manifest, out)
-    known = set(MeasureOptions.__dataclass_fields__) - {"data", "seed"}
-    unknown = sorted(set(data_options) - known)
-    if unknown:
-        raise MeasureError(f"unknown data options {unknown}; known: {', '.join(sorted(known))}")
-    opts = dict(data_options)
-    opts["device"] = resolve_device(str(opts.get("device", "auto")))
-    opts["dtype"] = resolve_dtype(opts.get("dtype", "float32"))
-    settings = PopulationSettings(
-        manifest=str(manifest),
-        options={"data": data, "seed": seed, **opts},
-        measures=tuple(measures),
-        rho=_rho_plan(rho),
-        steps=steps,
-        eps=eps,
-        seed=seed,
-        curvature=curvature,
-        gap=gap,
-        base=base,
-        skip_bad=skip_bad,
-        check=check,
-    )
-    summary = run_population(
-        settings, out, force=force, progress=progress, log=log, expected=expected
-    )
-    cells = json.loads((out / "summary.json").read_text(encoding="utf-8"))["cells"]
-    rows = [{k: c.get(k) for k in _CELL_KEYS} for c in cells]
-    report = summary.report.html if summary.report is not None else None
-    return StudyTable(rows, out, report, read_manifest(manifest, gap=gap).gap_line())
-
-
-def _rho_plan(rho: Any) -> RadiusPlan:
-    if rho is None or isinstance(rho, str):
-        return parse_rho(None if rho is None else [rho])
-    if isinstance(rho, Mapping):
-        return parse_rho([f"{k}=" + ",".join(str(float(r)) for r in v) for k, v in rho.items()])
-    return parse_rho([str(float(r)) for r in rho])
-
-
-def _write_rows(rows: Sequence[Mapping[str, Any]], out: Path) -> Path:
-    """Rows given in Python as ``OUT/manifest.jsonl`` (paths made absolute from here)."""
-    out.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for r in rows:
-        r = dict(r)
-        for key in ("model", "base", "weights"):
-            value = r.get(key)
-            if isinstance(value, (str, Path)) and Path(value).exists():
-                r[key] = str(Path(value).resolve())
-        lines.append(json.dumps(r, default=str))
-    path = out / "manifest.jsonl"
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    return path
