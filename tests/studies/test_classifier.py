@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from geosharp.studies.classifier import ClassifierStudy, half_decade_grid, standard_plan
+from geosharp.studies.classifier import ClassifierStudy
+from geosharp.studies.classifier_plan import standard_plan
+from geosharp.studies.rho_rule import half_decade_grid
 from geosharp.studies.store import Store
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import geosharp as gs
-from geosharp.studies.classifier import CLASSIFIER_CURVATURE, CurvaturePlan, curvature_specs
+from geosharp.studies.curvature_plan import CLASSIFIER_CURVATURE, CurvaturePlan, curvature_specs
 from geosharp.studies.diagonal import DIAGONAL_CURVATURE, DiagonalConfig, DiagonalStudy
 from geosharp.studies.report import default_paper_match, measure_family
 from geosharp.studies.runner import StudyMeasure, run_study

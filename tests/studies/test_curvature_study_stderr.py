@@ -1,7 +1,7 @@
 """The trace row of a study records the Hutchinson standard error; resume still matches it."""
 
 import geosharp as gs
-from geosharp.studies.classifier import CurvaturePlan
+from geosharp.studies.curvature_plan import CurvaturePlan
 from geosharp.studies.runner import RESULT_STATS, run_study
 from geosharp.studies.store import Store
 

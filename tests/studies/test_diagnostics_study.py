@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
-from geosharp.studies.classifier import (
+from geosharp.studies.classifier import ClassifierStudy
+from geosharp.studies.classifier_diagnostics import (
     DIAGNOSTIC_FAMILIES,
-    ClassifierStudy,
     diagnose_folder,
     read_diagnostics,
 )

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from geosharp.cli import main
-from geosharp.studies.classifier import RADIUS_FAMILIES, half_decade_grid
+from geosharp.studies.classifier_plan import RADIUS_FAMILIES
+from geosharp.studies.rho_rule import half_decade_grid
 from geosharp.studies.runner import run_study
 from geosharp.studies.store import Store
 from geosharp.studies.symmetry_test import symmetry_test

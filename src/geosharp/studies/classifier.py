@@ -3,41 +3,45 @@
 Both transformer studies follow the paper's recipe for its real populations (SPEC §7): every
 model sees the same training data and differs only in hyperparameters drawn at random; the gap
 is an error difference; sharpness is measured on a fixed subset of training points with the
-same plan of measures and the same ρ rule. This module holds that common part, so that a study
-module only says what is its own (data, model, batches, learning-rate schedule):
+same plan of measures and the same ρ rule. This module holds the study base of that common
+part, so that a study module only says what is its own (data, model, batches, learning-rate
+schedule):
 
 * :class:`ClassifierStudy` — the :class:`~geosharp.studies.runner.Study` base: validation of
   the config, the population (``np.random.default_rng(seed + 1)``), the training loop (AdamW,
   gradient-norm clip 1, a per-model schedule, a per-model seed for initialization, data order,
-  dropout and augmentation), checkpointing, inclusion rule, loss and plan.
-* :func:`standard_plan` — the measures: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2; the
-  ablations (order 1, no corrected norm); average-case adaptive/inv/mix; relative flatness.
-* **The ρ rule** — :data:`RADIUS_FAMILIES`, :func:`half_decade_grid` and
-  :func:`calibrate_rhos`: three ρ per radius family, ``{ρ₀/√10, ρ₀, √10·ρ₀}``, the centre
-  ``ρ₀ = 10^{k/2}`` being where one pilot model's rise is closest (log scale) to 0.1 (worst
-  case) or 0.01 (average case). Only the pilot's sharpness is looked at: no gap, no τ.
-* **Curvature, opt-in** — :class:`CurvaturePlan` and :func:`curvature_specs`: the largest
-  eigenvalue and the trace of the Hessian on the quotient (:func:`geosharp.curvature`,
-  SPEC §9) for geodesic inv and mix, adaptive and Euclidean curvature, no ρ.
-  ``study.with_curvature()`` adds them to the plan and records the :class:`CurvaturePlan` in
-  the study's config; without it the plan and the config are those of the committed results.
-* **Diagnostics** — :meth:`ClassifierStudy.diagnose` and :func:`diagnose_folder`:
-  per model, the orbit position of every attention head
-  (:func:`geosharp.estimators.diagnostics.balance`) and the Auto-PGD optima of adaptive ℓ2 and
-  geodesic inv at the middle ρ of their grids (budget split, order-2 displacement:
-  :func:`~geosharp.estimators.diagnostics.ascent_diagnostics`), one row per model in the
-  folder's ``diagnostics.csv``, which the study report turns into a section. Study 4
+  dropout and augmentation), checkpointing, inclusion rule, loss and plan, and
+  :meth:`ClassifierStudy.diagnose` (one model's diagnostics row).
+
+The rest of the protocol has its own module (its names are importable from here too):
+
+* **The plan** — :mod:`geosharp.studies.classifier_plan`: :func:`standard_plan` (adaptive
+  ℓ2/ℓ∞ and geodesic inv/mix at order 2; the ablations; average-case adaptive/inv/mix;
+  relative flatness), :data:`RADIUS_FAMILIES` and :func:`grids_text`.
+* **The ρ rule** — :mod:`geosharp.studies.rho_rule`: :data:`CALIBRATION_TARGET`,
+  :func:`half_decade_grid`, :func:`ladder_grid` and :func:`calibrate_rhos`: three ρ per radius
+  family, ``{ρ₀/√10, ρ₀, √10·ρ₀}``, the centre ``ρ₀ = 10^{k/2}`` being where one pilot model's
+  rise is closest (log scale) to 0.1 (worst case) or 0.01 (average case). Only the pilot's
+  sharpness is looked at: no gap, no τ.
+* **Curvature, opt-in** — :mod:`geosharp.studies.curvature_plan`: :class:`CurvaturePlan` and
+  :func:`curvature_specs`: the largest eigenvalue and the trace of the Hessian on the quotient
+  (:func:`geosharp.curvature`, SPEC §9) for geodesic inv and mix, adaptive and Euclidean
+  curvature, no ρ. ``study.with_curvature()`` adds them to the plan and records the
+  :class:`CurvaturePlan` in the study's config; without it the plan and the config are those
+  of the committed results.
+* **Diagnostics** — :mod:`geosharp.studies.classifier_diagnostics`: :func:`diagnose_folder`
+  writes :meth:`ClassifierStudy.diagnose`'s row for every model of a folder in its
+  ``diagnostics.csv``, which the study report turns into a section. Study 4
   (:mod:`geosharp.studies.vit_orbit`) computes its rows with the same method.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +52,27 @@ from torch.nn import functional as F
 
 from geosharp._io import torch_save_atomically
 from geosharp.estimators.diagnostics import ascent_diagnostics, balance, summary_row
+from geosharp.studies.classifier_diagnostics import (
+    DIAGNOSTIC_FAMILIES,
+    DIAGNOSTICS_FILE,
+    append_diagnostics,
+    diagnose_folder,
+    read_diagnostics,
+)
+from geosharp.studies.classifier_plan import RADIUS_FAMILIES, grids_text, standard_plan
+from geosharp.studies.curvature_plan import CLASSIFIER_CURVATURE, CurvaturePlan, curvature_specs
+from geosharp.studies.rho_rule import (
+    CALIBRATION_TARGET,
+    calibrate_rhos,
+    half_decade_grid,
+    ladder_grid,
+    rho_rule_grid,
+)
 from geosharp.studies.runner import Study, StudyMeasure
 from geosharp.studies.store import Store
 
+#: The study base, and the names of the older import path: the plan, the ρ rule, curvature and
+#: diagnostics moved to their own modules, and importing them from here keeps working.
 __all__ = [
     "CALIBRATION_TARGET",
     "CLASSIFIER_CURVATURE",
@@ -67,122 +89,15 @@ __all__ = [
     "half_decade_grid",
     "ladder_grid",
     "read_diagnostics",
+    "rho_rule_grid",
     "save_atomically",
     "standard_plan",
 ]
 
 
-def half_decade_grid(centre: float) -> tuple[float, ...]:
-    """The half-decade grid ``(ρ₀/√10, ρ₀, √10·ρ₀)`` of the ladder point ``ρ₀ = 10^{k/2}``.
-
-    ``centre`` is snapped to the nearest point of the ladder ``10^{k/2}``; values are rounded
-    to 3 significant digits.
-
-    Example:
-        >>> half_decade_grid(0.1), half_decade_grid(0.316)
-        ((0.0316, 0.1, 0.316), (0.1, 0.316, 1.0))
-    """
-    k = round(2 * math.log10(centre))
-    return tuple(float(f"{10 ** (j / 2):.3g}") for j in (k - 1, k, k + 1))
-
-
 def save_atomically(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` through a temporary file and a rename (never a half file)."""
     torch_save_atomically(obj, path)
-
-
-@dataclass(frozen=True)
-class CurvaturePlan:
-    """The opt-in curvature part of a study's plan: :func:`geosharp.curvature` per model.
-
-    Every (measure, quantity) pair is one row of the study (no ρ), named as
-    :func:`geosharp.measuring.core.curvature_name` spells it, e.g.
-    ``"geodesic-inv curvature lambda_max"``. Lanczos starts and trace probes use ``seed``
-    (batch ``b``: ``batch_seed(seed, b)``), so the rows do not depend on which others are
-    measured.
-
-    Attributes:
-        measures: ``(measure, metric)`` pairs: geodesic inv and mix, adaptive and Euclidean
-            (the metric is ignored but by geodesic curvature).
-        quantities: Any of ``"lambda_max"``, ``"lambda_min"``, ``"trace"``.
-        iters: Most Lanczos iterations per batch (λ).
-        tol: Lanczos tolerance on the residual of the wanted Ritz pair, relative to it.
-        probes: Hutchinson probes per batch (trace; unused by ``trace_method="exact"``).
-        trace_method: ``"hutchinson"``, ``"hutch++"`` or ``"exact"``.
-        seed: Seed of the Lanczos starts and the probes.
-    """
-
-    measures: tuple[tuple[str, str], ...] = (
-        ("geodesic", "inv"),
-        ("geodesic", "mix"),
-        ("adaptive", ""),
-        ("euclidean", ""),
-    )
-    quantities: tuple[str, ...] = ("lambda_max", "trace")
-    iters: int = 50
-    tol: float = 1e-5
-    probes: int = 100
-    trace_method: str = "hutchinson"
-    seed: int = 0
-
-    def text(self) -> str:
-        """One line for a report's settings."""
-        which = ", ".join(f"geodesic {m}" if k == "geodesic" else k for k, m in self.measures)
-        parts = []
-        if any(q.startswith("lambda") for q in self.quantities):
-            parts.append(
-                f"λ by Lanczos in the metric (≤ {self.iters} iterations, tol {self.tol:g})"
-            )
-        if "trace" in self.quantities:
-            parts.append(
-                "exact trace (one product per coordinate)"
-                if self.trace_method == "exact"
-                else f"trace by {self.trace_method} ({self.probes} probes)"
-            )
-        return (
-            f"{', '.join(self.quantities)} of the Hessian on the quotient (SPEC §9, gs.curvature) "
-            f"for {which}, per batch and averaged over the batches; "
-            + "; ".join(parts)
-            + f"; seed {self.seed}"
-        )
-
-
-#: The curvature part of Studies 2 and 3 (``with_curvature()``), fixed from the cost on the
-#: pilot ``vit-000`` before any curvature τ was computed: on one core a product costs 0.1–0.2 s
-#: per batch of 128 and Lanczos meets ``tol = 1e-5`` in 10–12 iterations, so λ_max of the four
-#: measures costs ≈ 25 s per model; 20 Hutchinson probes per batch (≈ 32 s per model) give the
-#: pilot's trace a standard error of ≈ 2 % (5.7 % per batch with 10 probes), 100 would cost
-#: 160 s per model.
-CLASSIFIER_CURVATURE = CurvaturePlan(probes=20)
-
-
-def curvature_specs(plan: CurvaturePlan) -> list[StudyMeasure]:
-    """The :class:`StudyMeasure` of every (measure, quantity) of ``plan`` (``rhos = (None,)``).
-
-    Raises:
-        ValueError: On an unknown measure or quantity.
-    """
-    specs = []
-    for measure, metric in plan.measures:
-        if measure not in ("geodesic", "adaptive", "euclidean"):
-            raise ValueError(
-                f"curvature measure must be geodesic, adaptive or euclidean: {measure}"
-            )
-        for q in plan.quantities:
-            if q not in ("lambda_max", "lambda_min", "trace"):
-                raise ValueError(f"curvature quantity must be lambda_max/lambda_min/trace: {q}")
-            kw: dict[str, Any] = {"measure": "curvature", "of": measure, "quantity": q}
-            if measure == "geodesic":
-                kw["metric"] = metric
-            if q == "trace":
-                kw["trace_method"] = plan.trace_method
-                if plan.trace_method != "exact":
-                    kw["probes"] = plan.probes
-            else:
-                kw.update(iters=plan.iters, tol=plan.tol)
-            kw["seed"] = plan.seed
-            specs.append(StudyMeasure(kw, (None,)))
-    return specs
 
 
 def _interval(r: tuple[float, float]) -> str:
@@ -483,323 +398,3 @@ class ClassifierStudy(Study):
         if self.curvature is not None:
             specs += curvature_specs(self.curvature)
         return specs
-
-
-#: Worst-case ℓ2 measures whose Auto-PGD optimum :meth:`ClassifierStudy.diagnose` inspects, at
-#: the middle ρ of the config's grid ``rhos_<key>`` (key → measure keywords).
-DIAGNOSTIC_FAMILIES: dict[str, dict[str, Any]] = {
-    "adaptive_l2": {"measure": "adaptive"},
-    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
-}
-
-#: Name of the per-model diagnostics file in a study folder (the study report shows it).
-DIAGNOSTICS_FILE = "diagnostics.csv"
-
-
-def read_diagnostics(path: str | Path) -> dict[str, dict[str, float]]:
-    """``model_id`` → its diagnostics (complete rows only; a missing file is empty)."""
-    p = Path(path)
-    if not p.is_file():
-        return {}
-    out: dict[str, dict[str, float]] = {}
-    with p.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        for row in reader:
-            if None in row or any(v is None for v in row.values()):
-                continue  # a torn last line
-            try:
-                out[row["model_id"]] = {
-                    k: float(v) for k, v in row.items() if k != "model_id" and v != ""
-                }
-            except ValueError:
-                continue
-    return out
-
-
-def append_diagnostics(path: str | Path, model_id: str, values: dict[str, float]) -> None:
-    """Append one model's row (the header is written with the first row)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    new = not p.is_file() or p.stat().st_size == 0
-    if new:
-        header = ["model_id", *values]
-    else:
-        with p.open(newline="", encoding="utf-8") as fh:
-            header = next(csv.reader(fh))
-    with p.open("a", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore", restval="")
-        if new:
-            w.writeheader()
-        w.writerow({"model_id": model_id, **{k: repr(float(v)) for k, v in values.items()}})
-        fh.flush()
-
-
-def diagnose_folder(
-    study: ClassifierStudy,
-    out_dir: str | Path,
-    *,
-    key_bias: str | None = None,
-    path: str | Path | None = None,
-    extra: Callable[[dict[str, Any]], dict[str, float]] | None = None,
-    log: Callable[[str], None] | None = None,
-) -> int:
-    """The diagnostics row of every analysed model of a study folder (resumable).
-
-    Every stored model that the study includes and whose checkpoint is in ``out_dir`` and
-    that has no row yet is loaded (:meth:`ClassifierStudy.load`), diagnosed
-    (:meth:`ClassifierStudy.diagnose`) and appended to ``path`` with its
-    ``diagnostics_time_s`` and the columns of ``extra(model_row)``.
-
-    Args:
-        study: The study of the folder.
-        out_dir: The folder (``study.sqlite`` and the checkpoints).
-        key_bias: Passed to :meth:`ClassifierStudy.diagnose`.
-        path: The CSV (default ``out_dir / "diagnostics.csv"``).
-        extra: More columns of a model's row (e.g. its weight decay).
-        log: Called with one line per model.
-
-    Returns:
-        The number of rows written.
-    """
-    out = Path(out_dir)
-    target = Path(path) if path is not None else out / DIAGNOSTICS_FILE
-    with Store(out / "study.sqlite", None, None) as store:
-        rows = sorted(store.models(), key=lambda r: r["model_id"])
-    written = 0
-    for row in rows:
-        if not study.included(row) or not row.get("checkpoint"):
-            continue
-        if row["model_id"] in read_diagnostics(target):
-            continue
-        row = {**row, "checkpoint_path": str(out / row["checkpoint"])}
-        t0 = time.perf_counter()
-        values = study.diagnose(study.load(row), key_bias=key_bias)
-        if extra is not None:
-            values.update(extra(row))
-        values["diagnostics_time_s"] = time.perf_counter() - t0
-        append_diagnostics(target, row["model_id"], values)
-        written += 1
-        if log is not None:
-            log(f"{row['model_id']} diagnosed in {values['diagnostics_time_s']:.1f} s")
-    return written
-
-
-#: The radius families of the plan: config field ``rhos_<key>`` → the measure that calibrates
-#: it. The order-1 ablation of a metric is measured on the grid of its order-2 measure (same
-#: ball, only the path differs); every other family has its own grid.
-RADIUS_FAMILIES: dict[str, dict[str, Any]] = {
-    "adaptive_l2": {"measure": "adaptive", "norm": "l2"},
-    "adaptive_linf": {"measure": "adaptive", "norm": "linf"},
-    "inv": {"measure": "geodesic", "metric": "inv", "order": 2},
-    "mix": {"measure": "geodesic", "metric": "mix", "order": 2},
-    "inv_adaptivenorm": {
-        "measure": "geodesic",
-        "metric": "inv",
-        "order": 2,
-        "corrected_norm": False,
-    },
-    "mix_adaptivenorm": {
-        "measure": "geodesic",
-        "metric": "mix",
-        "order": 2,
-        "corrected_norm": False,
-    },
-    "average_adaptive": {"measure": "adaptive", "kind": "average"},
-    "average_inv": {"measure": "geodesic", "metric": "inv", "order": 2, "kind": "average"},
-    "average_mix": {"measure": "geodesic", "metric": "mix", "order": 2, "kind": "average"},
-}
-
-#: Loss rise at the centre ρ₀ of a grid (the ρ rule; worst case and average case).
-CALIBRATION_TARGET = {"worst": 0.1, "average": 0.01}
-
-
-def _families(cfg: Any) -> list[str]:
-    keys = ["adaptive_l2", "adaptive_linf", "inv", "mix"]
-    keys += [f"{m}_adaptivenorm" for m in cfg.ablations]
-    return [*keys, "average_adaptive", "average_inv", "average_mix"]
-
-
-def _with_budget(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if kwargs.get("kind") == "average":
-        return {**kwargs, "samples": cfg.samples}
-    return {**kwargs, "steps": cfg.steps}
-
-
-def standard_plan(cfg: Any, head: str) -> list[StudyMeasure]:
-    """The measurement plan shared by Studies 2 and 3.
-
-    Args:
-        cfg: A config with ``steps``, ``samples``, ``ablations`` (metrics, a subset of
-            ``("inv", "mix")``) and a grid ``rhos_<key>`` for every key of
-            :data:`RADIUS_FAMILIES` it uses.
-        head: Module path of the classification head (relative flatness).
-
-    Returns:
-        The :class:`StudyMeasure` list: adaptive ℓ2/ℓ∞ and geodesic inv/mix at order 2 (worst
-        case); the ablations for ``cfg.ablations`` — order 1 (on the grid of the same metric at
-        order 2) and no corrected norm; average-case adaptive, inv and mix; relative flatness.
-
-    Raises:
-        ValueError: If ``cfg.ablations`` names a metric other than ``"inv"`` and ``"mix"``.
-    """
-    if not set(cfg.ablations) <= {"inv", "mix"}:
-        raise ValueError(f"ablations must be a subset of ('inv', 'mix'), got {cfg.ablations!r}")
-
-    def spec(key: str, **change: Any) -> StudyMeasure:
-        kwargs = _with_budget(cfg, {**RADIUS_FAMILIES[key], **change})
-        return StudyMeasure(kwargs, getattr(cfg, f"rhos_{key}"))
-
-    specs = [spec(key) for key in ["adaptive_l2", "adaptive_linf", "inv", "mix"]]
-    specs += [spec(metric, order=1) for metric in cfg.ablations]
-    specs += [spec(f"{metric}_adaptivenorm") for metric in cfg.ablations]
-    specs += [spec(key) for key in ["average_adaptive", "average_inv", "average_mix"]]
-    specs.append(StudyMeasure({"measure": "relative_flatness", "layer": head}, (None,)))
-    return specs
-
-
-def grids_text(cfg: Any) -> str:
-    """The ρ grids of a config, one family per clause, for the report's settings."""
-    labels = {
-        "adaptive_l2": "adaptive ℓ2",
-        "adaptive_linf": "adaptive ℓ∞",
-        "inv": "geodesic inv",
-        "mix": "geodesic mix",
-        "inv_adaptivenorm": "inv, no corrected norm",
-        "mix_adaptivenorm": "mix, no corrected norm",
-        "average_adaptive": "average adaptive",
-        "average_inv": "average inv",
-        "average_mix": "average mix",
-    }
-    return "; ".join(
-        f"{labels[k]} " + ", ".join(f"{r:g}" for r in getattr(cfg, f"rhos_{k}"))
-        for k in _families(cfg)
-    )
-
-
-def _log_distance(value: float, target: float) -> float:
-    return abs(math.log(value / target)) if 0 < value < math.inf else math.inf
-
-
-def calibrate_rhos(
-    study: Study,
-    model: nn.Module,
-    start: float = 0.01,
-    max_evals: int = 12,
-    log: Any = None,
-) -> dict[str, tuple[float, ...]]:
-    """Apply the ρ rule to a pilot model: one half-decade grid per radius family.
-
-    For every family of the study's plan, sharpness of ``model`` on ``study.batches()`` (with
-    the study's loss, Auto-PGD steps and samples) is evaluated on the half-decade ladder
-    ``ρ = 10^{k/2}``, walking from ``start`` towards :data:`CALIBRATION_TARGET` (0.1 worst case,
-    0.01 average case) until the target is bracketed; the centre ``ρ₀`` is the ladder point
-    whose rise is closest to the target in log scale, and the grid is
-    :func:`half_decade_grid` of ``ρ₀``. Only sharpness values of the pilot are looked at —
-    no gap, no τ.
-
-    Args:
-        study: A study whose config has ``steps``, ``samples`` and ``ablations``.
-        model: The pilot model (eval mode).
-        start: First ρ of every walk (rounded to the ladder).
-        max_evals: Most evaluations per family.
-        log: Called with one line per evaluation (default: silent).
-
-    Returns:
-        ``{"rhos_<key>": grid}`` for every family of the plan; pass it to the config.
-    """
-    cfg = study.cfg  # type: ignore[attr-defined]
-    return {
-        f"rhos_{key}": rho_rule_grid(
-            study, model, _with_budget(cfg, RADIUS_FAMILIES[key]), key, start, max_evals, log
-        )
-        for key in _families(cfg)
-    }
-
-
-def rho_rule_grid(
-    study: Study,
-    model: nn.Module,
-    kwargs: dict[str, Any],
-    key: str,
-    start: float = 0.01,
-    max_evals: int = 12,
-    log: Callable[[str], None] | None = None,
-) -> tuple[float, ...]:
-    """The ρ rule for one measure family: its half-decade grid on the pilot ``model``.
-
-    The pilot's sharpness (``gs.sharpness(**kwargs)``, budget included) is evaluated on the
-    ladder ``ρ = 10^{k/2}`` walking from ``start`` towards :data:`CALIBRATION_TARGET` until it
-    is bracketed; the grid is :func:`half_decade_grid` of the ladder point closest to the target
-    in log scale.
-
-    Args:
-        study: The study (loss, batches, ``key_bias``).
-        model: The pilot model.
-        kwargs: Settings of the measure, e.g. ``{"measure": "adaptive", "steps": 20}``.
-        key: Name of the family, for the log.
-        start: First radius of the ladder.
-        max_evals: Most sharpness evaluations.
-        log: Where each evaluation is reported, or ``None``.
-
-    Returns:
-        The three radii.
-    """
-    from geosharp.estimators import sharpness
-
-    batches = study.batches()
-
-    def rise(rho: float) -> float:
-        return sharpness(
-            model,
-            study.loss_fn,
-            batches,
-            rho=rho,
-            progress=False,
-            key_bias=study.key_bias,
-            **kwargs,
-        ).value
-
-    return ladder_grid(rise, kwargs.get("kind", "worst"), key, start, max_evals, log)
-
-
-def ladder_grid(
-    rise: Callable[[float], float],
-    kind: str,
-    key: str,
-    start: float = 0.01,
-    max_evals: int = 12,
-    log: Callable[[str], None] | None = None,
-) -> tuple[float, ...]:
-    """The ρ rule on any measurement: walk the ladder ``ρ = 10^{k/2}`` to the target, then grid.
-
-    Args:
-        rise: ρ → the pilot's sharpness at ρ (a failure to measure counts as ``inf``).
-        kind: ``"worst"`` or ``"average"`` (the target of :data:`CALIBRATION_TARGET`).
-        key: Name of the family, for the log.
-        start: First radius of the ladder.
-        max_evals: Most evaluations.
-        log: Where each evaluation is reported, or ``None``.
-
-    Returns:
-        :func:`half_decade_grid` of the ladder point whose rise is closest to the target in log
-        scale.
-    """
-    target = CALIBRATION_TARGET[kind]
-    k = round(2 * math.log10(start))
-    seen: dict[int, float] = {}
-    direction = 0
-    for _ in range(max_evals):
-        try:
-            value = rise(10 ** (k / 2))
-        except (FloatingPointError, ValueError):
-            value = math.inf
-        seen[k] = value
-        if log is not None:
-            log(f"{key}: rho={10 ** (k / 2):.3g} rise={value:.4g}")
-        step = 1 if value < target else -1
-        if direction and step != direction:
-            break
-        direction = step
-        k += step
-    best = min(seen, key=lambda j: _log_distance(seen[j], target))
-    return half_decade_grid(10 ** (best / 2))

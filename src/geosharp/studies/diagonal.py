@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from geosharp._io import torch_save_atomically
 from geosharp.models import DiagonalNet
-from geosharp.studies.classifier import CurvaturePlan, curvature_specs
+from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
 from geosharp.studies.runner import Study, StudyMeasure
 from geosharp.studies.store import Store
 

@@ -32,13 +32,14 @@ the *opposite* sign to the vision populations. Here it is scaled to a 2-core CPU
   ablations are measured for the inv metric only (``ablations``; the mix ones add ~45 s per
   model).
 
-Measures and the **ρ rule** are those of Study 2 (:mod:`geosharp.studies.classifier`): adaptive
-ℓ2/ℓ∞, geodesic inv/mix at order 2, the ablations, average-case adaptive/inv/mix, relative
-flatness of the head; three ρ per measure on the half-decade grid ``{ρ₀/√10, ρ₀, √10·ρ₀}`` of
-its radius family, the centre ``ρ₀`` being the ladder point ``10^{k/2}`` where the pilot's rise is
-closest to 0.1 (worst case) or 0.01 (average case). ``calibrate_rhos`` (of
-:mod:`~geosharp.studies.classifier`) was run once on the pilot ``minilm-000`` (train error 0.086,
-held-out error 0.243), before any τ; its result is the default of :class:`MiniLMTextConfig`:
+Measures and the **ρ rule** are those of Study 2 (:mod:`geosharp.studies.classifier_plan`,
+:mod:`geosharp.studies.rho_rule`): adaptive ℓ2/ℓ∞, geodesic inv/mix at order 2, the ablations,
+average-case adaptive/inv/mix, relative flatness of the head; three ρ per measure on the half-decade
+grid ``{ρ₀/√10, ρ₀, √10·ρ₀}`` of its radius family, the centre ``ρ₀`` being the ladder point
+``10^{k/2}`` where the pilot's rise is closest to 0.1 (worst case) or 0.01 (average case).
+``calibrate_rhos`` (of :mod:`~geosharp.studies.rho_rule`) was run once on the pilot ``minilm-000``
+(train error 0.086, held-out error 0.243), before any τ; its result is the default of
+:class:`MiniLMTextConfig`:
 
 ====================  ========================  ==================
 family                ρ grid                    pilot rise at ρ₀
@@ -71,13 +72,10 @@ from torch.nn import functional as F
 from geosharp.data import load_rotten_tomatoes
 from geosharp.models import load_minilm, minilm_path
 from geosharp.models.hf import quiet_transformers
-from geosharp.studies.classifier import (
-    RADIUS_FAMILIES,
-    ClassifierStudy,
-    CurvaturePlan,
-    grids_text,
-    half_decade_grid,
-)
+from geosharp.studies.classifier import ClassifierStudy
+from geosharp.studies.classifier_plan import RADIUS_FAMILIES, grids_text
+from geosharp.studies.curvature_plan import CurvaturePlan
+from geosharp.studies.rho_rule import half_decade_grid
 
 __all__ = ["MINILM_CURVATURE", "PAPER_TAU", "MiniLMTextConfig", "MiniLMTextStudy"]
 

@@ -154,7 +154,7 @@ class PopulationStudy(Study):
             if set(self.grids) == {m.name for m in with_rho}:
                 self.say(f"radii: the ρ rule's grids of {out / MANIFEST_FILE}")
                 return
-        from geosharp.studies.classifier import ladder_grid
+        from geosharp.studies.rho_rule import ladder_grid
 
         pilot = self.by_id.get(plan.pilot) if plan.pilot else self.manifest.rows[0]
         if pilot is None:
@@ -263,7 +263,7 @@ class PopulationStudy(Study):
             rhos: tuple[float | None, ...] = self.grids[m.name] if m.uses_rho else (None,)
             specs.append(StudyMeasure({**m.kwargs(), **self._run_kwargs(m)}, rhos))
         if self.cfg.curvature:
-            from geosharp.studies.classifier import CurvaturePlan, curvature_specs
+            from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
 
             plan = CurvaturePlan(
                 iters=self.cfg.curvature_iters,

@@ -76,12 +76,9 @@ from torch.nn import functional as F
 
 from geosharp.data import load_mnist
 from geosharp.models import VisionTransformer
-from geosharp.studies.classifier import (
-    RADIUS_FAMILIES,
-    ClassifierStudy,
-    grids_text,
-    half_decade_grid,
-)
+from geosharp.studies.classifier import ClassifierStudy
+from geosharp.studies.classifier_plan import RADIUS_FAMILIES, grids_text
+from geosharp.studies.rho_rule import half_decade_grid
 
 __all__ = ["PAPER_TAU", "ViTMNISTConfig", "ViTMNISTStudy", "augment"]
 

@@ -58,14 +58,13 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from geosharp._io import atomic_write_text
-from geosharp.studies.classifier import (
+from geosharp.studies.classifier_diagnostics import (
     DIAGNOSTIC_FAMILIES,
     DIAGNOSTICS_FILE,
     append_diagnostics,
-    half_decade_grid,
     read_diagnostics,
-    rho_rule_grid,
 )
+from geosharp.studies.rho_rule import half_decade_grid, rho_rule_grid
 from geosharp.studies.runner import StudyMeasure
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import ViTMNISTStudy
@@ -91,7 +90,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 #: Worst-case measures whose Auto-PGD optimum is inspected (diagnostics), at the middle ρ: those
-#: of ``ClassifierStudy.diagnose`` (``geosharp.studies.classifier.DIAGNOSTIC_FAMILIES``).
+#: of ``ClassifierStudy.diagnose``
+#: (``geosharp.studies.classifier_diagnostics.DIAGNOSTIC_FAMILIES``).
 ASCENT_DIAGNOSTICS = tuple(DIAGNOSTIC_FAMILIES)
 
 #: Paired comparisons of the analysis: geodesic measure → its adaptive counterpart (family keys).
@@ -400,7 +400,7 @@ def calibrate_orbit_rhos(
     max_evals: int = 12,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, tuple[float, ...]]:
-    """Study 2's ρ rule (:func:`geosharp.studies.classifier.calibrate_rhos`) for Study 4's families.
+    """Study 2's ρ rule (:func:`geosharp.studies.rho_rule.calibrate_rhos`) for Study 4's families.
 
     For every family of :data:`FAMILIES`, the pilot's sharpness is evaluated on the ladder
     ``ρ = 10^{k/2}`` walking from ``start`` towards the target (0.1 worst case, 0.01 average
