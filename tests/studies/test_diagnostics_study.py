@@ -15,7 +15,8 @@ from geosharp.studies.classifier_diagnostics import (
 from geosharp.studies.runner import make_report, run_study
 from geosharp.studies.store import Store
 from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
-from geosharp.studies.vit_orbit import ASCENT_DIAGNOSTICS, FAMILIES, VitOrbitStudy
+from geosharp.studies.vit_orbit import ASCENT_DIAGNOSTICS, VitOrbitStudy
+from geosharp.studies.vit_orbit_radii import FAMILIES
 
 from ..data.helpers import needs_wheel
 

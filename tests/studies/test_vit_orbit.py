@@ -8,16 +8,12 @@ import torch
 
 from geosharp.cli import main
 from geosharp.estimators.diagnostics import balance
+from geosharp.studies.classifier_diagnostics import read_diagnostics
 from geosharp.studies.runner import run_study
 from geosharp.studies.store import Store
-from geosharp.studies.vit_orbit import (
-    FAMILIES,
-    VitOrbitConfig,
-    VitOrbitStudy,
-    analyse,
-    read_diagnostics,
-    scale_init,
-)
+from geosharp.studies.vit_orbit import VitOrbitConfig, VitOrbitStudy, scale_init
+from geosharp.studies.vit_orbit_analysis import analyse
+from geosharp.studies.vit_orbit_radii import FAMILIES
 
 from ..data.helpers import needs_wheel
 
