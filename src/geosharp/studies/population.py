@@ -284,7 +284,7 @@ class PopulationStudy(Study):
 
     def prepare_row(self, row: ManifestRow) -> Prepared:
         """Load, tokenize and self-check one manifest row, and note its blocks."""
-        from geosharp.demos.coverage import block_counts
+        from geosharp.demos.coverage_sweep import block_counts
         from geosharp.measuring.core import prepare_measurement
         from geosharp.measuring.pipeline import ModelSource, load_for_measure
 
