@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import geosharp as gs
-from geosharp.measuring import MeasureError, core
+from geosharp.measuring import MeasureError, cells
 from geosharp.measuring.results import MeasureRow
 
 #: The trace of the issue: flat from step 3, then up by one float32 ulp at the last step.
@@ -86,7 +86,7 @@ def _warnings_for_trace(monkeypatch, trace):
             traces=[list(trace)],
         )
 
-    monkeypatch.setattr(core, "_measure_one", fake)
+    monkeypatch.setattr(cells, "_measure_one", fake)
     model, batches = mlp_batches()
     said = []
     gs.measure(model, batches[:1], measures=["adaptive"], rhos=[0.1], steps=20, warn=said.append)

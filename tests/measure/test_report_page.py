@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import geosharp as gs
-from geosharp.measuring.core import adaptive_note
+from geosharp.measuring.prepare import adaptive_note
 from geosharp.measuring.results import MeasureReport, MeasureRow
 
 # --------------------------------------------------------------------------------------------

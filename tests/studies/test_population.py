@@ -128,8 +128,8 @@ def test_tau_of_the_summary_is_the_tau_of_results_and_manifest(finished):
 
 def test_each_value_is_gs_sharpness_of_that_model(finished, population):
     out, _, _ = finished
-    from geosharp.measuring.core import prepare_measurement
     from geosharp.measuring.pipeline import MeasureOptions, ModelSource, load_for_measure
+    from geosharp.measuring.prepare import prepare_measurement
 
     s = settings(population)
     opts = MeasureOptions(**s.options)

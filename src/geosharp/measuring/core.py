@@ -24,40 +24,38 @@ default is a grid one decade apart rather than a single radius. It spans the use
 the packaged MiniLM (8 sentences, fresh 2-label head, loss 0.69): at ρ = 0.01 the loss rises by
 2e-4 (adaptive) to 2e-3 (geodesic), four orders above float32 rounding; at ρ = 1 by 0.03
 (adaptive) to 0.5 (geodesic), a large but finite rise.
+
+The checks before the first measurement are :mod:`geosharp.measuring.prepare`'s, the measuring
+loop :mod:`geosharp.measuring.cells`'s.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
 from geosharp.estimators.sharded import is_sharded
 from geosharp.measures import Measure, parse_measure
-from geosharp.measuring.checks import (
-    clean_pass,
-    invariance_tol,
-    loss_eps,
-    row_warnings,
-    self_check,
-    without_unrepresentable,
-)
+from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
-from geosharp.measuring.estimate import RunEstimate, batch_sizes, estimate_run
-from geosharp.measuring.losses import default_loss, resolve_loss
-from geosharp.measuring.results import MeasureReport, MeasureRow, _g, _time
+from geosharp.measuring.estimate import batch_sizes
+from geosharp.measuring.losses import resolve_loss
+from geosharp.measuring.prepare import (
+    CheckedModel,
+    _prepare_batches,
+    adaptive_note,
+    prepare_measurement,
+)
+from geosharp.measuring.results import MeasureReport
 from geosharp.measuring.sharded import SKIPPED, ShardedCheck, check_plan, prepare_sharded
-from geosharp.symmetry import ParameterSpace, find_symmetries, prove
-from geosharp.symmetry.verify import to_device as _to_device
+from geosharp.symmetry import ParameterSpace
 
 __all__ = [
     "DEFAULT_CURVATURE_ITERS",
@@ -266,78 +264,6 @@ def measure(
     )
 
 
-@dataclass
-class CheckedModel:
-    """A model checked and ready to measure (:func:`prepare_measurement`).
-
-    Attributes:
-        model: The model (a copy where weights whose ``1/w²`` overflows were set to 0).
-        batches: The batches, on the model's device.
-        loss_fn: The loss, resolved to a callable.
-        loss_name: Its name (``"auto: cross-entropy"``, …).
-        space: The symmetry blocks found (and proven on batch 0 with ``check``).
-        summary: ``space.summary()``.
-        adaptive_note: Which coordinates use the adaptive geometry.
-        clean_losses: The loss of every batch at the model's weights (all finite).
-        invariance: The self-check's report (``None`` without ``check``).
-    """
-
-    model: nn.Module
-    batches: list
-    loss_fn: Callable
-    loss_name: str
-    space: ParameterSpace
-    summary: str
-    adaptive_note: str
-    clean_losses: list[float]
-    invariance: Any
-
-
-def prepare_measurement(
-    model: nn.Module,
-    batches: Iterable[tuple[Any, Any]],
-    loss_fn: Callable | str | None = default_loss,
-    *,
-    space: ParameterSpace | None = None,
-    check: bool = True,
-    seed: int = 0,
-    say: Callable[[str], None] | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> CheckedModel:
-    """Everything :func:`measure` does before its first measurement, for one model.
-
-    The loss resolved, the batches on the model's device, the weights whose ``1/w²`` overflows
-    flushed (on a copy), the symmetry blocks found and proven on batch 0, the clean loss of
-    every batch checked finite, and the self-check (a random re-parametrization of every
-    block must leave the outputs unchanged). A population study runs it for every model.
-
-    Raises:
-        MeasureError: If the loss is unknown, there are no batches or trainable parameters, a
-            clean loss is not finite, or the self-check fails.
-    """
-    say = say or (lambda _msg: None)
-    loss_fn, loss_name = resolve_loss(loss_fn)
-    batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
-    model, tiny = without_unrepresentable(model)
-    if tiny is not None:
-        space = None  # the copy has other parameter objects
-        if warn is not None:
-            warn(tiny)
-        else:
-            warnings.warn(tiny, MeasureWarning, stacklevel=2)
-    inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
-    space = _symmetry_space(model, space, inputs0 if check else None, say)
-    summary, note = space.summary(), adaptive_note(space)
-    say(summary)
-    say(note)
-    if space.numel() == 0:
-        raise MeasureError("the model has no trainable parameters (all have requires_grad=False)")
-    clean = clean_pass(model, loss_fn, batches)
-    say(f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all finite)")
-    invariance = self_check(model, inputs0, space, seed, say) if check else None
-    return CheckedModel(model, batches, loss_fn, loss_name, space, summary, note, clean, invariance)
-
-
 # --------------------------------------------------------------------------------------------
 # the steps of measure()
 
@@ -385,220 +311,6 @@ def _check_arguments(
     return specs, rhos, curv
 
 
-def _prepare_batches(
-    model: nn.Module, batches: Iterable[tuple[Any, Any]], loss_fn: Callable, loss_name: str
-) -> tuple[list, str]:
-    """The batches as a list on the model's device, and the loss's name (``auto: ...``)."""
-    batches = list(batches)
-    if not batches:
-        raise MeasureError("there are no batches: the data set is empty")
-    device = next(iter(model.parameters())).device
-    batches = [_to_device(b, device) if isinstance(b, (tuple, list)) else b for b in batches]
-    unwrapped = getattr(loss_fn, "__wrapped__", loss_fn)  # geosharp measure --fsdp's weighing
-    if unwrapped is default_loss and isinstance(batches[0], (tuple, list)):
-        floating = isinstance(batches[0][1], Tensor) and batches[0][1].is_floating_point()
-        loss_name = "auto: squared error" if floating else "auto: cross-entropy"
-    return batches, loss_name
-
-
-def _symmetry_space(
-    model: nn.Module, space: ParameterSpace | None, inputs: Any, say: Callable[[str], None]
-) -> ParameterSpace:
-    """``space``, or the blocks :func:`geosharp.find_symmetries` finds (proved on ``inputs``)."""
-    if space is not None:
-        return space
-    say("finding symmetry blocks (and proving each on batch 0) ...")
-    try:
-        return prove(find_symmetries(model), model, inputs, tol=invariance_tol(model))
-    except Exception as err:
-        raise MeasureError(
-            f"the symmetry finder could not run the model on batch 0: {type(err).__name__}: {err}"
-        ) from err
-
-
-def adaptive_note(space: ParameterSpace, top: int = 8) -> str:
-    """Which coordinates use the adaptive (element-wise) geometry, grouped by layer pattern.
-
-    Args:
-        space: The model's parameter space.
-        top: How many parameter patterns to list (largest first).
-
-    Returns:
-        A few lines of text.
-    """
-    total = space.numel()
-    n_rest = space.adaptive_numel
-    if n_rest == 0:
-        return "every trainable coordinate belongs to a symmetry block"
-    rest = space.rest_index.cpu()
-    counts: dict[str, int] = {}
-    for name, shape, off in zip(space.param_names, space.shapes, space.offsets, strict=True):
-        size = math.prod(shape)
-        lo = int(torch.searchsorted(rest, off))
-        hi = int(torch.searchsorted(rest, off + size))
-        if hi > lo:
-            pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
-            counts[pattern] = counts.get(pattern, 0) + hi - lo
-    why = (
-        "no symmetry is known for them (SPEC §3), so geodesic sharpness gives them the "
-        "adaptive (element-wise) metric of SPEC §5 and perturbs them along straight lines, as "
-        "adaptive sharpness does"
-        if space.blocks
-        else "no symmetry block was found in this model, so every measure but the Euclidean one "
-        "uses the adaptive (element-wise) geometry of SPEC §5: geodesic and adaptive sharpness "
-        "coincide here"
-    )
-    lines = [f"adaptive geometry: {n_rest:,} of {total:,} coordinates — {why}:"]
-    items = sorted(counts.items(), key=lambda kv: -kv[1])
-    width = max(len(k) for k, _ in items[:top])
-    lines += [f"  {k.ljust(width)}  {v:>12,}" for k, v in items[:top]]
-    if len(items) > top:
-        rest_n = sum(v for _, v in items[top:])
-        lines.append(f"  … {len(items) - top} more parameter patterns ({rest_n:,} coordinates)")
-    return "\n".join(lines)
-
-
-def _estimate(
-    model: nn.Module,
-    loss_fn: Callable,
-    batches: list,
-    specs: list[Measure],
-    rhos: list[float],
-    steps: int,
-    curv: Mapping[str, Any],
-    say: Callable[[str], None],
-    *,
-    eps: float = 0.0,
-    seed: int = 0,
-    space: ParameterSpace | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> RunEstimate | None:
-    """Say the run's estimated time, and on a long CPU run what each option would cut it to.
-
-    Returns:
-        The :class:`~geosharp.measuring.estimate.RunEstimate`; ``None`` if the pass failed.
-    """
-
-    def probe(spec: Measure, k: int) -> float:
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():  # the real cells will say what the ascent has to say
-            warnings.simplefilter("ignore")
-            _measure_one(
-                model, loss_fn, batches[:1], spec, rhos[0], k, eps, seed, space, False, curv,
-                **(extra or {}),
-            )  # fmt: skip
-        return time.perf_counter() - t0
-
-    try:
-        est = estimate_run(model, loss_fn, batches, specs, rhos, steps, curv, probe)
-    except Exception as err:  # the measures will say what fails; an estimate is no reason to stop
-        say(f"time estimate: not available ({type(err).__name__}: {err})")
-        return None
-    say(est.line())
-    for line in est.advice():
-        say(line)
-    return est
-
-
-def _measure_cells(
-    model: nn.Module,
-    loss_fn: Callable,
-    batches: list,
-    specs: list[Measure],
-    rhos: list[float],
-    steps: int,
-    eps: float,
-    seed: int,
-    space: ParameterSpace | None,
-    progress: bool,
-    curv: Mapping[str, Any],
-    say: Callable[[str], None],
-    warn: Callable[..., None],
-    low_memory: bool = False,
-    buffer_budget: float | None = BUFFER_BUDGET,
-) -> list[MeasureRow]:
-    """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
-    n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
-    say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
-    rows: list[MeasureRow] = []
-    eps_loss = loss_eps(model)
-    bar = _progress(n_cells, progress, "measures")
-    try:
-        for spec in specs:
-            for rho in rhos if spec.uses_rho else [None]:
-                if bar is not None:
-                    bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
-                extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
-                if buffer_budget != BUFFER_BUDGET:
-                    extra["buffer_budget"] = buffer_budget
-                row = _measure_one(
-                    model,
-                    loss_fn,
-                    batches,
-                    spec,
-                    rho,
-                    steps,
-                    eps,
-                    seed,
-                    space,
-                    progress,
-                    curv,
-                    **extra,
-                )
-                rows.append(row)
-                for msg in row_warnings(row, spec, steps, eps_loss):
-                    warn(msg, stacklevel=4)
-                done = len(rows)
-                left = sum(r.time_s for r in rows) / done * (n_cells - done)
-                say(
-                    f"  [{done}/{n_cells}] {row.measure}, rho={_g(row.rho)}: "
-                    + ("failed" if row.value is None else f"{row.value:.5g}")
-                    + f" in {_time(row.time_s)}"
-                    + (f"; ≈ {_time(left)} left" if done < n_cells else "")
-                )
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    return rows
-
-
-def _measure_one(
-    model: nn.Module,
-    loss_fn: Callable,
-    batches: list,
-    spec: Measure,
-    rho: float | None,
-    steps: int,
-    eps: float,
-    seed: int,
-    space: ParameterSpace | None,
-    progress: bool,
-    curv: Mapping[str, Any],
-    low_memory: bool = False,
-    buffer_budget: float | None = BUFFER_BUDGET,
-) -> MeasureRow:
-    t0 = time.perf_counter()
-    settings = {
-        "steps": steps,
-        "eps": eps,
-        "seed": seed,
-        "space": space,
-        "progress": progress,
-        "low_memory": low_memory,
-        "buffer_budget": buffer_budget,
-        **curv,
-    }
-    try:
-        res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
-    except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
-        return MeasureRow(
-            measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)
-        )
-    return MeasureRow.of(spec, res, rho)
-
-
 def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:
     """The model's size, symmetry counts, device and dtype, as the report's settings hold them."""
     first = next(iter(model.parameters()))
@@ -621,13 +333,3 @@ def _n_samples(batches: Sequence[tuple[Any, Any]]) -> int | None:
             return None
         total += targets.shape[0]
     return total
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, desc=desc, leave=False)

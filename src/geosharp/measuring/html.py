@@ -145,7 +145,7 @@ def _adaptive_html(note: str) -> str:
     """The adaptive-geometry note as a paragraph and a table of parameter patterns.
 
     Falls back to wrapped preformatted text if the note is not in
-    :func:`~geosharp.measuring.core.adaptive_note`'s format.
+    :func:`~geosharp.measuring.prepare.adaptive_note`'s format.
     """
     e = html.escape
     head, *lines = note.splitlines()

@@ -5,7 +5,7 @@ their hyperparameters. :class:`PopulationStudy` is a :class:`~geosharp.studies.r
 whose "training" records the manifest's rows and whose models are loaded, tokenized and
 self-checked by ``geosharp measure``'s own path
 (:func:`geosharp.measuring.pipeline.load_for_measure` and
-:func:`geosharp.measuring.core.prepare_measurement`), so a value of the study is ``gs.sharpness``
+:func:`geosharp.measuring.prepare.prepare_measurement`), so a value of the study is ``gs.sharpness``
 of that model with the same settings. Everything else is the runner's: the
 resumable ``study.sqlite``, shards and ``geosharp merge``, ``results.csv``, ``tau_table.md``,
 ``summary.json``, the plots and ``report.html``, with two more sections when the manifest has
@@ -285,8 +285,8 @@ class PopulationStudy(Study):
     def prepare_row(self, row: ManifestRow) -> Prepared:
         """Load, tokenize and self-check one manifest row, and note its blocks."""
         from geosharp.demos.coverage_sweep import block_counts
-        from geosharp.measuring.core import prepare_measurement
         from geosharp.measuring.pipeline import ModelSource, load_for_measure
+        from geosharp.measuring.prepare import prepare_measurement
 
         self.say(f"{row.model_id}: loading {row.model}")
         source = ModelSource(row.model, weights=row.weights, base=row.base)

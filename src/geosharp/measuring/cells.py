@@ -1,0 +1,179 @@
+"""The measuring loop of :func:`geosharp.measure`: every (measure, ρ) cell of a checked model.
+
+* :func:`_measure_one` — one cell: ``spec.run`` at one ρ (or none), a failure kept as the
+  row's error;
+* :func:`_measure_cells` — every measure at every ρ in order, with the row warnings, a log line
+  per cell and a progress bar;
+* :func:`_estimate` — the run's estimated time, from one cell on one batch per measure
+  (:func:`geosharp.measuring.estimate.estimate_run`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.measures import Measure
+from geosharp.measuring.checks import loss_eps, row_warnings
+from geosharp.measuring.estimate import RunEstimate, estimate_run
+from geosharp.measuring.results import MeasureRow, _g, _time
+from geosharp.symmetry import ParameterSpace
+
+__all__: list[str] = []
+
+
+def _estimate(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: list,
+    specs: list[Measure],
+    rhos: list[float],
+    steps: int,
+    curv: Mapping[str, Any],
+    say: Callable[[str], None],
+    *,
+    eps: float = 0.0,
+    seed: int = 0,
+    space: ParameterSpace | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> RunEstimate | None:
+    """Say the run's estimated time, and on a long CPU run what each option would cut it to.
+
+    Returns:
+        The :class:`~geosharp.measuring.estimate.RunEstimate`; ``None`` if the pass failed.
+    """
+
+    def probe(spec: Measure, k: int) -> float:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():  # the real cells will say what the ascent has to say
+            warnings.simplefilter("ignore")
+            _measure_one(
+                model, loss_fn, batches[:1], spec, rhos[0], k, eps, seed, space, False, curv,
+                **(extra or {}),
+            )  # fmt: skip
+        return time.perf_counter() - t0
+
+    try:
+        est = estimate_run(model, loss_fn, batches, specs, rhos, steps, curv, probe)
+    except Exception as err:  # the measures will say what fails; an estimate is no reason to stop
+        say(f"time estimate: not available ({type(err).__name__}: {err})")
+        return None
+    say(est.line())
+    for line in est.advice():
+        say(line)
+    return est
+
+
+def _measure_cells(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: list,
+    specs: list[Measure],
+    rhos: list[float],
+    steps: int,
+    eps: float,
+    seed: int,
+    space: ParameterSpace | None,
+    progress: bool,
+    curv: Mapping[str, Any],
+    say: Callable[[str], None],
+    warn: Callable[..., None],
+    low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
+) -> list[MeasureRow]:
+    """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
+    n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
+    say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
+    rows: list[MeasureRow] = []
+    eps_loss = loss_eps(model)
+    bar = _progress(n_cells, progress, "measures")
+    try:
+        for spec in specs:
+            for rho in rhos if spec.uses_rho else [None]:
+                if bar is not None:
+                    bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
+                extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
+                if buffer_budget != BUFFER_BUDGET:
+                    extra["buffer_budget"] = buffer_budget
+                row = _measure_one(
+                    model,
+                    loss_fn,
+                    batches,
+                    spec,
+                    rho,
+                    steps,
+                    eps,
+                    seed,
+                    space,
+                    progress,
+                    curv,
+                    **extra,
+                )
+                rows.append(row)
+                for msg in row_warnings(row, spec, steps, eps_loss):
+                    warn(msg, stacklevel=4)
+                done = len(rows)
+                left = sum(r.time_s for r in rows) / done * (n_cells - done)
+                say(
+                    f"  [{done}/{n_cells}] {row.measure}, rho={_g(row.rho)}: "
+                    + ("failed" if row.value is None else f"{row.value:.5g}")
+                    + f" in {_time(row.time_s)}"
+                    + (f"; ≈ {_time(left)} left" if done < n_cells else "")
+                )
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return rows
+
+
+def _measure_one(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: list,
+    spec: Measure,
+    rho: float | None,
+    steps: int,
+    eps: float,
+    seed: int,
+    space: ParameterSpace | None,
+    progress: bool,
+    curv: Mapping[str, Any],
+    low_memory: bool = False,
+    buffer_budget: float | None = BUFFER_BUDGET,
+) -> MeasureRow:
+    t0 = time.perf_counter()
+    settings = {
+        "steps": steps,
+        "eps": eps,
+        "seed": seed,
+        "space": space,
+        "progress": progress,
+        "low_memory": low_memory,
+        "buffer_budget": buffer_budget,
+        **curv,
+    }
+    try:
+        res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
+    except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
+        return MeasureRow(
+            measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)
+        )
+    return MeasureRow.of(spec, res, rho)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc=desc, leave=False)
