@@ -17,9 +17,10 @@ import torch
 
 from geosharp.measuring import MeasureError
 from geosharp.measuring.checkpoint_files import has_tokenizer_files
-from geosharp.measuring.data_loading import MIN_VOCAB_COVERAGE, load_data
+from geosharp.measuring.data_loading import load_data
 from geosharp.measuring.lm import load_lm_data, load_seq2seq_data
 from geosharp.measuring.model_loading import load_model
+from geosharp.measuring.tokenizer import MIN_VOCAB_COVERAGE
 
 from .conftest import transformers
 
