@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from geosharp import cli
+from geosharp import cli, cli_studies
 
 
 def test_ctrl_c_says_what_was_saved_and_how_to_resume(monkeypatch, capsys, tmp_path):
@@ -33,7 +33,7 @@ def test_missing_extra_is_named_before_any_work(monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "study.sqlite").exists()
 
 
-@pytest.mark.parametrize("name", sorted(cli.STUDY_REQUIRES))
+@pytest.mark.parametrize("name", sorted(cli_studies.STUDY_REQUIRES))
 def test_requirements_name_real_modules(name):
-    modules, extra = cli.STUDY_REQUIRES[name]
+    modules, extra = cli_studies.STUDY_REQUIRES[name]
     assert extra == "hf" and all(isinstance(m, str) for m in modules)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from geosharp import cli
+from geosharp import cli, cli_studies
 
 
 @pytest.fixture
@@ -14,7 +14,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr("geosharp.studies.runner.run_study", work)
     for name in ("vit-mnist", "minilm-text", "vit-orbit"):
-        monkeypatch.setitem(cli.STUDIES, name, (cli.STUDIES[name][0], work))
+        monkeypatch.setitem(cli_studies.STUDIES, name, (cli_studies.STUDIES[name][0], work))
 
 
 @pytest.mark.parametrize("name", ["vit-mnist", "minilm-text", "vit-orbit"])
@@ -49,8 +49,8 @@ def test_help_says_which_studies_take_rho(capsys):
 
 
 def test_every_study_only_option_names_real_studies():
-    for studies, _ in cli.STUDY_ONLY_OPTIONS.values():
-        assert set(studies) <= set(cli.STUDIES)
+    for studies, _ in cli_studies.STUDY_ONLY_OPTIONS.values():
+        assert set(studies) <= set(cli_studies.STUDIES)
 
 
 @pytest.mark.parametrize("command", ["study", "symmetry-test"])
@@ -82,7 +82,7 @@ def test_curvature_flag_on_a_transformer_study(monkeypatch, tmp_path):
     from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
 
     monkeypatch.setitem(
-        cli.STUDIES,
+        cli_studies.STUDIES,
         "vit-mnist",
         ("Study 2", lambda args: ViTMNISTStudy(ViTMNISTConfig.quick(seed=args.seed))),
     )

@@ -12,6 +12,9 @@ Every command that writes a folder checks that it can create and write it before
 (:func:`geosharp._io.ensure_writable_dir`); an error a user can fix, an operating system's
 error included (disk full, read-only, permission denied), ends as one line
 ``geosharp: error: ...`` on stderr, never a traceback (``--debug`` shows it).
+
+This module holds the parser and the commands' dispatch; the studies the commands run, and
+their checks, are :mod:`geosharp.cli_studies`'s, the threads :mod:`geosharp.cli_threads`'s.
 """
 
 from __future__ import annotations
@@ -23,181 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from geosharp._io import ensure_writable_dir, os_error_line, os_error_status, sqlite_os_error
+from geosharp.cli_studies import STUDIES, _make_study
+from geosharp.cli_threads import DEFAULT_STUDY_THREADS, set_threads
 from geosharp.studies.population_cli import is_manifest
-
-#: Threads of ``geosharp study`` and ``geosharp symmetry-test`` without ``--threads``: one, so
-#: that two studies can run side by side on a 2-core machine without oversubscribing it.
-DEFAULT_STUDY_THREADS = 1
-
-
-def _limit_numpy_blas(threads: int) -> bool:
-    """Limit the BLAS under NumPy to ``threads`` threads, for the rest of the process.
-
-    NumPy's BLAS (OpenBLAS in the wheels) keeps its own thread pool, which
-    :func:`torch.set_num_threads` does not touch; the diagonal study trains with NumPy matmuls.
-    Uses ``threadpoolctl`` when it is installed, else OpenBLAS's own ``*set_num_threads*``
-    function found among the loaded libraries (Linux).
-
-    Returns:
-        Whether a limit was applied.
-    """
-    import numpy  # noqa: F401  (loads the BLAS, so that it can be found)
-
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        pass
-    else:
-        threadpool_limits(limits=threads, user_api="blas")
-        return True
-    import ctypes
-
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as fh:
-            paths = {line.split()[-1] for line in fh if "openblas" in line.lower()}
-    except OSError:
-        return False
-    names = (
-        "scipy_openblas_set_num_threads64_",
-        "scipy_openblas_set_num_threads",
-        "openblas_set_num_threads64_",
-        "openblas_set_num_threads",
-    )
-    done = False
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in names:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(threads))
-                done = True
-                break
-    return done
-
-
-def set_threads(threads: int | None, default: int | None = DEFAULT_STUDY_THREADS) -> int | None:
-    """Apply ``--threads``: torch's intra-op threads and NumPy's BLAS threads.
-
-    Args:
-        threads: The option's value (``None``: not given).
-        default: Threads when the option is not given; ``None`` leaves the libraries' own.
-
-    Returns:
-        The number of threads set, or ``None`` if nothing was changed.
-
-    Raises:
-        ValueError: If ``threads < 1``.
-    """
-    import torch
-
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
-    n = threads if threads is not None else default
-    if n is None:
-        return None
-    torch.set_num_threads(n)
-    _limit_numpy_blas(n)
-    return n
-
-
-def _diagonal_study(args: argparse.Namespace):
-    from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
-
-    set_threads(args.threads)
-    overrides = {"seed": args.seed}
-    if args.models is not None:
-        overrides["n_models"] = args.models
-    if args.rho is not None:
-        overrides["rhos"] = tuple(args.rho)
-    if getattr(args, "population", None) is not None:
-        overrides["population"] = args.population
-    cfg = DiagonalConfig.quick(**overrides) if args.quick else DiagonalConfig(**overrides)
-    return DiagonalStudy(cfg)
-
-
-def _threads_and_overrides(args: argparse.Namespace, name: str) -> dict:
-    """Shared options of the transformer studies: threads, --models, --seed.
-
-    (``--rho`` and ``--population`` were refused before, by :func:`_check_study_options`.)
-    """
-    set_threads(args.threads)
-    overrides = {"seed": args.seed}
-    if args.models is not None:
-        overrides["n_models"] = args.models
-    return overrides
-
-
-def _vit_mnist_study(args: argparse.Namespace):
-    from geosharp.data import MNIST_FILE
-    from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
-
-    overrides = _threads_and_overrides(args, "vit-mnist")
-    MNIST_FILE.locate()  # a missing wheel fails now, with the install command
-    cfg = ViTMNISTConfig.quick(**overrides) if args.quick else ViTMNISTConfig(**overrides)
-    return ViTMNISTStudy(cfg)
-
-
-def _minilm_text_study(args: argparse.Namespace):
-    from geosharp.data import ROTTEN_TOMATOES_FILE, MissingDataError
-    from geosharp.models import minilm_path
-    from geosharp.studies.minilm_text import MiniLMTextConfig, MiniLMTextStudy
-
-    overrides = _threads_and_overrides(args, "minilm-text")
-    ROTTEN_TOMATOES_FILE.locate()
-    try:
-        minilm_path()
-    except ImportError as err:
-        raise MissingDataError(str(err)) from err
-    cfg = MiniLMTextConfig.quick(**overrides) if args.quick else MiniLMTextConfig(**overrides)
-    return MiniLMTextStudy(cfg)
-
-
-def _vit_orbit_study(args: argparse.Namespace):
-    from geosharp.data import MNIST_FILE
-    from geosharp.studies.vit_orbit import VitOrbitConfig, VitOrbitStudy
-
-    overrides = _threads_and_overrides(args, "vit-orbit")
-    MNIST_FILE.locate()
-    cfg = VitOrbitConfig.quick(**overrides) if args.quick else VitOrbitConfig(**overrides)
-    return VitOrbitStudy(cfg)
-
-
-#: Options of ``geosharp study`` that only some studies take: option → (the studies that take
-#: it, why the others do not). Checked before any work (:func:`_check_study_options`).
-STUDY_ONLY_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "rho": (
-        ("diagonal",),
-        "the transformer studies fix one ρ grid per measure by their ρ rule (listed in the "
-        "report's settings)",
-    ),
-    "population": (("diagonal",), "the other studies have one population"),
-}
-
-
-def _check_study_options(args: argparse.Namespace) -> None:
-    """Refuse, in one line and before any work, an option the chosen study does not take."""
-    for option, (studies, why) in STUDY_ONLY_OPTIONS.items():
-        if getattr(args, option, None) is not None and args.name not in studies:
-            raise ValueError(
-                f"--{option} is an option of the {' and '.join(studies)} study only, not of "
-                f"{args.name}: {why}"
-            )
-
-
-#: ``geosharp study NAME``: name → (help text, factory building the Study from the arguments).
-STUDIES = {
-    "diagonal": ("paper's Study 1: diagonal linear networks", _diagonal_study),
-    "vit-mnist": ("Study 2: small ViTs trained on MNIST", _vit_mnist_study),
-    "minilm-text": ("Study 3: MiniLM-L6 fine-tuned on review sentiment", _minilm_text_study),
-    "vit-orbit": (
-        "Study 4: Study 2's ViTs with drawn init scales and weight decay",
-        _vit_orbit_study,
-    ),
-}
-
 
 _CURVATURE_HELP = (
     "also measure the study's opt-in curvature part: λ_max and trace of the loss Hessian in "
@@ -355,51 +186,6 @@ def _parser() -> argparse.ArgumentParser:
             "--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP
         )
     return p
-
-
-#: Python packages a study needs beyond the core install, and the extra that brings them.
-STUDY_REQUIRES: dict[str, tuple[tuple[str, ...], str]] = {
-    "minilm-text": (("transformers", "safetensors"), "hf"),
-}
-
-
-def _check_requirements(name: str) -> None:
-    """Fail before any work when a study's packages are missing, naming what to install."""
-    import importlib.util
-
-    modules, extra = STUDY_REQUIRES.get(name, ((), ""))
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(
-            f"study {name} needs {', '.join(missing)} (the [{extra}] extra): "
-            f"pip install 'geosharp[{extra}]' (in this repository: make install)"
-        )
-
-
-#: What to do when a finished study's folder, written in place by ``symmetry-test``, is not
-#: writable.
-_IN_PLACE_FIX = "copy the study's folder somewhere writable and give that as --out"
-
-
-def _make_study(args: argparse.Namespace, out: Path):
-    """The study of ``args``, after the checks that need no work.
-
-    Its options, its packages, then its folder ``out``: shown creatable and writable before
-    anything is built (and removed again if it was created here, so a study that then refuses,
-    e.g. for a missing data wheel, leaves nothing behind; the runner creates it). ``symmetry-test``
-    works in a finished study's folder: a missing one is not created (the test then says that it
-    holds no study).
-    """
-    _check_study_options(args)
-    _check_requirements(args.name)
-    if args.command == "study":
-        ensure_writable_dir(out, keep=False)
-    elif out.is_dir():
-        ensure_writable_dir(out, fix=_IN_PLACE_FIX)
-    study = STUDIES[args.name][1](args)
-    if getattr(args, "curvature", False):
-        study.with_curvature()  # the study's own default curvature plan
-    return study
 
 
 def main(argv: Sequence[str] | None = None) -> int:
