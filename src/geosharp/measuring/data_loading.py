@@ -31,7 +31,7 @@ from geosharp.measuring.data_files import (
     read_table,
 )
 from geosharp.measuring.errors import MeasureError
-from geosharp.measuring.model_loading import LoadedModel
+from geosharp.measuring.loaded_model import LoadedModel
 from geosharp.measuring.resolve import import_callable
 from geosharp.measuring.tokenizer import (
     MIN_VOCAB_COVERAGE,

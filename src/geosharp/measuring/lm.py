@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from geosharp.measuring.data_files import _columns, data_kind, read_table
 from geosharp.measuring.data_loading import DataSet, _check_batch_size, _load_function
 from geosharp.measuring.errors import MeasureError
+from geosharp.measuring.loaded_model import LoadedModel
 from geosharp.measuring.losses import IGNORE_INDEX
-from geosharp.measuring.model_loading import LoadedModel
 from geosharp.measuring.tokenizer import _max_length, _tokenizer_and_source, tokenizer_line
 
 __all__ = [

@@ -254,7 +254,7 @@ def _loss(spec: str | None) -> Any:
 
 def _needs_head(model_spec: str, task: str = "classification") -> bool:
     """Whether ``model_spec`` is a Hugging Face folder without a head for ``task``."""
-    from geosharp.measuring.model_loading import _is_base_architecture, _lm_head
+    from geosharp.measuring.hf_loading import _is_base_architecture, _lm_head
 
     cfg = Path(model_spec).expanduser() / "config.json"
     if not cfg.is_file():

@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from geosharp.measuring.errors import MeasureError
-from geosharp.measuring.model_loading import LoadedModel
+from geosharp.measuring.loaded_model import LoadedModel
 from geosharp.models.hf import quiet_transformers
 
 __all__ = ["MIN_VOCAB_COVERAGE", "tokenizer_line"]
