@@ -100,14 +100,16 @@ class Positions:
 
     # -- building ---------------------------------------------------------------------------
     def _build(self) -> Tensor:
+        """The positions, built on the host (on the device named, never the default one)."""
+        host = torch.device("cpu")
         if len(self._parts) == 1 and self._parts[0][1] is None:  # a whole parameter
             shape, _, offset = self._parts[0]
             n = math.prod(shape)
-            out = torch.arange(offset, offset + n, dtype=torch.long).view(shape)
+            out = torch.arange(offset, offset + n, dtype=torch.long, device=host).view(shape)
         else:
             out = torch.cat(
                 [
-                    slice_positions(shape, piece, self._heads, self._head_dim) + offset
+                    slice_positions(shape, piece, self._heads, self._head_dim, host) + offset
                     for shape, piece, offset in self._parts
                 ],
                 dim=1,

@@ -93,7 +93,8 @@ class ParameterSpace:
             sizes = [math.prod(s) for s in self.shapes]
             touched: dict[int, Tensor] = {}
             if self.blocks:
-                starts = torch.tensor(self.offsets, dtype=torch.long)
+                # host bookkeeping, made on the CPU by name (never PyTorch's default device)
+                starts = torch.tensor(self.offsets, dtype=torch.long, device="cpu")
                 for b in self.blocks:
                     pos = b.positions().reshape(-1).cpu()
                     if not pos.numel():
@@ -102,7 +103,7 @@ class ParameterSpace:
                     for j in torch.unique(owner).tolist():
                         sel = pos[owner == j] - self.offsets[j]
                         if j not in touched:
-                            touched[j] = torch.zeros(sizes[j], dtype=torch.bool)
+                            touched[j] = torch.zeros(sizes[j], dtype=torch.bool, device="cpu")
                         touched[j][sel] = True
             layout: list[tuple[int, Tensor | None]] = []
             for j, size in enumerate(sizes):
@@ -131,13 +132,14 @@ class ParameterSpace:
             layout: ``(parameter index, local positions or None for all of it)`` pairs.
             device: Device of the result (default: CPU).
         """
+        device = device or "cpu"
         out = []
         for j, local in layout:
             off = self.offsets[j]
             if local is None:
                 out.append(torch.arange(off, off + math.prod(self.shapes[j]), device=device))
             else:
-                out.append(local.to(device or "cpu") + off)
+                out.append(local.to(device) + off)
         return out
 
     # -- coordinates --------------------------------------------------------------------------

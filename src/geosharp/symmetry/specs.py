@@ -209,7 +209,13 @@ class Claim:
     translations: list[TranslationSpec] = field(default_factory=list)
 
 
-def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_dim: int) -> Tensor:
+def slice_positions(
+    shape: Sequence[int],
+    piece: ParamSlice,
+    heads: int,
+    head_dim: int,
+    device: torch.device | str = "cpu",
+) -> Tensor:
     """Local flat positions (into ``param.reshape(-1)``) of one slice, arranged per head.
 
     Args:
@@ -217,6 +223,7 @@ def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_di
         piece: The slice.
         heads: Number ``B`` of blocks.
         head_dim: Group dimension ``h``.
+        device: Where the positions are built (named, never PyTorch's default device).
 
     Returns:
         ``LongTensor (B, k·R, h)``: ``R`` rows (product of the non-sliced axes), ``k`` heads per
@@ -247,7 +254,7 @@ def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_di
             f"slice [{start}:{stop}] along axis {axis} is out of range for parameter "
             f"{piece.param!r} of shape {shape}"
         )
-    along = torch.arange(start, stop)
+    along = torch.arange(start, stop, device=device)
     if piece.parts != 1 or piece.part != 0:
         p0, p1 = piece.part_range
         unit = piece.parts * head_dim
@@ -266,7 +273,7 @@ def slice_positions(shape: Sequence[int], piece: ParamSlice, heads: int, head_di
             f"the length must be a multiple of heads·head_dim = {heads * head_dim}"
         )
     k = length // (heads * head_dim)
-    local = torch.arange(math.prod(shape), dtype=torch.long).view(shape)
+    local = torch.arange(math.prod(shape), dtype=torch.long, device=device).view(shape)
     sliced = local.index_select(axis, along).movedim(axis, -1).reshape(-1, length)
     rows = sliced.shape[0]
     return sliced.reshape(rows, heads, k, head_dim).permute(1, 2, 0, 3).reshape(heads, -1, head_dim)
