@@ -249,7 +249,7 @@ def euclidean_pairing(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     total = None
     for x, y in zip(a, b, strict=True):
         v = torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(torch.float64)
-        total = v if total is None else total + v
+        total = v if total is None else total + v.to(total.device)  # scalars meet
     if total is None:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device="cpu")
     return total

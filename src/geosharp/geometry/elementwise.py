@@ -218,7 +218,7 @@ class ElementwiseGeometry(Geometry):
             w = self.point[k]
             t = self._zero_frozen_(e * w, k)
             v = torch.dot(t.reshape(-1), t.reshape(-1))
-            total = v if total is None else total + v
+            total = v if total is None else total + v.to(total.device)  # scalars meet
             out.append(torch.mul(t, w, out=e))
             del t
         assert total is not None
@@ -262,7 +262,7 @@ class ElementwiseGeometry(Geometry):
         total = None
         for k, (x, y) in enumerate(zip(a, b, strict=True)):
             v = torch.dot(self._scaled(x, k).reshape(-1), self._scaled(y, k).reshape(-1))
-            total = v if total is None else total + v
+            total = v if total is None else total + v.to(total.device)  # scalars meet
         return total
 
     def norm_sq(self, xi: Tangent) -> Tensor:
@@ -271,7 +271,7 @@ class ElementwiseGeometry(Geometry):
         for k, x in enumerate(self._check(xi)):
             r = self._scaled(x, k).reshape(-1)
             v = torch.dot(r, r)
-            total = v if total is None else total + v
+            total = v if total is None else total + v.to(total.device)  # scalars meet
         return total
 
     def project(self, xi: Tangent) -> Tangent:
@@ -370,7 +370,7 @@ class EuclideanGeometry(Geometry):
         total = None
         for x, y in zip(self._check(a, "a"), self._check(b, "b"), strict=True):
             v = torch.dot(x.reshape(-1), y.reshape(-1))
-            total = v if total is None else total + v
+            total = v if total is None else total + v.to(total.device)  # scalars meet
         return total
 
     def project(self, xi: Tangent) -> Tangent:
@@ -444,12 +444,41 @@ def draw_like(
         sampler: ``torch.randn`` (default) or ``torch.rand``.
     """
     first = point[0]
+    if any(t.device != first.device for t in point):  # a point across devices (a split model)
+        runs: dict[torch.device, list[int]] = {}
+        for k, t in enumerate(point):
+            runs.setdefault(t.device, []).append(k)
+        out: list[Tensor] = [first] * len(point)
+        for device, ks in runs.items():  # one draw per device, there, in first-seen order
+            drawn = draw_like([point[k] for k in ks], generator_for(generator, device), sampler)
+            for k, z in zip(ks, drawn, strict=True):
+                out[k] = z
+        return out
     kw = {"generator": generator, "dtype": first.dtype, "device": first.device}
     if len(point) == 1:
         return [sampler(first.shape, **kw)]
     sizes = [t.numel() for t in point]
     flat = sampler(sum(sizes), **kw)
     return [z.view(w.shape) for z, w in zip(flat.split(sizes), point, strict=True)]
+
+
+def generator_for(
+    generator: torch.Generator | None, device: torch.device
+) -> torch.Generator | None:
+    """A generator drawing on ``device``: ``generator`` itself where it draws there.
+
+    Elsewhere (a piece of a model split across devices), a generator on ``device`` seeded by
+    one number drawn from ``generator``: its noise is made on its device, reproducibly, and
+    the numbers of a model on one device are untouched.
+    """
+    if generator is None or _same_device(generator.device, device):
+        return generator
+    seed = torch.randint(0, 2**62, (), generator=generator, device=generator.device)
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 # ---------------------------------------------------------------------------------------------
