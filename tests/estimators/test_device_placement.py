@@ -9,11 +9,15 @@ model's tensors, or reading its value, fails. Each call below finishing with the
 ordinary call shows that none was made.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import geosharp as gs
+from geosharp.estimators.pieces import _block_params, _block_point, _group_blocks
+from geosharp.symmetry import GLBlock, ParameterSpace
 
 
 def _model():
@@ -56,30 +60,12 @@ CALLS = {
     "average": dict(measure="geodesic", kind="average", rho=0.05, samples=3),
     "restarts": dict(measure="adaptive", rho=0.1, restarts=2, steps=3),
     "linf": dict(measure="adaptive", norm="linf", rho=0.01),
+    "geodesic-blocks": dict(measure="geodesic", metric="mix", perturb="blocks", rho=0.05),
+    "geodesic-adaptivenorm": dict(measure="geodesic", corrected_norm=False, rho=0.05),
 }
 
 
-#: Not yet placed by construction: a symmetry block's index tables are built on the host and
-#: moved to the *first* parameter's device, and the base point of the blocks is gathered from
-#: one flat concatenation of every parameter (``ParameterSpace.flatten``): on a model split
-#: across devices (``device_map="auto"``) both would be wrong. Strict: a fix turns them green.
-NOT_YET = {"geodesic-inv", "geodesic-mix", "geodesic-exact", "average"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                strict=True, reason="block index tables built on the host (see NOT_YET)"
-            ),
-        )
-        if n in NOT_YET
-        else n
-        for n in sorted(CALLS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(CALLS))
 def test_sharpness_makes_no_tensor_off_its_parameters_device(name):
     kw = dict(steps=4, progress=False, cache=False) | CALLS[name]
     ce = nn.functional.cross_entropy
@@ -92,18 +78,7 @@ def test_sharpness_makes_no_tensor_off_its_parameters_device(name):
     assert got.per_batch == want.per_batch
 
 
-@pytest.mark.parametrize(
-    "measure",
-    [
-        "adaptive",
-        pytest.param(
-            "geodesic",
-            marks=pytest.mark.xfail(
-                strict=True, reason="block index tables built on the host (see NOT_YET)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("measure", ["adaptive", "geodesic"])
 def test_curvature_makes_no_tensor_off_its_parameters_device(measure):
     ce = nn.functional.cross_entropy
     kw = dict(measure=measure, iters=4, progress=False)
@@ -114,3 +89,84 @@ def test_curvature_makes_no_tensor_off_its_parameters_device(measure):
         got = gs.curvature(model, ce, batches, space=space, **kw)
     assert got.values == want.values
     assert got.eigenvalues == want.eigenvalues
+
+
+# -- the construction: a batched geometry never mixes devices ---------------------------------
+def _two_layers():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).double()
+
+
+def _by_layer(space, where):
+    """A device map (no device is touched): every parameter's device from its name."""
+    return [where(name) for name in space.param_names]
+
+
+def _layer_device(name):
+    return torch.device("cuda", 1) if name.startswith("layers.1.") else torch.device("cuda", 0)
+
+
+def test_block_params_are_the_blocks_own_module_read_from_recipe_or_tensor():
+    space = gs.find_symmetries(_two_layers())
+    for b in space.blocks:
+        own = _block_params(space, b)
+        assert own and all(space.param_names[j].startswith(b.module + ".") for j in own)
+        plain = dataclasses.replace(b, **dict(zip(b.index_fields, b.indices, strict=True)))
+        assert _block_params(space, plain) == own  # a hand-made position tensor, located
+
+
+def test_block_groups_never_mix_devices():
+    space = gs.find_symmetries(_two_layers())
+    keys: dict = {}
+    for b in space.blocks:
+        keys.setdefault(b.batch_key(), []).append(b)
+    # one device: the groups of the batch keys alone, in first-seen order (the same pieces)
+    one = _group_blocks(space, _by_layer(space, lambda _: torch.device("cpu")))
+    assert [blocks for _, blocks in one] == list(keys.values())
+    assert {d for d, _ in one} == {torch.device("cpu")}
+    # layers on two devices (device_map="auto"): every key cut by device, no block lost
+    devices = _by_layer(space, _layer_device)
+    split = _group_blocks(space, devices)
+    for device, blocks in split:
+        for b in blocks:
+            assert {devices[j] for j in _block_params(space, b)} == {device}, b.name
+    assert [b.name for _, blocks in split for b in blocks] == [
+        b.name
+        for d in ("layers.0.", "layers.1.")
+        for blocks in keys.values()
+        for b in blocks
+        if b.module.startswith(d)
+    ]
+    assert len(split) == 2 * len(keys)
+
+
+def test_a_block_across_two_devices_is_refused():
+    space = gs.find_symmetries(_two_layers())
+    # layer 0's Q/K/V weights on one device, its biases on another: its QK block spans both
+    devices = _by_layer(
+        space, lambda n: torch.device("cuda", 1 if n.endswith("in_proj_bias") else 0)
+    )
+    with pytest.raises(ValueError, match=r"'layers\.0\.self_attn\[QK\]' has parameters on sev"):
+        _group_blocks(space, devices)
+
+
+def test_block_point_is_read_from_each_parameter_without_a_concatenation():
+    """A block over two parameters of two dtypes: ``θ₀[i]``, in the dtype of ``θ₀``, exactly."""
+    g = torch.arange(20, 44).view(2, 6, 2)  # across the end of "a" and into "b"
+    h = torch.arange(2, 22).view(2, 5, 2)
+    space = ParameterSpace(
+        ("a", "b"),
+        (torch.Size([30]), torch.Size([4, 5])),
+        (0, 30),
+        [GLBlock("blk", "QK", "", 2, 2, g, h)],
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(30, generator=gen), torch.randn(4, 5, generator=gen).double()]
+    index = space.blocks[0].indices
+    point = _block_point(space, index, params, torch.float64)
+    theta = space.flatten(dict(zip(space.param_names, params, strict=True)))
+    assert theta.dtype == torch.float64
+    for p, i in zip(point, index, strict=True):
+        assert p.dtype == torch.float64 and p.shape == i.shape
+        assert torch.equal(p, theta[i])

@@ -23,6 +23,9 @@ from geosharp.symmetry.specs import ParamSlice, slice_view
 
 __all__: list[str] = []
 
+#: Positions placed at a time while the gather index is filled (bounds its transients).
+_CHUNK = 1 << 20
+
 
 @dataclass(frozen=True)
 class _Part:
@@ -126,9 +129,14 @@ class _Assembly:
     written part by part through views of them (:func:`~geosharp.symmetry.specs.slice_view`,
     known from the blocks' :class:`~geosharp.symmetry.positions.Positions` recipes): nothing
     parameter-sized is held. Blocks whose layout is no view (hand-made position tensors, a
-    slice of several parts of a parameter per unit) fall back to one gather index over the
-    gathered parameters, from a *source* vector: the symmetry pieces' values followed by the
-    rest coordinates of such parameters (on MiniLM-L6 3.5 M of 22.7 M coordinates, int32).
+    slice of several parts of a parameter per unit) fall back to one gather index per device
+    over the gathered parameters there, from a *source* vector: the symmetry pieces' values on
+    that device followed by the rest coordinates of its such parameters (on MiniLM-L6 3.5 M
+    of 22.7 M coordinates, int32).
+
+    Every perturbed parameter, index and buffer is made on the device of the parameter it
+    serves (``devices``: a model split across devices); a symmetry piece lies on the device of
+    its blocks' parameters (:func:`~geosharp.estimators.pieces._group_blocks`).
     """
 
     def __init__(
@@ -137,11 +145,15 @@ class _Assembly:
         pieces: Sequence,  # of Piece
         rest_piece: int | None,
         layout: Sequence[tuple[int, Tensor | None]],
-        device: torch.device,
+        devices: torch.device | Sequence[torch.device],
         groups: Sequence[Sequence[SymmetryBlock]] | None = None,
     ) -> None:
         self.names, self.shapes = list(space.param_names), list(space.shapes)
         sizes = [math.prod(s) for s in self.shapes]
+        if isinstance(devices, (torch.device, str)):
+            devices = [torch.device(devices)] * len(sizes)
+        #: The device of every parameter: its perturbed value is made there.
+        self.devices = list(devices)
         self.rest_piece = rest_piece
         #: rest component → (rows kept, the whole table at the base point): see on_rows
         self.rows: dict[int, tuple[Tensor, Tensor]] = {}
@@ -157,42 +169,32 @@ class _Assembly:
         #: the rest components of gathered parameters: (parameter, local positions) (held by
         #: the perturbation's layout already)
         self.mixed_local = [(j, local) for j, local in layout if local is not None]
-        n_gathered = sum(self.gathered_sizes)
-        #: The gather index (source position of every gathered coordinate), kept only when
-        #: some block's layout is not a view of its parameters (:attr:`plan` is None).
-        self.index: Tensor | None = None
+        #: Per device: the symmetry pieces there, the mixed rest components (positions in
+        #: :attr:`mixed`) of its parameters and its gathered parameters (positions in
+        #: :attr:`gathered`), each in order: the source of the gather index there.
+        self.sources: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
+        for k in self.sym_pieces:
+            point = pieces[k].geometry.point
+            if point:
+                self.sources.setdefault(point[0].device, ([], [], []))[0].append(k)
+        for m, (j, _) in enumerate(self.mixed_local):
+            self.sources.setdefault(self.devices[j], ([], [], []))[1].append(m)
+        for g, j in enumerate(self.gathered):
+            self.sources.setdefault(self.devices[j], ([], [], []))[2].append(g)
+        #: The gather index per device (source position of every gathered coordinate there),
+        #: kept only when some block's layout is not a view of its parameters (:attr:`plan`
+        #: is None).
+        self.index: dict[torch.device, Tensor] | None = None
         #: Per symmetry piece, per component: where it lies in the parameters (no index).
         self.plan: list[list[_Factor]] | None = None
         if not self.gathered:
             return
-        index = torch.full((n_gathered,), -1, dtype=torch.long, device=device)
-        # global position → position in the concatenated gathered parameters
-        shift = torch.zeros(len(sizes), dtype=torch.long, device=device)
-        start = 0
-        for j in self.gathered:
-            shift[j] = start - space.offsets[j]
-            start += sizes[j]
-        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
-        n_src = 0
-        for k in self.sym_pieces:
-            for comp in pieces[k].index:
-                glob = comp.reshape(-1).to(device)
-                owner = torch.searchsorted(starts, glob, right=True) - 1
-                index[glob + shift[owner]] = torch.arange(
-                    n_src, n_src + glob.numel(), device=device
-                )
-                n_src += glob.numel()
-                del glob, owner
-        for j, local in layout:
-            if local is None:
-                continue
-            pos = local.to(device) + (shift[j] + space.offsets[j])
-            index[pos] = torch.arange(n_src, n_src + pos.numel(), device=device)
-            n_src += pos.numel()
-        if n_gathered and int(index.min()) < 0:
-            raise ValueError("the symmetry blocks and the rest do not cover every parameter")
-        if n_src < 2**31:  # int32 positions: half the memory (of the check, or kept per call)
-            index = index.to(torch.int32)
+        on = [
+            sum(self.gathered_sizes[g] for g in gathered) for *_, gathered in self.sources.values()
+        ]
+        # int32 positions where they fit: half the memory (of the check, or kept per call)
+        kind = torch.int32 if max(on) < 2**31 else torch.long
+        index = {d: self._index_on(d, space, pieces, kind) for d in self.sources}
         if groups is not None:
             plan = [_factor_plan(space, blocks) for blocks in groups]
             if all(p is not None for p in plan) and self._same_as(plan, pieces, index):
@@ -200,29 +202,81 @@ class _Assembly:
                 return
         self.index = index
 
-    def _same_as(self, plan: list[list[_Factor]], pieces: Sequence, index: Tensor) -> bool:
+    def _index_on(
+        self, device: torch.device, space: ParameterSpace, pieces: Sequence, dtype: torch.dtype
+    ) -> Tensor:
+        """The gather index of the parameters gathered on ``device``, made there.
+
+        Filled a chunk of positions at a time: its transients are a few chunks, not several
+        copies of the pieces' positions in int64.
+        """
+        syms, mixed, gathered = self.sources[device]
+        sizes = [self.gathered_sizes[g] for g in gathered]
+        index = torch.full((sum(sizes),), -1, dtype=dtype, device=device)
+        # global position → position in the concatenated gathered parameters
+        shift = torch.zeros(len(self.shapes), dtype=torch.long, device=device)
+        start = 0
+        for g, size in zip(gathered, sizes, strict=True):
+            j = self.gathered[g]
+            shift[j] = start - space.offsets[j]
+            start += size
+        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
+        n_src = 0
+        for k in syms:
+            for comp in pieces[k].index:
+                positions = comp.reshape(-1)
+                for lo in range(0, positions.numel(), _CHUNK):
+                    glob = positions[lo : lo + _CHUNK].to(device, torch.long)
+                    owner = torch.searchsorted(starts, glob, right=True) - 1
+                    index[glob + shift[owner]] = torch.arange(
+                        n_src, n_src + glob.numel(), dtype=dtype, device=device
+                    )
+                    n_src += glob.numel()
+                    del glob, owner
+                del positions
+        for m in mixed:
+            j, local = self.mixed_local[m]
+            pos = local.to(device) + (shift[j] + space.offsets[j])
+            index[pos] = torch.arange(n_src, n_src + pos.numel(), dtype=dtype, device=device)
+            n_src += pos.numel()
+        if index.numel() and int(index.min()) < 0:
+            raise ValueError("the symmetry blocks and the rest do not cover every parameter")
+        return index
+
+    def _same_as(
+        self, plan: list[list[_Factor]], pieces: Sequence, index: dict[torch.device, Tensor]
+    ) -> bool:
         """Whether ``plan`` puts every source coordinate where ``index`` does (checked once)."""
         moved: list[tuple[Tensor, ...]] = [() for _ in pieces]
-        kind = {"dtype": index.dtype, "device": index.device}
-        n = 0
-        for k in self.sym_pieces:
-            comps = []
-            for p in pieces[k].geometry.point:
-                comps.append(torch.arange(n, n + p.numel(), **kind).view(p.shape))
-                n += p.numel()
-            moved[k] = tuple(comps)
-        if self.rest_piece is not None:
-            rest = [None] * len(self.layout)
-            for c, (_, local) in zip(self.mixed, self.mixed_local, strict=True):
-                rest[c] = torch.arange(n, n + local.numel(), **kind)
+        dtype = next(iter(index.values())).dtype
+        rest: list[Tensor | None] = [None] * len(self.layout)
+        for device, (syms, mixed, _) in self.sources.items():
+            kind = {"dtype": dtype, "device": device}
+            n = 0
+            for k in syms:
+                comps = []
+                for p in pieces[k].geometry.point:
+                    comps.append(torch.arange(n, n + p.numel(), **kind).view(p.shape))
+                    n += p.numel()
+                moved[k] = tuple(comps)
+            for m in mixed:
+                local = self.mixed_local[m][1]
+                rest[self.mixed[m]] = torch.arange(n, n + local.numel(), **kind)
                 n += local.numel()
-            moved[self.rest_piece] = tuple(rest)
+        if self.rest_piece is not None:
+            moved[self.rest_piece] = tuple(rest)  # type: ignore[arg-type]
         saved, self.plan = self.plan, plan
         try:
-            out = self._gathered(moved, index.dtype, index.device)
+            out = self._gathered(moved, dtype)
         finally:
             self.plan = saved
-        return torch.equal(torch.cat([out[j].reshape(-1) for j in self.gathered]), index)
+        return all(
+            torch.equal(
+                torch.cat([out[self.gathered[g]].reshape(-1) for g in gathered]), index[device]
+            )
+            for device, (_, _, gathered) in self.sources.items()
+            if gathered
+        )
 
     def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -235,38 +289,51 @@ class _Assembly:
                 out[self.names[j]] = value.view(self.shapes[j])
         if self.gathered:
             ref = moved[self.sym_pieces[0]][0] if self.sym_pieces else rest[self.mixed[0]]
-            for j, value in self._gathered(moved, ref.dtype, ref.device).items():
+            for j, value in self._gathered(moved, ref.dtype).items():
                 out[self.names[j]] = value
         return {name: out[name] for name in self.names}
 
     def _gathered(
-        self, moved: Sequence[tuple[Tensor, ...]], dtype: torch.dtype, device: torch.device
+        self, moved: Sequence[tuple[Tensor, ...]], dtype: torch.dtype
     ) -> dict[int, Tensor]:
         """The parameters holding symmetry coordinates, built from the moved pieces.
 
-        With a :attr:`plan`, each is a fresh tensor whose parts are written through views
-        (:func:`~geosharp.symmetry.specs.slice_view`: differentiable, no position tensor);
-        else one gather by :attr:`index` from the pieces' values, concatenated.
+        With a :attr:`plan`, each is a fresh tensor on its parameter's device whose parts are
+        written through views (:func:`~geosharp.symmetry.specs.slice_view`: differentiable, no
+        position tensor); else, on each device, one gather by its :attr:`index` from the
+        values of the pieces there, concatenated.
         """
         rest = moved[self.rest_piece] if self.rest_piece is not None else ()
         if self.plan is None:
-            parts = [v.reshape(-1) for k in self.sym_pieces for v in moved[k]]
-            parts += [rest[k].reshape(-1) for k in self.mixed]
-            source = torch.cat(parts) if len(parts) > 1 else parts[0]
-            values = torch.split(torch.index_select(source, 0, self.index), self.gathered_sizes)
-            return {j: v.view(self.shapes[j]) for j, v in zip(self.gathered, values, strict=True)}
+            out = {}
+            for device, (syms, mixed, gathered) in self.sources.items():
+                if not gathered:
+                    continue
+                parts = [v.reshape(-1) for k in syms for v in moved[k]]
+                parts += [rest[self.mixed[m]].reshape(-1) for m in mixed]
+                source = torch.cat(parts) if len(parts) > 1 else parts[0]
+                sizes = [self.gathered_sizes[g] for g in gathered]
+                values = torch.split(torch.index_select(source, 0, self.index[device]), sizes)
+                for g, v in zip(gathered, values, strict=True):
+                    j = self.gathered[g]
+                    out[j] = v.view(self.shapes[j])
+            return out
         inputs = [v for k in self.sym_pieces for v in moved[k]] + [rest[c] for c in self.mixed]
         if _reverse_mode_only(inputs):  # else the views' own autograd (torch.func, duals)
-            out = _WriteParts.apply(self, dtype, device, *inputs)
+            out = _WriteParts.apply(self, dtype, *inputs)
             return dict(zip(self.gathered, out, strict=True))
-        return self._write(inputs, dtype, device)
+        return self._write(inputs, dtype)
 
-    def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> dict:
+    def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype) -> dict:
         """The gathered parameters, written part by part through views of the :attr:`plan`.
 
-        ``inputs``: the block components in piece order, then the mixed rest components.
+        ``inputs``: the block components in piece order, then the mixed rest components. Each
+        parameter is made on its own device (:attr:`devices`).
         """
-        bufs = {j: torch.empty(self.shapes[j], dtype=dtype, device=device) for j in self.gathered}
+        bufs = {
+            j: torch.empty(self.shapes[j], dtype=dtype, device=self.devices[j])
+            for j in self.gathered
+        }
         it = iter(inputs)
         for factors in self.plan:
             for factor in factors:
@@ -274,7 +341,7 @@ class _Assembly:
                     dest = part.view(bufs[part.param])
                     dest.copy_(t.view(dest.shape))
         for j, local in self.mixed_local:
-            bufs[j].view(-1).index_put_((local.to(device),), next(it).reshape(-1))
+            bufs[j].view(-1).index_put_((local.to(self.devices[j]),), next(it).reshape(-1))
         return bufs
 
     def _read(
@@ -313,15 +380,18 @@ class _Assembly:
             for c, (j, local) in zip(self.mixed, self.mixed_local, strict=True):
                 out[self.rest_piece][c] = grads[j].reshape(-1)[local.to(grads[j].device)]
         elif self.gathered:
-            gathered = torch.cat([grads[j].reshape(-1) for j in self.gathered])
-            source = torch.empty_like(gathered)
-            source[self.index] = gathered
-            del gathered
-            slots = [(k, c) for k in self.sym_pieces for c in range(len(pieces[k].geometry.point))]
-            slots += [(self.rest_piece, c) for c in self.mixed]
-            sizes = [pieces[k].geometry.point[c].numel() for k, c in slots]
-            for (k, c), part in zip(slots, torch.split(source, sizes), strict=True):
-                out[k][c] = part.view(pieces[k].geometry.point[c].shape)
+            for device, (syms, mixed, on) in self.sources.items():
+                if not on:
+                    continue
+                gathered = torch.cat([grads[self.gathered[g]].reshape(-1) for g in on])
+                source = torch.empty_like(gathered)
+                source[self.index[device]] = gathered
+                del gathered
+                slots = [(k, c) for k in syms for c in range(len(pieces[k].geometry.point))]
+                slots += [(self.rest_piece, self.mixed[m]) for m in mixed]
+                sizes = [pieces[k].geometry.point[c].numel() for k, c in slots]
+                for (k, c), part in zip(slots, torch.split(source, sizes), strict=True):
+                    out[k][c] = part.view(pieces[k].geometry.point[c].shape)
         if self.rest_piece is not None:
             for c, (j, whole) in enumerate(self.layout):
                 if whole:
@@ -346,11 +416,11 @@ class _WriteParts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, assembly, dtype, device, *inputs):
+    def forward(ctx, assembly, dtype, *inputs):
         ctx.assembly = assembly
         ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
-        ctx.out_kind = (dtype, device)
-        bufs = assembly._write(inputs, dtype, device)
+        ctx.out_dtype = dtype
+        bufs = assembly._write(inputs, dtype)
         return tuple(bufs[j] for j in assembly.gathered)
 
     @staticmethod
@@ -360,17 +430,17 @@ class _WriteParts(torch.autograd.Function):
             leaves = [
                 torch.zeros(s, dtype=d, device=v, requires_grad=True) for s, d, v in ctx.likes
             ]
-            bufs = a._write(leaves, *ctx.out_kind)
+            bufs = a._write(leaves, ctx.out_dtype)
             outs = [bufs[j] for j in a.gathered]
             back = torch.autograd.grad(
                 outs, leaves, grads_out, create_graph=True, allow_unused=True
             )
-            return (None, None, None, *back)
+            return (None, None, *back)
         grads: list[Tensor | None] = [None] * len(a.shapes)
         for j, g in zip(a.gathered, grads_out, strict=True):
             grads[j] = g
         out: list[Tensor | None] = []
-        needs = iter(ctx.needs_input_grad[3:])
+        needs = iter(ctx.needs_input_grad[2:])
         likes = iter(ctx.likes)
         for factors in a.plan:
             for factor in factors:
@@ -379,4 +449,4 @@ class _WriteParts(torch.autograd.Function):
         for j, local in a.mixed_local:
             next(likes)
             out.append(grads[j].reshape(-1)[local.to(grads[j].device)] if next(needs) else None)
-        return (None, None, None, *out)
+        return (None, None, *out)

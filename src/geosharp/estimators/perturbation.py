@@ -19,9 +19,14 @@ the loss at ``θ′`` give the Euclidean gradient with respect to ``ξ`` (SPEC �
 base-point work (Gram matrices and their factorizations) happens once, in the constructor.
 
 The pieces and the layout helpers are in :mod:`geosharp.estimators.pieces`; the ℓ∞ box
-(:mod:`~geosharp.estimators.linf`), the memory accounting (:mod:`~geosharp.estimators.memory`)
-and the cut to the rows a batch reaches (:mod:`~geosharp.estimators.rows`) are functions of the
-pieces in their own modules, which the methods of the one class :class:`Perturbation` call.
+(:mod:`~geosharp.estimators.linf`), the memory accounting (:mod:`~geosharp.estimators.memory`),
+the cut to the rows a batch reaches (:mod:`~geosharp.estimators.rows`) and the sums over pieces
+(:mod:`~geosharp.estimators.reductions`) are functions of the pieces in their own modules, which
+the methods of the one class :class:`Perturbation` call.
+
+Every piece, index and buffer is made on the device of the parameters it serves (a model split
+across devices, ``device_map="auto"``): a batched block geometry holds blocks of one device,
+its base point read from their parameters there, and the pieces' numbers meet as scalars.
 """
 
 from __future__ import annotations
@@ -39,17 +44,13 @@ from geosharp.estimators.pieces import (
     Piece,
     Xi,
     _base_params,
-    _block_positions,
+    _block_pieces,
     _group_blocks,
     _rest_positions,
 )
-from geosharp.geometry import (
-    ElementwiseGeometry,
-    EuclideanGeometry,
-    FixedGeometry,
-    Geometry,
-)
-from geosharp.geometry.base import euclidean_pairing
+from geosharp.estimators.reductions import ascent_sums, scalar_sum
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
+from geosharp.geometry.elementwise import generator_for
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
@@ -126,51 +127,43 @@ class Perturbation:
         self._own = {t.untyped_storage().data_ptr() for t in params.values()}
         names = space.param_names
         self._itemsize = [params[n].element_size() for n in names]
-        device = params[names[0]].device if names else torch.device("cpu")
+        #: The device of every parameter: each piece, index and buffer is made on the device
+        #: of the parameters it serves (a model split across devices, ``device_map="auto"``).
+        devices = [params[n].device for n in names]
         self.pieces: list[Piece] = []
         self._rest_piece: int | None = None
         if measure in ("adaptive", "euclidean"):
             comps = tuple(params[n] for n in names)
             cls_ = ElementwiseGeometry if measure == "adaptive" else EuclideanGeometry
             g = cls_(comps, name="all parameters")
-            index = _rest_positions(space, [(j, None) for j in range(len(names))], device)
+            index = _rest_positions(space, [(j, None) for j in range(len(names))], devices)
             self.pieces.append(Piece(f"all parameters ({measure})", index, g, g, 1))
             self._rest_piece = 0
             self._layout = [(j, None) for j in range(len(names))]
-            self._assembly = _Assembly(space, self.pieces, 0, self._layout, device)
+            self._assembly = _Assembly(space, self.pieces, 0, self._layout, devices)
             return
-        flat = space.flatten(params).detach() if space.blocks else None  # transient
-        groups = _group_blocks(space)
-        for blocks in groups:
-            cls = type(blocks[0])
-            index = tuple(i.to(device) for i in cls.batch(blocks))
-            point = tuple(flat[i] for i in index)
-            del index
-            if metric == "adaptive":
-                geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
-                piece_order: int | str = 1
-            else:
-                geom = cls.geometry(blocks, point, metric=metric, eps=eps, work_dtype=work_dtype)
-                piece_order = order
-            if corrected_norm or geom.is_trivial:
-                norm_geom = geom
-            else:  # the adaptive norm, on tangents kept in the block geometry's dtype
-                wide = geom.tangent_dtype
-                norm_geom = ElementwiseGeometry(tuple(p.to(wide) for p in point))
-            name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
-            self.pieces.append(
-                Piece(name, _block_positions(cls, blocks, device), geom, norm_geom, piece_order)
-            )
-        del flat
+        # one batched geometry per batch key and device, its base point read from its own
+        # parameters on their device (no concatenation of θ₀)
+        groups = _group_blocks(space, devices)
+        self.pieces += _block_pieces(
+            space,
+            [params[n] for n in names],
+            groups,
+            metric=metric,
+            order=order,
+            eps=eps,
+            corrected_norm=corrected_norm,
+            work_dtype=work_dtype,
+        )
         self._layout = space.rest_layout()
         if self._layout:
             comps = tuple(
                 params[names[j]]
                 if local is None
-                else params[names[j]].reshape(-1)[local.to(device)]
+                else params[names[j]].reshape(-1)[local.to(devices[j])]
                 for j, local in self._layout
             )
-            index = _rest_positions(space, self._layout, device)
+            index = _rest_positions(space, self._layout, devices)
             if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
                 label = "other parameters (held fixed)"
                 g = FixedGeometry(comps, name=label)
@@ -186,7 +179,7 @@ class Perturbation:
                 f"{space.numel()}: the ParameterSpace is inconsistent"
             )
         self._assembly = _Assembly(
-            space, self.pieces, self._rest_piece, self._layout, device, groups
+            space, self.pieces, self._rest_piece, self._layout, devices, [b for _, b in groups]
         )
 
     # -- tangent-vector arithmetic -------------------------------------------------------------
@@ -204,7 +197,8 @@ class Perturbation:
 
     def norm_sq(self, xi: Xi) -> Tensor:
         """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""
-        total = sum(p.norm_geometry.norm_sq(x).sum() for p, x in zip(self.pieces, xi, strict=True))
+        pairs = zip(self.pieces, xi, strict=True)
+        total = scalar_sum(p.norm_geometry.norm_sq(x).sum() for p, x in pairs)
         return total if self.reduce is None else self.reduce(torch.as_tensor(total))
 
     def inner(self, a: Xi | None, b: Xi | None) -> float:
@@ -212,7 +206,7 @@ class Perturbation:
         if a is None or b is None:
             return 0.0
         pairs = zip(self.pieces, a, b, strict=True)
-        total = sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs)
+        total = scalar_sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs)
         return float(total if self.reduce is None else self.reduce(torch.as_tensor(total)))
 
     def norm(self, xi: Xi) -> float:
@@ -258,35 +252,11 @@ class Perturbation:
         Returns:
             ``(d, ‖d‖², [⟨ξ, d⟩ for ξ in pairs])``, the numbers as floats.
         """
-        out: Xi = []
-        # the numbers stay tensors until every piece is done: one wait for the device, not one
-        # per piece and number (float64 sums in the same order as Python floats: same values)
-        sums: list[Tensor | None] = [None] * (1 + len(pairs))  # ‖d‖², then ⟨ξ_j, d⟩
-
-        def add(i: int, v: Tensor) -> None:
-            v = v.to(torch.float64)
-            sums[i] = v if sums[i] is None else sums[i] + v
-
-        for k, (p, e) in enumerate(zip(self.pieces, egrad, strict=True)):
-            g = p.norm_geometry
-            exact = g.orthogonal_projection
-            xs = [(j, x[k]) for j, x in enumerate(pairs) if x is not None]
-            if exact:  # before an in-place direction overwrites e
-                for j, x in xs:
-                    add(1 + j, euclidean_pairing(e, x))
-            if inplace and p.geometry is g:
-                d, n = g.ascent_direction_(tuple(e))
-            else:
-                d, n = g.ascent_direction(e)
-            if not exact:
-                for j, x in xs:
-                    add(1 + j, g.inner(x, d).sum())
-            out.append(tuple(d))
-            add(0, n)
+        out, sums = ascent_sums(self.pieces, egrad, pairs, inplace)
         if self.reduce is not None:  # one collective for every number of the step
             dev = next((v.device for v in sums if v is not None), None)
             zero = torch.zeros((), dtype=torch.float64, device=dev)
-            stacked = torch.stack([zero if v is None else v for v in sums])
+            stacked = torch.stack([zero if v is None else v.to(dev) for v in sums])
             sums = list(self.reduce(stacked).unbind())
         dd, *inner = (0.0 if v is None else float(v) for v in sums)
         return out, dd, inner
@@ -294,8 +264,10 @@ class Perturbation:
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
         out = []
-        for p in self.pieces:
-            xi = p.norm_geometry.random_tangent(generator, scale)
+        for p in self.pieces:  # each piece's noise made on its device
+            point = p.geometry.point
+            gen = generator_for(generator, point[0].device) if point else generator
+            xi = p.norm_geometry.random_tangent(gen, scale)
             dtype = p.geometry.tangent_dtype
             out.append(tuple(t.to(dtype) for t in xi))
         return out

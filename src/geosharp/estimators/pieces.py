@@ -2,22 +2,27 @@
 
 A :class:`~geosharp.estimators.perturbation.Perturbation` splits the flat parameters of a
 :class:`~geosharp.symmetry.ParameterSpace` into :class:`Piece` objects: one per group of
-symmetry blocks of one batch key (all heads of equal shape of all layers, one batched
-geometry) and one for the coordinates in no block. This module holds the piece and the
-helpers that lay the base point out as pieces; none stores a parameter-sized index (positions
-are built when asked, from the blocks' recipes or the space's layout).
+symmetry blocks of one batch key on one device (all heads of equal shape of all layers there,
+one batched geometry) and one for the coordinates in no block. This module holds the piece and
+the helpers that lay the base point out as pieces; none stores a parameter-sized index
+(positions are built when asked, from the blocks' recipes or the space's layout), and each
+reads its parameters where they are: a model split across devices (``device_map="auto"``) has
+its block pieces on their parameters' devices, with no concatenation of ``θ₀``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from geosharp.geometry import Geometry
+from geosharp.geometry import ElementwiseGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.symmetry import ParameterSpace
+from geosharp.symmetry.blocks import SymmetryBlock
+from geosharp.symmetry.positions import Positions, as_tensor
 
 __all__ = ["Piece", "Xi"]
 
@@ -70,10 +75,15 @@ def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -
 
 
 def _rest_positions(
-    space: ParameterSpace, layout: Sequence[tuple[int, Tensor | None]], device: torch.device
+    space: ParameterSpace,
+    layout: Sequence[tuple[int, Tensor | None]],
+    devices: Sequence[torch.device],
 ) -> Callable[[], tuple[Tensor, ...]]:
-    """Global positions of the rest components, built when asked (no index is stored)."""
-    return lambda: tuple(space.layout_positions(layout, device))
+    """Global positions of the rest components, built when asked (no index is stored).
+
+    Each component's positions are made on the device of its parameter (``devices[j]``).
+    """
+    return lambda: tuple(space.layout_positions([(j, local)], devices[j])[0] for j, local in layout)
 
 
 def _row_positions(piece: Piece, cut: Mapping[int, Tensor], full: Sequence[Tensor]) -> Callable:
@@ -95,12 +105,148 @@ def _block_positions(cls: type, blocks: list, device: torch.device) -> Callable:
     return lambda: tuple(i.to(device) for i in cls.batch(blocks))
 
 
-def _group_blocks(space: ParameterSpace) -> list[list]:
-    """Blocks grouped by :meth:`~geosharp.symmetry.SymmetryBlock.batch_key`, in first-seen order.
+def _block_params(space: ParameterSpace, block: SymmetryBlock) -> list[int]:
+    """The parameters (positions in the space) holding coordinates of ``block``, sorted.
 
-    Each group becomes one batched geometry (e.g. all QK heads of equal shape of all layers).
+    Read from the blocks' :class:`~geosharp.symmetry.positions.Positions` recipes (the offset
+    of every sliced parameter) without building a position; a hand-made position tensor is
+    located on the host.
+    """
+    shapes = zip(space.offsets, space.shapes, strict=True)
+    owner = {int(off): j for j, (off, shape) in enumerate(shapes) if math.prod(shape)}
+    found: set[int] = set()
+    for field in block.index_fields:
+        pos = getattr(block, field)
+        if isinstance(pos, Positions):
+            parts = [owner.get(int(off)) for _, _, off in pos.recipe[0]]
+            if None not in parts:
+                found.update(parts)  # type: ignore[arg-type]
+                continue
+        flat = as_tensor(pos).reshape(-1).to("cpu", torch.long)
+        if flat.numel():
+            starts = torch.tensor(space.offsets, dtype=torch.long, device="cpu")
+            found.update(torch.unique(torch.searchsorted(starts, flat, right=True) - 1).tolist())
+    return sorted(found)
+
+
+def _group_blocks(
+    space: ParameterSpace, devices: Sequence[torch.device] | None = None
+) -> list[tuple[torch.device | None, list]]:
+    """Blocks grouped by (:meth:`~geosharp.symmetry.SymmetryBlock.batch_key`, device).
+
+    Each group becomes one batched geometry (e.g. all QK heads of equal shape of all layers
+    on one device), made on the device of its blocks' parameters: a batched geometry never
+    mixes devices (a model split across devices, ``device_map="auto"``). Groups come in
+    first-seen order, so on one device they are the groups of the batch keys alone.
+
+    A block whose own parameters lie on two devices is refused: its factors meet in every
+    product of its geometry (``GᵀG`` with ``HᵀH``, the pair's two sides), so splitting it
+    would move a parameter slice, not a scalar or an ``h × h`` factor, between devices.
+
+    Args:
+        space: The parameter space.
+        devices: The device of every parameter of the space (``None``: one device, the
+            groups' device left ``None``).
+
+    Raises:
+        ValueError: If a block's parameters lie on more than one device.
     """
     groups: dict = {}
     for b in space.blocks:
-        groups.setdefault(b.batch_key(), []).append(b)
+        device = None
+        if devices is not None:
+            own = {devices[j] for j in _block_params(space, b)}
+            if len(own) > 1:
+                names = ", ".join(str(d) for d in sorted(own, key=str))
+                raise ValueError(
+                    f"symmetry block {b.name!r} has parameters on several devices ({names}): "
+                    "keep each attention layer on one device (e.g. no_split_module_classes)"
+                )
+            device = own.pop() if own else devices[0] if devices else None
+        groups.setdefault((b.batch_key(), device), (device, []))[1].append(b)
     return list(groups.values())
+
+
+def _block_point(
+    space: ParameterSpace,
+    index: Sequence[Tensor],
+    params: Sequence[Tensor],
+    dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    """The base point of one batched block piece: ``θ₀[i]`` for every component index ``i``.
+
+    Read from the parameters holding the positions, each on its own device (the index's),
+    with no concatenation of the parameters: per parameter, the positions in it are gathered
+    from it (values converted to ``dtype``, the dtype ``θ₀`` would have as one vector).
+
+    Args:
+        space: The parameter space.
+        index: Global positions of every component, on the device of the block's parameters.
+        params: Every parameter of the space, in order.
+        dtype: The dtype of the point.
+    """
+    out = []
+    for i in index:
+        flat = i.reshape(-1)
+        if not flat.numel():
+            out.append(torch.empty(i.shape, dtype=dtype, device=i.device))
+            continue
+        # the parameters the positions lie in, by their offsets (a few scalars)
+        starts = torch.tensor(space.offsets, dtype=flat.dtype, device=flat.device)
+        small = flat.dtype == torch.int32
+        owner = torch.searchsorted(starts, flat, right=True, out_int32=small) - 1
+        counts = torch.bincount(owner, minlength=len(space.offsets))  # one per parameter
+        js = torch.nonzero(counts).reshape(-1).tolist()
+        if len(js) == 1:
+            j = js[0]
+            values = params[j].reshape(-1)[flat - space.offsets[j]].to(dtype)
+        else:
+            values = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+            for j in js:
+                sel = torch.nonzero(owner == j).reshape(-1)
+                values[sel] = params[j].reshape(-1)[flat[sel] - space.offsets[j]].to(dtype)
+        out.append(values.view(i.shape))
+    return tuple(out)
+
+
+def _block_pieces(
+    space: ParameterSpace,
+    params: Sequence[Tensor],
+    groups: Sequence[tuple[torch.device | None, list]],
+    *,
+    metric: str,
+    order: int | str,
+    eps: float,
+    corrected_norm: bool,
+    work_dtype: torch.dtype | None,
+) -> list[Piece]:
+    """One piece per group of symmetry blocks, its geometry made on the group's device.
+
+    See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
+    """
+    if not groups:
+        return []
+    pieces = []
+    dtype = params[0].dtype
+    for p in params[1:]:  # the dtype of θ₀ as one vector (what a concatenation would give)
+        dtype = torch.promote_types(dtype, p.dtype)
+    for device, blocks in groups:
+        cls = type(blocks[0])
+        at = device if device is not None else params[0].device
+        index = tuple(i.to(at) for i in cls.batch(blocks))
+        point = _block_point(space, index, params, dtype)
+        del index
+        if metric == "adaptive":
+            geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
+            piece_order: int | str = 1
+        else:
+            geom = cls.geometry(blocks, point, metric=metric, eps=eps, work_dtype=work_dtype)
+            piece_order = order
+        if corrected_norm or geom.is_trivial:
+            norm_geom = geom
+        else:  # the adaptive norm, on tangents kept in the block geometry's dtype
+            wide = geom.tangent_dtype
+            norm_geom = ElementwiseGeometry(tuple(p.to(wide) for p in point))
+        name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
+        pieces.append(Piece(name, _block_positions(cls, blocks, at), geom, norm_geom, piece_order))
+    return pieces

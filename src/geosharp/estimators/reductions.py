@@ -1,0 +1,66 @@
+"""The numbers of a perturbation summed over its pieces, only scalars brought together.
+
+The pieces of a :class:`~geosharp.estimators.perturbation.Perturbation` of a model split across
+devices (``device_map="auto"``) live on the devices of their parameters: each piece reduces its
+own tensors where they are, and only the resulting scalars meet, on the first piece's device.
+On one device every ``.to`` here is the tensor itself: the sums are those of ``sum()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from geosharp.estimators.pieces import Piece, Xi
+from geosharp.geometry.base import euclidean_pairing
+
+__all__ = ["ascent_sums", "scalar_sum"]
+
+
+def scalar_sum(values: Iterable[Tensor]) -> Tensor | int:
+    """``sum(values)`` of per-piece scalars, each brought to the first one's device."""
+    values = list(values)
+    device = values[0].device if values else None
+    return sum(v.to(device) for v in values)
+
+
+def ascent_sums(
+    pieces: Sequence[Piece], egrad: Xi, pairs: Sequence[Xi | None], inplace: bool
+) -> tuple[Xi, list[Tensor | None]]:
+    """The ascent direction ``d`` of every piece, with ``‖d‖²`` and every ``⟨ξ_j, d⟩``.
+
+    See :meth:`~geosharp.estimators.perturbation.Perturbation.ascent_direction`.
+
+    Returns:
+        ``d`` and the float64 sums ``[‖d‖², ⟨ξ_0, d⟩, …]`` as scalars on the first piece's
+        device (``None`` for a sum no piece added to).
+    """
+    out: Xi = []
+    # the numbers stay tensors until every piece is done: one wait for the device, not one
+    # per piece and number (float64 sums in the same order as Python floats: same values)
+    sums: list[Tensor | None] = [None] * (1 + len(pairs))  # ‖d‖², then ⟨ξ_j, d⟩
+
+    def add(i: int, v: Tensor) -> None:
+        v = v.to(torch.float64)
+        total = sums[i]
+        sums[i] = v if total is None else total + v.to(total.device)
+
+    for k, (p, e) in enumerate(zip(pieces, egrad, strict=True)):
+        g = p.norm_geometry
+        exact = g.orthogonal_projection
+        xs = [(j, x[k]) for j, x in enumerate(pairs) if x is not None]
+        if exact:  # before an in-place direction overwrites e
+            for j, x in xs:
+                add(1 + j, euclidean_pairing(e, x))
+        if inplace and p.geometry is g:
+            d, n = g.ascent_direction_(tuple(e))
+        else:
+            d, n = g.ascent_direction(e)
+        if not exact:
+            for j, x in xs:
+                add(1 + j, g.inner(x, d).sum())
+        out.append(tuple(d))
+        add(0, n)
+    return out, sums
