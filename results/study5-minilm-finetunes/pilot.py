@@ -4,7 +4,7 @@ On the pilot model ``study5-000`` and the first 256 rows of ``sharpness.csv`` (2
 128), loaded, tokenized and self-checked by the population command's own path
 (``PopulationStudy.prepare_row``'s calls on the pilot's folder), for each measure:
 
-1. the ρ rule: :func:`geosharp.studies.classifier.ladder_grid` with 20 Auto-PGD steps (the
+1. the ρ rule: :func:`geosharp.studies.rho_rule.ladder_grid` with 20 Auto-PGD steps (the
    grid {ρ₀/√10, ρ₀, √10·ρ₀});
 2. the steps rule's values at ρ₀ after 5 and 10 steps (20: from step 1);
 3. the time of those two runs per Auto-PGD step and batch.
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from geosharp.measures import parse_measure
-from geosharp.studies.classifier import ladder_grid
+from geosharp.studies.rho_rule import ladder_grid
 from geosharp.studies.population import PopulationStudy
 
 PILOT = "study5-000"
