@@ -131,11 +131,10 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    """A tiny ``BertForSequenceClassification`` (3 labels) and its WordPiece tokenizer."""
+def save_tiny_bert(d):
+    """Save a tiny ``BertForSequenceClassification`` (3 labels, 2 layers of 4 heads, seed 0) and
+    its WordPiece tokenizer of :data:`VOCAB` into the folder ``d``; returns ``d``."""
     transformers = pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("tinybert")
     (d / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
     tok = transformers.BertTokenizer.from_pretrained(str(d))
     torch.manual_seed(0)
@@ -151,6 +150,12 @@ def bert_dir(tmp_path_factory):
     transformers.BertForSequenceClassification(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A tiny ``BertForSequenceClassification`` (3 labels) and its WordPiece tokenizer."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tinybert"))
 
 
 @pytest.fixture(autouse=True)

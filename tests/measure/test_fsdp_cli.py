@@ -27,12 +27,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from geosharp.cli import main
 
 from ..test_measure import SENTENCES as _SIX
-from ..test_measure import VOCAB  # the tiny BERT's word pieces
+from ..test_measure import save_tiny_bert
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -51,20 +50,7 @@ def bert_and_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdpbert")
     model = d / "bert"
     model.mkdir()
-    (model / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    tok = transformers.BertTokenizer.from_pretrained(str(model))
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        num_labels=3,
-    )
-    transformers.BertForSequenceClassification(cfg).save_pretrained(model)
-    tok.save_pretrained(model)
+    save_tiny_bert(model)
     data = d / "train.csv"
     data.write_text("text,label\n" + "".join(f'"{t}",{y}\n' for t, y in SENTENCES))
     return model, data
