@@ -7,14 +7,13 @@ import pytest
 import torch
 from scipy.integrate import solve_ivp
 
-from geosharp.geometry.elementwise import (
-    ElementwiseGeometry,
-    EuclideanGeometry,
+from geosharp.geometry.adaptive_balls import (
     adaptive_norm,
     linf_norm,
     project_l2_ball,
     project_linf_ball,
 )
+from geosharp.geometry.elementwise import ElementwiseGeometry, EuclideanGeometry
 
 DT = torch.float64
 
@@ -157,3 +156,34 @@ def test_ascent_direction_in_place_with_frozen_coordinates():
         assert torch.equal(a, b) and float(a[1, 2]) == 0.0 and float(a[3, 0]) == 0.0
     assert geom.orthogonal_projection and float(dd) == float(dd_)
     assert math.isclose(float(dd), float(geom.norm_sq(d)), rel_tol=1e-13)
+
+
+# -- frozen coordinates found in chunks (no temporary the size of the weights) ---------------
+def _frozen_in_one_pass(t):
+    """The rule read on the whole tensor at once (the implementation before chunks)."""
+    frozen = (t == 0) | ~torch.isfinite(t.reciprocal().square())
+    n = int(frozen.sum())
+    if n == 0:
+        return None
+    return frozen.reshape(-1).nonzero().reshape(-1) if 16 * n <= t.numel() else frozen
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.06, 0.07, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_frozen_coordinates_in_chunks_equal_the_one_pass_rule(monkeypatch, chunk, share, dtype):
+    from geosharp.geometry import elementwise
+
+    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", chunk)
+    g = torch.Generator().manual_seed(int(share * 100) + chunk)
+    t = torch.randn(37, 11, generator=g, dtype=dtype)
+    k = int(share * t.numel())
+    where = torch.randperm(t.numel(), generator=g)[:k]
+    t.view(-1)[where[: k // 2]] = 0.0
+    t.view(-1)[where[k // 2 :]] = torch.finfo(dtype).tiny / 8  # 1/w² overflows: frozen too
+    want, got = _frozen_in_one_pass(t), elementwise._frozen_of(t)
+    if want is None:
+        assert got is None
+    else:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)

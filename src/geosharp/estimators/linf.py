@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from geosharp.estimators.pieces import Piece, Xi
-from geosharp.geometry.elementwise import draw_like
+from geosharp.geometry.draws import draw_like
 
 __all__ = ["box", "sign_direction", "uniform_box"]
 

@@ -50,7 +50,7 @@ from geosharp.estimators.pieces import (
 )
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
-from geosharp.geometry.elementwise import generator_for
+from geosharp.geometry.draws import generator_for
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")

@@ -16,7 +16,8 @@ The metric ``dw²/w²`` has Christoffel symbol ``Γ(ξ, ξ) = −ξ²/w`` and ex
 sharpness itself uses the straight line (order 1).
 
 Besides the ℓ2 ball the adaptive ℓ∞ box ``|δ_i| ≤ ρ|w_i|`` (the reference's headline measure) is
-provided by :func:`linf_norm` and :func:`project_linf_ball`.
+provided by :func:`~geosharp.geometry.adaptive_balls.linf_norm` and
+:func:`~geosharp.geometry.adaptive_balls.project_linf_ball`.
 
 Example:
     >>> import torch
@@ -32,13 +33,14 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+from geosharp.geometry.draws import draw_like
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
@@ -46,21 +48,44 @@ def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tens
     return tuple(t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(point))
 
 
+#: Coordinates examined at once by :func:`_frozen_of` (its temporaries: a few MB, not the tensor's
+#: size).
+_FROZEN_CHUNK = 1 << 20
+
+
 def _frozen_of(t: Tensor) -> Tensor | None:
     """Where ``t`` is frozen (``w = 0`` or ``1/w²`` not finite).
 
     ``None`` if nowhere; else the flat positions when at most one coordinate in 16 is frozen
-    (an embedding's padding row), or a boolean mask.
+    (an embedding's padding row), or a boolean mask. Read in chunks of :data:`_FROZEN_CHUNK`
+    coordinates: no temporary the size of ``t`` (a word-embedding table's ``1/w²`` was half of
+    a MiniLM's parameters).
     """
-    inv_w2 = t.reciprocal().square_()
-    frozen = (t == 0) | ~torch.isfinite(inv_w2)
-    del inv_w2
-    n = int(frozen.sum())
+    flat = t.reshape(-1)
+    numel = flat.numel()
+    found: list[Tensor] = []
+    n = 0
+    mask: Tensor | None = None
+    for start in range(0, numel, _FROZEN_CHUNK):
+        c = flat[start : start + _FROZEN_CHUNK]
+        frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
+        if mask is not None:
+            mask[start : start + c.numel()] = frozen
+            continue
+        idx = frozen.nonzero().reshape(-1)
+        if idx.numel():
+            found.append(idx.add_(start))
+            n += idx.numel()
+            if 16 * n > numel:  # too many for positions: a mask from here on
+                mask = torch.zeros(numel, dtype=torch.bool, device=t.device)
+                for positions in found:
+                    mask[positions] = True
+                found = []
+    if mask is not None:
+        return mask.view(t.shape)
     if n == 0:
         return None
-    if 16 * n <= t.numel():
-        return frozen.reshape(-1).nonzero().reshape(-1)
-    return frozen
+    return torch.cat(found) if len(found) > 1 else found[0]
 
 
 class ElementwiseGeometry(Geometry):
@@ -427,108 +452,3 @@ def _check_components(
     for t, w in zip(xi, point, strict=True):
         check_like(name, t, "w", w)
     return tuple(xi)
-
-
-def draw_like(
-    point: Sequence[Tensor], generator: torch.Generator | None, sampler: Callable = torch.randn
-) -> list[Tensor]:
-    """Random tensors shaped like every component: one draw over all of them, then split.
-
-    The numbers are those of a single ``sampler`` draw over the concatenated components (one
-    draw of its shape for a single tensor), so they do not depend on how a point is cut into
-    components.
-
-    Args:
-        point: The components.
-        generator: Random generator.
-        sampler: ``torch.randn`` (default) or ``torch.rand``.
-    """
-    first = point[0]
-    if any(t.device != first.device for t in point):  # a point across devices (a split model)
-        runs: dict[torch.device, list[int]] = {}
-        for k, t in enumerate(point):
-            runs.setdefault(t.device, []).append(k)
-        out: list[Tensor] = [first] * len(point)
-        for device, ks in runs.items():  # one draw per device, there, in first-seen order
-            drawn = draw_like([point[k] for k in ks], generator_for(generator, device), sampler)
-            for k, z in zip(ks, drawn, strict=True):
-                out[k] = z
-        return out
-    kw = {"generator": generator, "dtype": first.dtype, "device": first.device}
-    if len(point) == 1:
-        return [sampler(first.shape, **kw)]
-    sizes = [t.numel() for t in point]
-    flat = sampler(sum(sizes), **kw)
-    return [z.view(w.shape) for z, w in zip(flat.split(sizes), point, strict=True)]
-
-
-def generator_for(
-    generator: torch.Generator | None, device: torch.device
-) -> torch.Generator | None:
-    """A generator drawing on ``device``: ``generator`` itself where it draws there.
-
-    Elsewhere (a piece of a model split across devices), a generator on ``device`` seeded by
-    one number drawn from ``generator``: its noise is made on its device, reproducibly, and
-    the numbers of a model on one device are untouched.
-    """
-    if generator is None or _same_device(generator.device, device):
-        return generator
-    seed = torch.randint(0, 2**62, (), generator=generator, device=generator.device)
-    return torch.Generator(device=device).manual_seed(int(seed))
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Adaptive balls (element-wise), used by the ℓ2 and ℓ∞ adaptive sharpness baselines.
-# ---------------------------------------------------------------------------------------------
-def adaptive_norm(w: Tensor, xi: Tensor, p: float = 2.0) -> Tensor:
-    """``‖ξ ⊘ |w|‖_p`` over the non-frozen coordinates (``w_i ≠ 0``).
-
-    Args:
-        w: Weights.
-        xi: Perturbation, shaped like ``w``.
-        p: ``2`` or ``float("inf")``.
-
-    Returns:
-        A 0-dim tensor.
-
-    Raises:
-        ValueError: If ``p`` is not 2 or inf.
-    """
-    check_tensor("w", w)
-    check_like("xi", xi, "w", w)
-    mask = w != 0
-    r = torch.where(mask, xi / torch.where(mask, w, torch.ones_like(w)), torch.zeros_like(xi))
-    if p == 2:
-        return r.square().sum().sqrt()
-    if p == float("inf"):
-        return r.abs().max() if r.numel() else r.sum()
-    raise ValueError(f"p must be 2 or inf, got {p!r}")
-
-
-def linf_norm(w: Tensor, xi: Tensor) -> Tensor:
-    """Adaptive ℓ∞ norm ``max_i |ξ_i| / |w_i|`` over non-frozen coordinates."""
-    return adaptive_norm(w, xi, float("inf"))
-
-
-def project_linf_ball(w: Tensor, xi: Tensor, rho: float) -> Tensor:
-    """Euclidean projection onto the adaptive box ``|ξ_i| ≤ ρ |w_i|`` (a clamp; zeros frozen).
-
-    Example:
-        >>> import torch
-        >>> w = torch.tensor([1.0, -2.0, 0.0])
-        >>> project_linf_ball(w, torch.tensor([0.5, 0.5, 0.5]), rho=0.1).tolist()
-        [0.10000000149011612, 0.20000000298023224, 0.0]
-    """
-    bound = rho * w.abs()
-    return torch.maximum(torch.minimum(xi, bound), -bound)
-
-
-def project_l2_ball(w: Tensor, xi: Tensor, rho: float) -> Tensor:
-    """Metric projection onto the adaptive ball ``‖ξ ⊘ |w|‖₂ ≤ ρ`` (a radial rescale)."""
-    xi = torch.where(w != 0, xi, torch.zeros_like(xi))
-    n = adaptive_norm(w, xi, 2.0)
-    return xi * torch.clamp(rho / n.clamp_min(torch.finfo(xi.dtype).tiny), max=1.0)
