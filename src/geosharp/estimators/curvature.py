@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -268,10 +269,14 @@ def curvature(
     space = space if space_given else find_symmetries(model, key_bias=key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    theta0 = space.flatten(dict(model.named_parameters())).detach()
-    device = theta0.device
-    pert = Perturbation(space, theta0, measure=measure, metric=metric, order=2, eps=eps)
-    flat = Flat(pert.zeros(), theta0.dtype)
+    # The base point is the model's own parameters by name (no flat copy of θ, each on its
+    # device); flat vectors have the dtype a concatenation of them would have.
+    named = dict(model.named_parameters())
+    base = {n: named[n].detach() for n in space.param_names}
+    device = base[space.param_names[0]].device
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in base.values()))
+    pert = Perturbation(space, base, measure=measure, metric=metric, order=2, eps=eps)
+    flat = Flat(pert.zeros(), dtype)
     want_eig = "lambda_max" in quantities or "lambda_min" in quantities
     want_trace = "trace" in quantities
     name = (f"geodesic-{metric}" if measure == "geodesic" else measure) + " curvature"
@@ -341,7 +346,7 @@ def curvature(
         "n_key_biases_fixed": sum(blk.kind == "b_k" for blk in space.blocks)
         if measure == "geodesic" and metric != "adaptive"
         else 0,
-        "dtype": str(theta0.dtype),
+        "dtype": str(dtype),
         "device": str(device),
     }
     return CurvatureResult(

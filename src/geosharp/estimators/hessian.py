@@ -12,7 +12,8 @@ the metric ``g`` on the horizontal space is
 with ``⟨η, 𝓗ξ⟩_g = ηᵀ ∇²f(0) ξ`` for horizontal ``η``. :class:`HessianOperator` gives its
 products by double backward (never a dense Hessian); :func:`lanczos` estimates its extreme
 eigenvalues in the metric inner product, :func:`hutchinson`, :func:`hutchpp` and
-:func:`exact_trace` its trace. Vectors are flat (:class:`Flat`).
+:func:`exact_trace` its trace. Vectors are flat (:class:`Flat`; one flat tensor per run of
+devices on a model split across devices, :class:`SplitVector`).
 """
 
 from __future__ import annotations
@@ -37,32 +38,144 @@ def math_sdpa() -> contextlib.AbstractContextManager:
     return sdpa_kernel(SDPBackend.MATH)
 
 
+class SplitVector:
+    """A flat vector of a model split across devices: one flat tensor per run of devices.
+
+    The leaves of a perturbation, in piece order, fall into runs of one device each; each run
+    is a flat tensor on its device. Lanczos and the trace estimators use only these operations:
+    products with a number and sums run by run, and a dot product that brings one scalar per
+    run to the host. A model on one device never gets one (:class:`Flat` gives plain tensors).
+    """
+
+    def __init__(self, parts: list[Tensor]) -> None:
+        self.parts = parts
+
+    @property
+    def dtype(self) -> torch.dtype:  # noqa: D102
+        return self.parts[0].dtype
+
+    def numel(self) -> int:  # noqa: D102
+        return sum(p.numel() for p in self.parts)
+
+    def __matmul__(self, other: SplitVector) -> Tensor:
+        """The dot product, as a 0-dim float64 tensor on the host (one scalar per run moved)."""
+        total = sum(float(a @ b) for a, b in zip(self.parts, other.parts, strict=True))
+        return torch.tensor(total, dtype=torch.float64)
+
+    def __mul__(self, c: float | Tensor) -> SplitVector:
+        c = float(c)
+        return SplitVector([p * c for p in self.parts])
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, c: float | Tensor) -> SplitVector:
+        c = float(c)
+        return SplitVector([p / c for p in self.parts])
+
+    def sub_(self, other: SplitVector) -> SplitVector:  # noqa: D102
+        for a, b in zip(self.parts, other.parts, strict=True):
+            a.sub_(b)
+        return self
+
+    def clone(self) -> SplitVector:  # noqa: D102
+        return SplitVector([p.clone() for p in self.parts])
+
+    def any(self) -> bool:  # noqa: D102
+        return any(bool(p.any()) for p in self.parts)
+
+
 class Flat:
-    """Flat vectors ↔ perturbations (lists of tangent tuples) with the shapes of ``template``."""
+    """Flat vectors ↔ perturbations (lists of tangent tuples) with the shapes of ``template``.
+
+    On one device a flat vector is one tensor. On a model split across devices it is a
+    :class:`SplitVector`: the leaves are cut into runs of one device, each run concatenated on
+    its device, so that no vector is ever brought whole to one device.
+    """
 
     def __init__(self, template: Xi, dtype: torch.dtype) -> None:
         self.structure = [len(x) for x in template]
-        self.shapes = [t.shape for x in template for t in x]
-        self.dtypes = [t.dtype for x in template for t in x]
-        self.sizes = [t.numel() for x in template for t in x]
+        leaves = [t for x in template for t in x]
+        self.shapes = [t.shape for t in leaves]
+        self.dtypes = [t.dtype for t in leaves]
+        self.sizes = [t.numel() for t in leaves]
         self.dtype = dtype
-        self.device = template[0][0].device if template and template[0] else torch.device("cpu")
+        self.device = leaves[0].device if leaves else torch.device("cpu")
         self.numel = sum(self.sizes)
+        #: ``(device, number of leaves)`` of each run of one device, in leaf order.
+        self.runs: list[tuple[torch.device, int]] = []
+        for t in leaves:
+            if self.runs and self.runs[-1][0] == t.device:
+                self.runs[-1] = (t.device, self.runs[-1][1] + 1)
+            else:
+                self.runs.append((t.device, 1))
+        self.split = len(self.runs) > 1
 
-    def flatten(self, xi: Xi) -> Tensor:
+    def join(self, leaves: Sequence[Tensor]) -> Tensor | SplitVector:
+        """One flat vector of ``dtype`` from per-leaf tensors (in leaf order)."""
+        parts = [t.reshape(-1).to(self.dtype) for t in leaves]
+        if not self.split:
+            if not parts:
+                return torch.zeros(0, dtype=self.dtype, device=self.device)
+            return torch.cat(parts)
+        out, k = [], 0
+        for _, n in self.runs:
+            out.append(torch.cat(parts[k : k + n]))
+            k += n
+        return SplitVector(out)
+
+    def flatten(self, xi: Xi) -> Tensor | SplitVector:
         """One flat vector of ``dtype`` (the tangents concatenated in piece order)."""
-        parts = [t.reshape(-1).to(self.dtype) for x in xi for t in x]
-        if not parts:
-            return torch.zeros(0, dtype=self.dtype, device=self.device)
-        return torch.cat(parts)
+        return self.join([t for x in xi for t in x])
 
-    def unflatten(self, v: Tensor) -> Xi:
+    def leaves(self, v: Tensor | SplitVector) -> list[Tensor]:
+        """The per-leaf views of a flat vector (its dtype, flat)."""
+        if isinstance(v, SplitVector):
+            out, k = [], 0
+            for part, (_, n) in zip(v.parts, self.runs, strict=True):
+                out.extend(torch.split(part, self.sizes[k : k + n]))
+                k += n
+            return out
+        return list(torch.split(v, self.sizes))
+
+    def unflatten(self, v: Tensor | SplitVector) -> Xi:
         """The perturbation of a flat vector, each tangent in its own shape and dtype."""
         chunks = iter(
             c.view(s).to(d)
-            for c, s, d in zip(torch.split(v, self.sizes), self.shapes, self.dtypes, strict=True)
+            for c, s, d in zip(self.leaves(v), self.shapes, self.dtypes, strict=True)
         )
         return [tuple(next(chunks) for _ in range(k)) for k in self.structure]
+
+    def zeros(self) -> Tensor | SplitVector:
+        """The zero vector."""
+        if not self.split:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out, k = [], 0
+        for device, n in self.runs:
+            out.append(torch.zeros(sum(self.sizes[k : k + n]), dtype=self.dtype, device=device))
+            k += n
+        return SplitVector(out)
+
+    def unit(self, i: int) -> Tensor | SplitVector:
+        """The ``i``-th coordinate vector."""
+        e = self.zeros()
+        self._entry(e, i)[...] = 1.0
+        return e
+
+    def entry(self, v: Tensor | SplitVector, i: int) -> float:
+        """Coordinate ``i`` of ``v``."""
+        return float(self._entry(v, i))
+
+    def _entry(self, v: Tensor | SplitVector, i: int) -> Tensor:
+        if not isinstance(v, SplitVector):
+            return v[i]
+        k = 0
+        for part, (_, n) in zip(v.parts, self.runs, strict=True):
+            size = sum(self.sizes[k : k + n])
+            if i < size:
+                return part[i]
+            i -= size
+            k += n
+        raise IndexError("coordinate out of range")
 
 
 class HessianOperator:
@@ -91,7 +204,7 @@ class HessianOperator:
         """``∇²f(0) v`` (a Euclidean covector, flat)."""
         self.counter["hvp"] += 1
         if not self._live:
-            return torch.zeros_like(v)
+            return self.flat.zeros()
         parts = [t.reshape(-1) for x in self.flat.unflatten(v) for t in x]
         with torch.enable_grad(), math_sdpa():
             out = torch.autograd.grad(
@@ -103,16 +216,10 @@ class HessianOperator:
             )
         return self._cat(out)
 
-    def _cat(self, parts: Sequence[Tensor | None]) -> Tensor:
+    def _cat(self, parts: Sequence[Tensor | None]) -> Tensor | SplitVector:
         """Concatenate per-leaf tensors (``None``: zero) into a flat vector."""
-        if not self.leaves:
-            return torch.zeros(0, dtype=self.flat.dtype, device=self.flat.device)
-        return torch.cat(
-            [
-                (p if p is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
-                for p, t in zip(parts, self.leaves, strict=True)
-            ]
-        )
+        pairs = zip(parts, self.leaves, strict=True)
+        return self.flat.join([p if p is not None else torch.zeros_like(t) for p, t in pairs])
 
     def raise_index(self, covector: Tensor) -> Tensor:
         """``P g⁻¹ e``: the horizontal vector of a covector (the Riemannian gradient map)."""
@@ -135,13 +242,10 @@ class HessianOperator:
             )
             flat_a = [t for x in a for t in x]
             if not (isinstance(s, Tensor) and s.requires_grad):  # every piece held fixed
-                return torch.zeros_like(v)
+                return self.flat.zeros()
             g = torch.autograd.grad(s, flat_a, allow_unused=True)
-        return torch.cat(
-            [
-                (gi if gi is not None else torch.zeros_like(t)).reshape(-1).to(self.flat.dtype)
-                for gi, t in zip(g, flat_a, strict=True)
-            ]
+        return self.flat.join(
+            [gi if gi is not None else torch.zeros_like(t) for gi, t in zip(g, flat_a, strict=True)]
         )
 
     def norm(self, v: Tensor) -> float:
@@ -258,14 +362,11 @@ def hutchpp(op: HessianOperator, gen: torch.Generator, probes: int) -> tuple[flo
 def exact_trace(op: HessianOperator) -> float:
     """``tr(P g⁻¹ ∇²f P) = Σ_i (P g⁻¹ ∇²f P e_i)_i``: one product per coordinate."""
     total = 0.0
-    n = op.flat.numel
-    for i in range(n):
-        e = torch.zeros(n, dtype=op.flat.dtype, device=op.flat.device)
-        e[i] = 1.0
-        pe = op.project(e)
+    for i in range(op.flat.numel):
+        pe = op.project(op.flat.unit(i))
         if not bool(pe.any()):
             continue
-        total += float(op.raise_index(op.hvp(pe))[i])
+        total += op.flat.entry(op.raise_index(op.hvp(pe)), i)
     return total
 
 
