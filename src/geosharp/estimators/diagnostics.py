@@ -193,12 +193,18 @@ def balance(
 # the ascent optimum
 # ---------------------------------------------------------------------------------------------
 def _labels(space: ParameterSpace, device: torch.device) -> tuple[Tensor, list[str]]:
-    """A category id per coordinate of ``θ`` and the category names (``"rest"`` last)."""
+    """A category id per coordinate of ``θ`` and the category names (``"rest"`` last).
+
+    One byte per coordinate (``int8``: a model has a handful of block categories), not the eight
+    of an index tensor; the ids read for a piece are widened to ``long`` there.
+    """
     names: list[str] = []
-    labels = torch.full((space.numel(),), -1, dtype=torch.long, device=device)
+    labels = torch.full((space.numel(),), -1, dtype=torch.int8, device=device)
     for block in space.blocks:
         cat = block.category
         if cat not in names:
+            if len(names) == 126:  # with "rest", 127 ids: the most an int8 holds
+                raise ValueError("more than 126 block categories: the labels hold int8 ids")
             names.append(cat)
         labels[block.positions().to(device)] = names.index(cat)
     names.append("rest")
@@ -232,15 +238,15 @@ def budget_split(pert: Perturbation, xi: Xi) -> dict[str, float]:
         contrib = geom.coordinate_norm_sq(x)
         if contrib is not None:
             for c, idx in zip(contrib, index, strict=True):
-                total.index_add_(0, labels[idx.reshape(-1)], c.reshape(-1).to(torch.float64))
+                total.index_add_(0, labels[idx.reshape(-1)].long(), c.reshape(-1).to(torch.float64))
             continue
         v = geom.norm_sq(x).to(torch.float64)
         first = index[0]
         if v.dim() > 0 and tuple(v.shape) == tuple(first.shape[: v.dim()]):
             heads = first.reshape(*v.shape, -1)[..., 0].reshape(-1)  # one position per head
-            total.index_add_(0, labels[heads], v.reshape(-1))
+            total.index_add_(0, labels[heads].long(), v.reshape(-1))
         else:  # one value for the whole piece: it belongs to the category of its coordinates
-            total[labels[first.reshape(-1)[0]]] += v.sum()
+            total[int(labels[first.reshape(-1)[0]])] += v.sum()
     return {name: float(total[i]) for i, name in enumerate(names)}
 
 
