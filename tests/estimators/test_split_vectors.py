@@ -17,6 +17,8 @@ from torch import nn
 import geosharp as gs
 from geosharp.estimators.hessian import Flat, SplitVector
 
+from .test_device_placement import _batches, _model  # the same tiny encoder and batches
+
 # the module (the package exports a function of the same name)
 curvature_module = importlib.import_module("geosharp.estimators.curvature")
 
@@ -30,26 +32,6 @@ class _CutFlat(Flat):
         self.runs = [(self.device, min(2, n - k)) for k in range(0, n, 2)]
         self.split = len(self.runs) > 1
         assert self.split  # these tests' models have more than two leaves
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0),
-        nn.Flatten(),
-        nn.Linear(5 * 8, 3),
-    ).double()
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(4, 5, 8, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (4,), generator=g),
-        )
-        for _ in range(2)
-    ]
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic"])
