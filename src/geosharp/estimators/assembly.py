@@ -220,14 +220,13 @@ class _Assembly:
             j = self.gathered[g]
             shift[j] = start - space.offsets[j]
             start += size
-        starts = torch.tensor(space.offsets, dtype=torch.long, device=device)
         n_src = 0
         for k in syms:
             for comp in pieces[k].index:
                 positions = comp.reshape(-1)
                 for lo in range(0, positions.numel(), _CHUNK):
                     glob = positions[lo : lo + _CHUNK].to(device, torch.long)
-                    owner = torch.searchsorted(starts, glob, right=True) - 1
+                    owner = space.owners(glob)
                     index[glob + shift[owner]] = torch.arange(
                         n_src, n_src + glob.numel(), dtype=dtype, device=device
                     )

@@ -60,7 +60,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -87,6 +86,7 @@ from geosharp.estimators.hessian import (
     lanczos,
 )
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
+from geosharp.estimators.pieces import _flat_dtype
 from geosharp.estimators.sharded import check_unsharded
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
@@ -274,7 +274,7 @@ def curvature(
     named = dict(model.named_parameters())
     base = {n: named[n].detach() for n in space.param_names}
     device = base[space.param_names[0]].device
-    dtype = functools.reduce(torch.promote_types, (t.dtype for t in base.values()))
+    dtype = _flat_dtype(base.values())
     pert = Perturbation(space, base, measure=measure, metric=metric, order=2, eps=eps)
     flat = Flat(pert.zeros(), dtype)
     want_eig = "lambda_max" in quantities or "lambda_min" in quantities

@@ -108,7 +108,19 @@ class Flat:
                 self.runs[-1] = (t.device, self.runs[-1][1] + 1)
             else:
                 self.runs.append((t.device, 1))
-        self.split = len(self.runs) > 1
+
+    @property
+    def split(self) -> bool:
+        """Whether a flat vector is a :class:`SplitVector` (the leaves on several devices)."""
+        return len(self.runs) > 1
+
+    def _bounds(self) -> list[tuple[torch.device, int, int]]:
+        """``(device, first leaf, end leaf)`` of every run."""
+        out, lo = [], 0
+        for device, n in self.runs:
+            out.append((device, lo, lo + n))
+            lo += n
+        return out
 
     def join(self, leaves: Sequence[Tensor]) -> Tensor | SplitVector:
         """One flat vector of ``dtype`` from per-leaf tensors (in leaf order)."""
@@ -117,11 +129,7 @@ class Flat:
             if not parts:
                 return torch.zeros(0, dtype=self.dtype, device=self.device)
             return torch.cat(parts)
-        out, k = [], 0
-        for _, n in self.runs:
-            out.append(torch.cat(parts[k : k + n]))
-            k += n
-        return SplitVector(out)
+        return SplitVector([torch.cat(parts[lo:hi]) for _, lo, hi in self._bounds()])
 
     def flatten(self, xi: Xi) -> Tensor | SplitVector:
         """One flat vector of ``dtype`` (the tangents concatenated in piece order)."""
@@ -129,13 +137,10 @@ class Flat:
 
     def leaves(self, v: Tensor | SplitVector) -> list[Tensor]:
         """The per-leaf views of a flat vector (its dtype, flat)."""
-        if isinstance(v, SplitVector):
-            out, k = [], 0
-            for part, (_, n) in zip(v.parts, self.runs, strict=True):
-                out.extend(torch.split(part, self.sizes[k : k + n]))
-                k += n
-            return out
-        return list(torch.split(v, self.sizes))
+        if not isinstance(v, SplitVector):
+            return list(torch.split(v, self.sizes))
+        bounds = zip(v.parts, self._bounds(), strict=True)
+        return [c for part, (_, lo, hi) in bounds for c in torch.split(part, self.sizes[lo:hi])]
 
     def unflatten(self, v: Tensor | SplitVector) -> Xi:
         """The perturbation of a flat vector, each tangent in its own shape and dtype."""
@@ -149,11 +154,12 @@ class Flat:
         """The zero vector."""
         if not self.split:
             return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        out, k = [], 0
-        for device, n in self.runs:
-            out.append(torch.zeros(sum(self.sizes[k : k + n]), dtype=self.dtype, device=device))
-            k += n
-        return SplitVector(out)
+        return SplitVector(
+            [
+                torch.zeros(sum(self.sizes[lo:hi]), dtype=self.dtype, device=device)
+                for device, lo, hi in self._bounds()
+            ]
+        )
 
     def unit(self, i: int) -> Tensor | SplitVector:
         """The ``i``-th coordinate vector."""
@@ -168,13 +174,10 @@ class Flat:
     def _entry(self, v: Tensor | SplitVector, i: int) -> Tensor:
         if not isinstance(v, SplitVector):
             return v[i]
-        k = 0
-        for part, (_, n) in zip(v.parts, self.runs, strict=True):
-            size = sum(self.sizes[k : k + n])
-            if i < size:
+        for part in v.parts:
+            if i < part.numel():
                 return part[i]
-            i -= size
-            k += n
+            i -= part.numel()
         raise IndexError("coordinate out of range")
 
 

@@ -12,8 +12,9 @@ its block pieces on their parameters' devices, with no concatenation of ``θ₀`
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -74,6 +75,11 @@ def _base_params(space: ParameterSpace, theta0: Tensor | Mapping[str, Tensor]) -
     return {n: t.detach() for n, t in zip(space.param_names, checked, strict=True)}
 
 
+def _flat_dtype(tensors: Iterable[Tensor]) -> torch.dtype:
+    """The dtype of the tensors as one vector: what their concatenation would have."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
 def _rest_positions(
     space: ParameterSpace,
     layout: Sequence[tuple[int, Tensor | None]],
@@ -124,8 +130,7 @@ def _block_params(space: ParameterSpace, block: SymmetryBlock) -> list[int]:
                 continue
         flat = as_tensor(pos).reshape(-1).to("cpu", torch.long)
         if flat.numel():
-            starts = torch.tensor(space.offsets, dtype=torch.long, device="cpu")
-            found.update(torch.unique(torch.searchsorted(starts, flat, right=True) - 1).tolist())
+            found.update(torch.unique(space.owners(flat)).tolist())
     return sorted(found)
 
 
@@ -191,10 +196,7 @@ def _block_point(
         if not flat.numel():
             out.append(torch.empty(i.shape, dtype=dtype, device=i.device))
             continue
-        # the parameters the positions lie in, by their offsets (a few scalars)
-        starts = torch.tensor(space.offsets, dtype=flat.dtype, device=flat.device)
-        small = flat.dtype == torch.int32
-        owner = torch.searchsorted(starts, flat, right=True, out_int32=small) - 1
+        owner = space.owners(flat)  # the parameters the positions lie in
         counts = torch.bincount(owner, minlength=len(space.offsets))  # one per parameter
         js = torch.nonzero(counts).reshape(-1).tolist()
         if len(js) == 1:
@@ -227,9 +229,7 @@ def _block_pieces(
     if not groups:
         return []
     pieces = []
-    dtype = params[0].dtype
-    for p in params[1:]:  # the dtype of θ₀ as one vector (what a concatenation would give)
-        dtype = torch.promote_types(dtype, p.dtype)
+    dtype = _flat_dtype(params)  # the dtype of θ₀ as one vector
     for device, blocks in groups:
         cls = type(blocks[0])
         at = device if device is not None else params[0].device

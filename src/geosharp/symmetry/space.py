@@ -94,12 +94,11 @@ class ParameterSpace:
             touched: dict[int, Tensor] = {}
             if self.blocks:
                 # host bookkeeping, made on the CPU by name (never PyTorch's default device)
-                starts = torch.tensor(self.offsets, dtype=torch.long, device="cpu")
                 for b in self.blocks:
                     pos = b.positions().reshape(-1).cpu()
                     if not pos.numel():
                         continue
-                    owner = torch.searchsorted(starts, pos, right=True) - 1
+                    owner = self.owners(pos)
                     for j in torch.unique(owner).tolist():
                         sel = pos[owner == j] - self.offsets[j]
                         if j not in touched:
@@ -249,6 +248,21 @@ class ParameterSpace:
         params = dict(model.named_parameters())
         for name, value in self.unflatten(theta).items():
             params[name].copy_(value)
+
+    def owners(self, positions: Tensor) -> Tensor:
+        """The parameter holding every flat position of ``θ`` (its position in the space).
+
+        Args:
+            positions: Flat positions (``long`` or ``int32``), on any device.
+
+        Returns:
+            A tensor like ``positions`` (same shape, device and integer width) of parameter
+            positions in :attr:`param_names`; a position is owned by the last parameter that
+            starts at or before it (so never by an empty one).
+        """
+        starts = torch.tensor(self.offsets, dtype=positions.dtype, device=positions.device)
+        int32 = positions.dtype == torch.int32
+        return torch.searchsorted(starts, positions, right=True, out_int32=int32) - 1
 
     def locate(self, position: int) -> tuple[str, tuple[int, ...]]:
         """Parameter name and multi-index of one flat position of ``θ``.
