@@ -330,30 +330,46 @@ def in_place_ok(measure: str, rho: float) -> bool:
     return measure == "adaptive" and rho <= IN_PLACE_RHO
 
 
+def unsupported(
+    measure: str | None,
+    perturb: str | None,
+    kind: str | None,
+    restarts: int = 1,
+    random_init: bool = False,
+) -> str | None:
+    """Why a sharded model cannot be measured so yet, in one phrase (``None``: it can).
+
+    The one list of what the sharded path lacks, for ``gs.sharpness`` (:func:`check_supported`)
+    and ``gs.measure`` (:func:`geosharp.measuring.sharded.refusal`).
+    """
+    if measure == "geodesic" or perturb == "blocks":
+        return (
+            "the symmetry blocks' geometry on sharded rows (SPEC §10.2) is not implemented yet "
+            "(geodesic and attention-only measures)"
+        )
+    if kind != "worst":
+        return "the average case (random perturbations) of a sharded model is not implemented yet"
+    if restarts > 1 or random_init:
+        return "random starts on a sharded model are not implemented yet"
+    return None
+
+
 def check_supported(
     measure: str, perturb: str, kind: str, restarts: int, random_init: bool
 ) -> None:
-    """Refuse, in one line, what a sharded model cannot be measured with yet.
+    """Refuse, in one line, what a sharded model cannot be measured with yet (:func:`unsupported`).
 
     Raises:
         NotImplementedError: For geodesic sharpness or ``perturb="blocks"`` (the blocks' ``h × h``
             reductions of SPEC §10.2), the average case, or random starts.
     """
-    why = None
-    if measure == "geodesic" or perturb == "blocks":
-        why = (
-            f"measure={measure!r}, perturb={perturb!r}: the symmetry blocks' geometry on "
-            "sharded rows (SPEC §10.2) is not implemented yet; adaptive and euclidean "
-            "sharpness are"
-        )
-    elif kind != "worst":
-        why = "kind='average': random perturbations of a sharded model are not implemented yet"
-    elif restarts > 1 or random_init:
-        why = (
-            "restarts > 1 or random_init: random starts on a sharded model are not implemented yet"
-        )
+    why = unsupported(measure, perturb, kind, restarts, random_init)
     if why is not None:
-        raise NotImplementedError(f"a sharded (FSDP2) model: {why}")
+        raise NotImplementedError(
+            f"a sharded (FSDP2) model with measure={measure!r}, perturb={perturb!r}, "
+            f"kind={kind!r}, restarts={restarts}, random_init={random_init}: {why}; adaptive "
+            "and euclidean worst-case sharpness from ξ = 0 are measured"
+        )
 
 
 def objective_class(shards: ShardedParams) -> type:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from geosharp.estimators.sharded import ShardedParams
+from geosharp.estimators.sharded import ShardedParams, unsupported
 from geosharp.measures import Measure
 from geosharp.measuring.checks import batch_loss, check_finite_loss, count_unrepresentable
 from geosharp.measuring.errors import MeasureError
@@ -60,19 +60,13 @@ SUPPORTED = "adaptive-l2, adaptive-linf, euclidean-l2, euclidean-linf (worst cas
 
 def refusal(spec: Measure) -> str | None:
     """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can)."""
-    why = None
     kw = spec.kwargs()
     if spec.family == "curvature":
         why = "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
     elif spec.family == "relative flatness":
         why = "relative flatness of a sharded model is not implemented yet"
-    elif kw.get("measure") == "geodesic" or kw.get("perturb") == "blocks":
-        why = (
-            "the symmetry blocks' geometry on sharded rows (SPEC §10.2) is not implemented yet "
-            "(geodesic and attention-only measures)"
-        )
-    elif kw.get("kind") != "worst":
-        why = "the average case (random perturbations) of a sharded model is not implemented yet"
+    else:  # sharpness: what gs.sharpness's sharded path refuses
+        why = unsupported(kw.get("measure"), kw.get("perturb"), kw.get("kind"))
     if why is None:
         return None
     return (
