@@ -6,7 +6,11 @@ Every rank (gloo on CPU, ``torch.multiprocessing``) builds the same BERT from a 
 - two plain sharded steps (the model's own forward on the rank's rows, ``loss.backward()``:
   FSDP gathers each layer and reduce-scatters its gradient), the reference peak;
 - one ``gs.sharpness`` call (``--measure``, ℓ2, ``--rho``, ``--steps`` Auto-PGD steps): adaptive
-  at ρ ≤ 0.4 keeps the base point in the shards ("in place"), Euclidean (or a larger ρ) copies it.
+  at ρ ≤ 0.4 keeps the base point in the shards ("in place"), Euclidean (or a larger ρ) copies it;
+  ``geodesic-inv`` / ``geodesic-mix`` (order 2) run the attention blocks on the rank's rows with
+  ``h × h`` all-reduces (SPEC §10.2). The layers are sharded with
+  :func:`geosharp.shard_placement` (``--placement rows``, the default: Q/K/V along dimension 1)
+  or FSDP's default (``--placement default``, element-wise measures only).
 
 The peaks are the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``
 before each), with glibc told to return every buffer of 64 KiB or more to the system
@@ -103,9 +107,10 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
 
         model = build(args["hidden"], args["layers"])
         n_params = sum(p.numel() for p in model.parameters())
+        place = gs.shard_placement(model) if args["placement"] == "rows" else None
         for layer in model.bert.encoder.layer:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, shard_placement_fn=place)
+        fully_shard(model, shard_placement_fn=place)
         g = torch.Generator().manual_seed(1)
         rows = args["rows"] // world
         ids = torch.randint(1, 30000, (args["rows"], args["seq"]), generator=g)
@@ -134,12 +139,14 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         with Count() as cp:
             plain()
         reset_peak()
+        measure, _, metric = args["measure"].partition("-")
         with Count() as cc:
             res = gs.sharpness(
                 model,
                 ce,
                 mine,
-                measure=args["measure"],
+                measure=measure,
+                metric=metric or "inv",
                 rho=args["rho"],
                 steps=args["steps"],
                 progress=False,
@@ -175,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--measure", default="adaptive", help="adaptive or euclidean")
+    ap.add_argument(
+        "--measure",
+        default="adaptive",
+        help="adaptive, euclidean, geodesic-inv or geodesic-mix",
+    )
+    ap.add_argument("--placement", default="rows", choices=("rows", "default"))
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)

@@ -2,9 +2,13 @@
 
 Run as a script by ``test_fsdp.py`` (``torch.multiprocessing`` spawns the ranks, gloo on CPU):
 it measures every model unsharded in this process, then spawns each world size, whose ranks
-``fully_shard`` every layer and the root, measure the same model on their rows of every batch,
-and report their values and whether their shards came back bit-identical. It prints one JSON
-line.
+``fully_shard`` every layer and the root (with :func:`geosharp.shard_placement`: the Q/K/V
+projections and LoRA's ``A`` along their dimension 1, so that every rank holds whole rows of
+every head), measure the same model on their rows of every batch, and report their values and
+whether their shards came back bit-identical. It prints one JSON line.
+
+``bert-twin`` is the BERT with a random element of its symmetry group applied (the same
+function, other weights): its geodesic values must equal the BERT's.
 
     python tests/estimators/fsdp_worlds.py 1,2,4          # gloo on CPU (the test)
     python tests/estimators/fsdp_worlds.py 1,2 cuda       # nccl, one GPU per rank
@@ -24,17 +28,21 @@ import torch.multiprocessing as mp
 
 import geosharp as gs
 
-#: label → (measure, norm)
+#: label → (measure, norm, block metric)
 MEASURES = {
-    "adaptive": ("adaptive", "l2"),
-    "euclidean": ("euclidean", "l2"),
-    "adaptive-linf": ("adaptive", "linf"),
+    "adaptive": ("adaptive", "l2", "inv"),
+    "euclidean": ("euclidean", "l2", "inv"),
+    "adaptive-linf": ("adaptive", "linf", "inv"),
+    "geodesic-inv": ("geodesic", "l2", "inv"),
+    "geodesic-mix": ("geodesic", "l2", "mix"),
 }
 #: (model, dtype, rho) measured sharded and unsharded; bfloat16 at a radius that its 8-bit
 #: mantissa resolves (θ′ = w + ξ rounds ξ to ~1/256 of |w|: at ρ = 0.05 that is ~8 % of ξ)
 CASES = [
     ("bert", "float64", 0.05),
+    ("bert-twin", "float64", 0.05),
     ("bert", "float32", 0.05),
+    ("llama-gqa", "float64", 0.05),
     ("llama-gqa-lora", "float64", 0.05),
     ("llama-gqa-lora", "float32", 0.05),
     ("bert", "bfloat16", 0.5),
@@ -48,14 +56,18 @@ STEPS = 5
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A tiny model from its config, the same on every rank (seeded)."""
     torch.manual_seed(0)
+    if name == "bert-twin":
+        from geosharp.symmetry.reparametrize import reparametrize
+
+        return reparametrize(build("bert", dtype), torch.Generator().manual_seed(1), scale=3.0)
     if name == "bert":
         from transformers import BertConfig, BertForSequenceClassification
 
         cfg = BertConfig(
             vocab_size=50,  # 50 rows: uneven shards over 4 ranks
-            hidden_size=16,
+            hidden_size=32,
             num_hidden_layers=2,
-            num_attention_heads=2,
+            num_attention_heads=4,  # 4 heads of 8: b_q's shards hold whole heads at worlds ≤ 4
             intermediate_size=32,
             max_position_embeddings=16,
             num_labels=3,
@@ -78,6 +90,8 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
         pad_token_id=0,
     )
     base = LlamaForSequenceClassification(cfg).to(dtype).eval()
+    if name == "llama-gqa":  # a full fine-tune: its Q/K blocks are rotary (SPEC §8.5)
+        return base
     lora = LoraConfig(
         r=2,
         lora_alpha=4,
@@ -89,9 +103,11 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer layers, each its own FSDP unit."""
-    if hasattr(model, "bert"):
+    if hasattr(model, "bert"):  # also the twin
         return list(model.bert.encoder.layer)
-    return list(model.base_model.model.model.layers)
+    if hasattr(model, "base_model") and hasattr(model.base_model, "model"):  # PEFT
+        return list(model.base_model.model.model.layers)
+    return list(model.model.layers)
 
 
 def batches() -> list[tuple[dict, torch.Tensor]]:
@@ -121,10 +137,18 @@ def key(name: str, dt: str, rho: float) -> str:
 def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dict]:
     """Per measure: the value, the clean and the perturbed loss of every batch."""
     out = {}
-    for m, (measure, norm) in MEASURES.items():
+    for m, (measure, norm, metric) in MEASURES.items():
         r = rho / 10 if norm == "linf" else rho  # a box of side ρ|w| holds a far larger move
         res = gs.sharpness(
-            model, ce, data, measure=measure, norm=norm, rho=r, steps=STEPS, progress=False
+            model,
+            ce,
+            data,
+            measure=measure,
+            norm=norm,
+            metric=metric,
+            rho=r,
+            steps=STEPS,
+            progress=False,
         )
         out[m] = {
             "value": res.value,
@@ -154,9 +178,10 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
         n = ROWS // world
         for name, dt, rho in CASES:
             model = build(name, getattr(torch, dt)).to(dev)
+            place = gs.shard_placement(model)  # whole rows of every head on every rank
             for layer in layers(model):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, shard_placement_fn=place)
+            fully_shard(model, mesh=mesh, shard_placement_fn=place)
             before = [p._local_tensor.clone() for p in model.parameters()]
             mine = [
                 (

@@ -1,8 +1,11 @@
 """gs.sharpness of an FSDP2-sharded model equals the unsharded value (SPEC §10).
 
-``fsdp_worlds.py`` measures a tiny BERT and a Llama with grouped-query attention and a PEFT LoRA
-(built from configs) in one process, then at world sizes 1, 2 and 4 (gloo on CPU, every layer
-and the root under ``fully_shard``, every batch's rows split over the ranks). Asserted:
+``fsdp_worlds.py`` measures a tiny BERT and a Llama with grouped-query attention, fully trained
+(rotary Q/K blocks) and with a PEFT LoRA (LoRA GL(r) blocks), built from configs, in one process, then at world sizes 1, 2 and 4 (gloo on CPU, every layer
+and the root under ``fully_shard`` with :func:`geosharp.shard_placement`, every batch's rows
+split over the ranks), with adaptive and Euclidean (ℓ2, ℓ∞) and geodesic (inv, mix) sharpness;
+the geodesic ones run their GL(h) and LoRA GL(r) blocks on each rank's rows with ``h × h``
+reductions (SPEC §10.2). Asserted:
 
 - float64: every rank's value within 1e-10 (relative) of the unsharded one;
 - float32: the perturbed and clean losses within 1e-5 (relative), and the value within 1e-5 of
@@ -11,7 +14,9 @@ and the root under ``fully_shard``, every batch's rows split over the ranks). As
   the float64 one by up to 1e-4 relative here);
 - bfloat16 (BERT, loss in float32, ρ = 0.5): losses within 4e-3, and the value within 2 % of
   the float32 value on the same weights, sharded or not;
-- every rank gets the same numbers, and its shards are bit-identical after the calls.
+- every rank gets the same numbers, and its shards are bit-identical after the calls;
+- invariance on the sharded model: the BERT with a random group element applied has the
+  BERT's geodesic values (float64, 1e-9), while its adaptive value moves.
 """
 
 import json
@@ -61,10 +66,10 @@ def test_sharded_values_equal_the_unsharded_ones(worlds, world):
             for m, got in by_measure["values"].items():
                 want = ref[key][m]
                 rho = float(key.split("/")[2]) / (10 if m.endswith("linf") else 1)
-                in_place = m != "euclidean" and rho <= 0.4  # adaptive at ρ ≤ 0.4
+                in_place = m.startswith("adaptive") and rho <= 0.4  # adaptive at ρ ≤ 0.4
                 assert got["sharded"] == {
                     "world": int(world),
-                    "shard_dims": [0],
+                    "shard_dims": [0, 1],  # shard_placement: Q/K/V and LoRA A along dim 1
                     "base_point": "in place" if in_place else "copy",
                 }
                 assert want["sharded"] is None
@@ -101,3 +106,15 @@ def test_bfloat16_is_within_its_tolerance_of_float32_on_the_same_weights(worlds)
         for rank, out in ranks.items():
             for m, got in out["bert/bfloat16/0.5"]["values"].items():
                 assert _rel(got["value"], full[m]["value"]) <= 0.02, (world, rank, m)
+
+
+def test_geodesic_sharpness_is_invariant_on_the_sharded_model(worlds):
+    """A random group element applied to the BERT: the geodesic values do not move, sharded."""
+    ref = worlds["reference"]
+    base = ref["bert/float64/0.05"]
+    for world, ranks in worlds["worlds"].items():
+        for rank, out in ranks.items():
+            twin = out["bert-twin/float64/0.05"]["values"]
+            for m in ("geodesic-inv", "geodesic-mix"):
+                assert _rel(twin[m]["value"], base[m]["value"]) <= 1e-9, (world, rank, m)
+            assert _rel(twin["adaptive"]["value"], base["adaptive"]["value"]) > 1e-3

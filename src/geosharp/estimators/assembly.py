@@ -290,6 +290,11 @@ class _Assembly:
             ref = moved[self.sym_pieces[0]][0] if self.sym_pieces else rest[self.mixed[0]]
             for j, value in self._gathered(moved, ref.dtype).items():
                 out[self.names[j]] = value
+        if len(out) < len(self.names):  # empty parameters (a rank's empty shard): no coordinate
+            like = next(t for comps in moved for t in comps)
+            for j, name in enumerate(self.names):
+                if name not in out:
+                    out[name] = like.new_zeros(self.shapes[j], device=self.devices[j])
         return {name: out[name] for name in self.names}
 
     def _gathered(

@@ -389,10 +389,10 @@ def perturbation_of(
         ValueError: If the model has no trainable parameters, or ``perturb="blocks"`` and it
             has no symmetry blocks.
     """
+    blocks_needed = measure == "geodesic" or perturb == "blocks"
     if shards is not None:
-        space = shards.space()
+        space = shards.space() if not blocks_needed else shards.block_space(model, key_bias)
     elif space is None:
-        blocks_needed = measure == "geodesic" or perturb == "blocks"
 
         def find() -> ParameterSpace:
             if blocks_needed:
@@ -405,7 +405,7 @@ def perturbation_of(
         else:
             space = find()
     if shards is not None:  # a rank's shards may be empty; the model's parameters are not
-        base = shards.base
+        base = {**shards.base, **shards.padding}
     else:
         if space.numel() == 0:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
@@ -427,6 +427,7 @@ def perturbation_of(
             corrected_norm=corrected_norm,
             exact_steps=exact_steps,
             perturb=perturb,
+            row_sum=None if shards is None else shards.row_sum,
             **pert_kw,
         )
 

@@ -51,6 +51,7 @@ from geosharp.estimators.pieces import (
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
 from geosharp.geometry.draws import generator_for
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry import ParameterSpace
 
 MEASURES = ("geodesic", "adaptive", "euclidean")
@@ -84,6 +85,10 @@ class Perturbation:
         work_dtype: Dtype of the block geometries' per-step products (``None``: float64, on
             tangents kept in the model's dtype; the model's dtype runs them in float32, see
             :attr:`geosharp.geometry.GLExecution.work_dtype`).
+        row_sum: The space is one rank's shards of a sharded model, whose blocks hold this
+            rank's rows of their factors (:mod:`geosharp.estimators.sharded_space`); sums an
+            ``h × h`` contraction over the ranks (:attr:`GLExecution.row_sum
+            <geosharp.geometry.GLExecution.row_sum>`). ``None``: one process holds every row.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class Perturbation:
         exact_steps: int = 10,
         perturb: str = "all",
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> None:
         if perturb not in PERTURB:
             raise ValueError(f"perturb must be one of {PERTURB}, got {perturb!r}")
@@ -154,6 +160,7 @@ class Perturbation:
             eps=eps,
             corrected_norm=corrected_norm,
             work_dtype=work_dtype,
+            row_sum=row_sum,
         )
         self._layout = space.rest_layout()
         if self._layout:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from geosharp.geometry import ElementwiseGeometry, Geometry
 from geosharp.geometry.base import Tangent
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
@@ -221,11 +222,13 @@ def _block_pieces(
     eps: float,
     corrected_norm: bool,
     work_dtype: torch.dtype | None,
+    row_sum: RowSum | None = None,
 ) -> list[Piece]:
     """One piece per group of symmetry blocks, its geometry made on the group's device.
 
     See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
     """
+    split = {} if row_sum is None else {"row_sum": row_sum}  # rows split over ranks
     if not groups:
         return []
     pieces = []
@@ -240,7 +243,9 @@ def _block_pieces(
             geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
             piece_order: int | str = 1
         else:
-            geom = cls.geometry(blocks, point, metric=metric, eps=eps, work_dtype=work_dtype)
+            geom = cls.geometry(
+                blocks, point, metric=metric, eps=eps, work_dtype=work_dtype, **split
+            )
             piece_order = order
         if corrected_norm or geom.is_trivial:
             norm_geom = geom

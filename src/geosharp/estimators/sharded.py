@@ -25,10 +25,12 @@ takes the same step decisions and gets the same result. When the call ends the m
 hold their values again, bit for bit: subtracted exactly (:meth:`ShardedParams.shift`, adaptive
 sharpness at ``ρ ≤ 0.4``), or written back from a copy of the base point.
 
-What is supported: the element-wise measures (adaptive and Euclidean), worst case from
-``ξ = 0``, ℓ2 or ℓ∞ balls. The rest is refused in one line before any work
-(:func:`check_supported`): the symmetry blocks' geometry needs their ``h × h`` reductions
-(SPEC §10.2), which are not implemented yet.
+What is supported: worst case from ``ξ = 0`` with the element-wise measures (adaptive and
+Euclidean, ℓ2 or ℓ∞ balls) and with geodesic sharpness and the attention-only measures at order
+1 or 2: their symmetry blocks are laid out on the rank's rows
+(:mod:`~geosharp.estimators.sharded_space`, SPEC §10.6) and their geometry sums its ``h × h``
+contractions over the ranks (:meth:`ShardedParams.row_sum`). The rest (the exact geodesic, the
+average case, random starts) is refused in one line before any work (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -171,6 +173,43 @@ class ShardedParams:
         }
         self._shifted: Sequence[Tensor] | None = None
         self._bits = _bits(self.locals) if in_place else None
+        #: the positions of every shard's negative zeros (in place): ``w + ξ − ξ`` turns ``−0``
+        #: into ``+0`` (``−0 + 0 = +0``), so :meth:`unshift` writes them back
+        self._negative_zeros = [_negative_zeros(t) for t in self.locals] if in_place else []
+        #: collectives made by :meth:`sum` and :meth:`row_sum` (besides FSDP's own)
+        self.collectives = 0
+        #: the zero rows padding the rank's block heads (:func:`block_space`), by name
+        self.padding: dict[str, Tensor] = {}
+
+    def block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
+        """The rank's space with the model's symmetry blocks on the rank's rows (SPEC §10.1).
+
+        See :func:`~geosharp.estimators.sharded_space.local_space`; its zero padding rows
+        become :attr:`padding` (a part of the base point, never written to the model).
+        """
+        from geosharp.estimators.sharded_space import local_space
+
+        space, self.padding = local_space(model, self, key_bias)
+        return space
+
+    def row_sum(self, t: Tensor) -> Tensor:
+        """``t`` (``h × h`` contractions of the rank's rows) summed over the ranks (SPEC §10.2).
+
+        Differentiable (the adjoint of a sum over ranks is a sum over ranks of the adjoints);
+        half precision is summed in float32.
+        """
+        import torch.distributed as dist
+
+        wide = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+        if wide.requires_grad:
+            from torch.distributed.nn.functional import all_reduce
+
+            out = all_reduce(wide, group=self.group)
+        else:
+            out = wide.detach().clone()
+            dist.all_reduce(out, group=self.group)
+        self.collectives += 1
+        return out.to(t.dtype)
 
     def describe(self) -> dict[str, Any]:
         """What a result records of the sharding.
@@ -216,7 +255,9 @@ class ShardedParams:
         :meth:`~geosharp.estimators.perturbation.Perturbation.applied`). Wherever
         ``|ξ_i| ≤ |w_i| / 2`` (or ``w_i = 0``) the subtraction is exact (Sterbenz), so
         ``w + ξ′`` is a float: the shards hold ``fl(w + ξ)`` and :meth:`unshift` gives ``w``
-        back bit for bit. The adaptive ball of radius ``ρ ≤ 0.4`` guarantees the condition
+        back bit for bit (a negative zero ``w_i = −0`` becomes ``+0`` in ``w + ξ′``; its position
+        is kept and :meth:`unshift` writes it back). The adaptive ball of radius ``ρ ≤ 0.4``
+        guarantees the condition
         (``|ξ_i| ≤ ρ |w_i|``); the call checks the bits at its end (:meth:`restore`).
         """
         self.reshard()
@@ -233,6 +274,9 @@ class ShardedParams:
         with torch.no_grad():
             for x, w in zip(self._shifted, self.locals, strict=True):
                 w.sub_(x)
+            for w, where in zip(self.locals, self._negative_zeros, strict=True):
+                if where.numel():
+                    w[torch.unravel_index(where, w.shape)] = -0.0
         self._shifted = None
 
     def to_base(self) -> None:
@@ -280,6 +324,7 @@ class ShardedParams:
         loss.backward()
         g = self.grads()
         self.zero_grad()
+        g.update((n, torch.zeros_like(t)) for n, t in self.padding.items())  # never in the loss
         return g
 
     def sum(self, t: Tensor) -> Tensor:
@@ -288,6 +333,7 @@ class ShardedParams:
 
         out = t.detach().to(device=self.locals[0].device, dtype=torch.float64).clone()
         dist.all_reduce(out, group=self.group)
+        self.collectives += 1
         return out
 
     def mean_loss(self, loss: Tensor) -> float:
@@ -313,11 +359,28 @@ def _bits(tensors: Sequence[Tensor]) -> list[int]:
     changes in one tensor would be needed to hide one.
     """
     ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    out = []
     with torch.no_grad():
-        return [
-            int(t.detach().reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64))
-            for t in tensors
-        ]
+        for t in tensors:
+            words = t.detach().reshape(-1).view(ints[t.element_size()])
+            # chunk by chunk: a sum in int64 widens its input, so a whole-tensor sum would
+            # make an int64 copy of the largest shard (twice a float32 one)
+            out.append(sum(int(c.sum(dtype=torch.int64)) for c in words.split(_CHUNK)))
+    return out
+
+
+#: Elements read at a time by the shard-wide checks (bounds their temporaries).
+_CHUNK = 1 << 20
+
+
+def _negative_zeros(t: Tensor) -> Tensor:
+    """The flat positions of ``t``'s negative zeros (``-0.0``), read chunk by chunk."""
+    flat = t.detach().reshape(-1)
+    found = []
+    for lo in range(0, flat.numel(), _CHUNK):
+        c = flat[lo : lo + _CHUNK]
+        found.append(torch.nonzero((c == 0) & torch.signbit(c)).reshape(-1) + lo)
+    return torch.cat(found) if found else torch.zeros(0, dtype=torch.long, device=t.device)
 
 
 #: The largest adaptive radius whose ball keeps ``|ξ_i| ≤ |w_i| / 2`` with a margin for the
@@ -336,17 +399,15 @@ def unsupported(
     kind: str | None,
     restarts: int = 1,
     random_init: bool = False,
+    order: int | str | None = 2,
 ) -> str | None:
     """Why a sharded model cannot be measured so yet, in one phrase (``None``: it can).
 
     The one list of what the sharded path lacks, for ``gs.sharpness`` (:func:`check_supported`)
     and ``gs.measure`` (:func:`geosharp.measuring.sharded.refusal`).
     """
-    if measure == "geodesic" or perturb == "blocks":
-        return (
-            "the symmetry blocks' geometry on sharded rows (SPEC §10.2) is not implemented yet "
-            "(geodesic and attention-only measures)"
-        )
+    if order == "exact" and (measure == "geodesic" or perturb == "blocks"):
+        return "the exact (RK4) geodesic on sharded rows is not implemented yet (use order 1 or 2)"
     if kind != "worst":
         return "the average case (random perturbations) of a sharded model is not implemented yet"
     if restarts > 1 or random_init:
@@ -355,21 +416,32 @@ def unsupported(
 
 
 def check_supported(
-    measure: str, perturb: str, kind: str, restarts: int, random_init: bool
+    measure: str,
+    perturb: str,
+    kind: str,
+    restarts: int,
+    random_init: bool,
+    order: int | str = 2,
 ) -> None:
     """Refuse, in one line, what a sharded model cannot be measured with yet (:func:`unsupported`).
 
     Raises:
-        NotImplementedError: For geodesic sharpness or ``perturb="blocks"`` (the blocks' ``h × h``
-            reductions of SPEC §10.2), the average case, or random starts.
+        NotImplementedError: For the exact (RK4) geodesic, the average case, or random starts.
     """
-    why = unsupported(measure, perturb, kind, restarts, random_init)
+    why = unsupported(measure, perturb, kind, restarts, random_init, order)
     if why is not None:
         raise NotImplementedError(
             f"a sharded (FSDP2) model with measure={measure!r}, perturb={perturb!r}, "
-            f"kind={kind!r}, restarts={restarts}, random_init={random_init}: {why}; adaptive "
-            "and euclidean worst-case sharpness from ξ = 0 are measured"
+            f"kind={kind!r}, order={order!r}, restarts={restarts}, random_init={random_init}: "
+            f"{why}; {SUPPORTED_PHRASE} are measured"
         )
+
+
+#: What a sharded model is measured with, for the refusals.
+SUPPORTED_PHRASE = (
+    "worst-case sharpness from ξ = 0 (adaptive, euclidean, geodesic and attention-only at "
+    "order 1 or 2)"
+)
 
 
 def objective_class(shards: ShardedParams) -> type:
@@ -470,6 +542,6 @@ def objective_class(shards: ShardedParams) -> type:
                 g = shards.backward(loss)
             del loss
             self.counter["backward"] += 1
-            return value, self.pert.grad_at_zero([g[n] for n in shards.names])
+            return value, self.pert.grad_at_zero([g[n] for n in self.pert.space.param_names])
 
     return ShardedObjective

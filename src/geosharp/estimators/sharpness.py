@@ -252,7 +252,7 @@ def sharpness(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     shards = None
     if is_sharded(model):
-        check_supported(measure, perturb, kind, restarts, random_init)
+        check_supported(measure, perturb, kind, restarts, random_init, order)
         if space is not None:
             raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
         if distributed:

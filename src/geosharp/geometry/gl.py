@@ -174,11 +174,11 @@ class GLGeometry(Geometry):
     # -- the vertical-space solve: what a subgroup replaces --------------------------------------
     def _factorize(self, G: Tensor, H: Tensor, check: RankCheck) -> GLFactors:
         """The base-point factors of ``(G, H)`` (in their dtype) the metric and :meth:`_lam` use."""
-        return factorize(G, H, self.metric, self.eps, check)
+        return factorize(G, H, self.metric, self.eps, check, self.execution.row_sum)
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve :func:`~geosharp.geometry.gl_math.lam` (SPEC §4.4)."""
-        return gl_math.lam(G, H, xG, xH, F, self.metric)
+        return gl_math.lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
 
     # -- validation and dtypes ------------------------------------------------------------------
     @property
@@ -324,7 +324,9 @@ class GLGeometry(Geometry):
         """
         xG, xH = self._check_tangent(xi)
         G, H = self._point()
-        res = gl_math.horizontal_residual(G, H, xG, xH, self.factors, self.metric)
+        res = gl_math.horizontal_residual(
+            G, H, xG, xH, self.factors, self.metric, self.execution.row_sum
+        )
         return res.to(xi[0].dtype)
 
     def riemannian_grad(self, egrad: Tangent) -> Tangent:
@@ -339,14 +341,16 @@ class GLGeometry(Geometry):
         xG, xH = self._check_tangent(xi)
         G, H = self._point()
         F = self.factors
-        gG, gH = gl_math.christoffel(G, H, xG, xH, F.MG_inv, F.MH_inv, self.metric)
+        rs = self.execution.row_sum
+        gG, gH = gl_math.christoffel(G, H, xG, xH, F.MG_inv, F.MH_inv, self.metric, rs)
         return gG.to(xi[0].dtype), gH.to(xi[0].dtype)
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
         """Christoffel form with the (damped) Gram matrices evaluated at ``point``."""
         out_dtype = point[0].dtype
         G, H, xG, xH = self.execution.widen(*point, *xi)
-        gG, gH = gl_math.christoffel_at(G, H, xG, xH, self.metric, self.eps)
+        rs = self.execution.row_sum
+        gG, gH = gl_math.christoffel_at(G, H, xG, xH, self.metric, self.eps, rs)
         return gG.to(out_dtype), gH.to(out_dtype)
 
     def pulls_back(self, order: int | str) -> bool:
@@ -369,7 +373,9 @@ class GLGeometry(Geometry):
         if order == 2:
             self._validate_tangent(xi)  # checked, cast to the endpoint's dtype
             G, H, xG, xH = (t.to(ex.endpoint_dtype) for t in (self.G, self.H, *xi))
-            out = gl_math.order2_endpoint(G, H, xG, xH, *self._endpoint_inv, self.metric)
+            out = gl_math.order2_endpoint(
+                G, H, xG, xH, *self._endpoint_inv, self.metric, ex.row_sum
+            )
             return tuple(t.to(self.dtype) for t in out)
         if order == 1 and xi[0].dtype == xi[1].dtype == self.dtype:
             self._validate_tangent(xi)  # tangents in the model's dtype: G + ξ is one rounding
@@ -416,7 +422,7 @@ class GLGeometry(Geometry):
         if held is None:
             ex = self.execution
             G, H = self.G.to(ex.factor_dtype), self.H.to(ex.factor_dtype)
-            pair = sampling_roots(G, H, self.metric, self.eps)
+            pair = sampling_roots(G, H, self.metric, self.eps, ex.row_sum)
             held = tuple(t.to(ex.work_dtype) for t in pair)
             self.__dict__["_sampler_pair"] = held
         return held

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from geosharp.geometry.gl_rows import RowSum, contract
+
 __all__: list[str] = []
 
 
@@ -46,21 +48,23 @@ def _order2_matrices(
     MG_inv: Tensor,
     MH_inv: Tensor,
     metric: str,
+    row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
     """The ``h × h`` factors ``(C_G, B_G, C_H, B_H, s)`` of ``G′ = G + ξ_G C_G + s·G B_G``.
 
-    ``G′ = G + ξ_G C_G + s·G B_G`` is :func:`geosharp.geometry.gl_math.order2_endpoint`.
+    ``G′ = G + ξ_G C_G + s·G B_G`` is :func:`geosharp.geometry.gl_math.order2_endpoint`. Its
+    four contractions ``ξ_Gᵀ G``, ``ξ_Hᵀ H``, ``ξ_Gᵀ ξ_G``, ``ξ_Hᵀ ξ_H`` are summed over the
+    ranks in one ``row_sum`` (rows split over ranks, SPEC §10.2).
     """
-    XG = xG.mT @ G
-    XH = xH.mT @ H
+    XG, XH, KG, KH = contract((xG, G), (xH, H), (xG, xG), (xH, xH), row_sum=row_sum)
     eye = _eye_like(XG)
     if metric == "inv":
         cG = eye + 0.5 * (MG_inv @ (XG + XG.mT))
         cH = eye + 0.5 * (MH_inv @ (XH + XH.mT))
-        return cG, MG_inv @ (xG.mT @ xG), cH, MH_inv @ (xH.mT @ xH), -0.5
+        return cG, MG_inv @ KG, cH, MH_inv @ KH, -0.5
     cG = eye - 0.5 * ((XH + XH.mT) @ MH_inv)
     cH = eye - 0.5 * ((XG + XG.mT) @ MG_inv)
-    return cG, (xH.mT @ xH) @ MH_inv, cH, (xG.mT @ xG) @ MG_inv, 0.5
+    return cG, KH @ MH_inv, cH, KG @ MG_inv, 0.5
 
 
 def _order2_forward(
@@ -72,13 +76,14 @@ def _order2_forward(
     MH_inv: Tensor,
     metric: str,
     inplace: bool = False,
+    row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
     """``(G′, H′, C_G, C_H, s)``: the endpoint and the factors its backward needs.
 
     ``G′ = G (I + s B_G) + ξ_G C_G``: two products, the second accumulated into the first
     (``inplace``, outside autograd; otherwise one ``baddbmm``), with no pass that copies ``G``.
     """
-    cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
+    cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
     Gp = _add_mm(G @ _add_eye(bG, s), xG, cG, inplace=inplace)
     Hp = _add_mm(H @ _add_eye(bH, s), xH, cH, inplace=inplace)
     return Gp, Hp, cG, cH, s
@@ -129,25 +134,32 @@ class _Order2Endpoint(torch.autograd.Function):
     (and ``G ↔ H``). The backward is made of differentiable operations on the inputs (``C`` is
     recomputed from ``ξ`` when a graph of the backward is asked for), so Hessian-vector
     products through the endpoint (:func:`geosharp.curvature`) are exact.
+
+    With the rows split over ranks (``row_sum``, SPEC §10.2) the forward sums its four
+    contractions over the ranks, and the backward the four of its adjoint (``ξ_Gᵀ g_G``,
+    ``Gᵀ g_G`` and the same for H): ``C`` and ``B`` are shared by every rank's rows, so their
+    adjoints are the sums of the ranks' parts. One collective each way.
     """
 
     @staticmethod
-    def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric):
-        Gp, Hp, cG, cH, s = _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric, inplace=True)
+    def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric, row_sum=None):
+        Gp, Hp, cG, cH, s = _order2_forward(
+            G, H, xG, xH, MG_inv, MH_inv, metric, inplace=True, row_sum=row_sum
+        )
         ctx.save_for_backward(xG, xH, G, H, MG_inv, MH_inv, cG, cH)
-        ctx.metric, ctx.s = metric, s
+        ctx.metric, ctx.s, ctx.row_sum = metric, s, row_sum
         return Gp, Hp
 
     @staticmethod
     def backward(ctx, gG, gH):
         xG, xH, G, H, MG_inv, MH_inv, cG, cH = ctx.saved_tensors
-        metric, s = ctx.metric, ctx.s
+        metric, s, row_sum = ctx.metric, ctx.s, ctx.row_sum
         if torch.is_grad_enabled():  # create_graph: C as a function of ξ, not a constant
-            cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric)
+            cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
         gG = torch.zeros_like(G) if gG is None else gG
         gH = torch.zeros_like(H) if gH is None else gH
-        dCG, dBG = xG.mT @ gG, s * (G.mT @ gG)
-        dCH, dBH = xH.mT @ gH, s * (H.mT @ gH)
+        dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
+        dBG, dBH = s * dBG, s * dBH
         if metric == "inv":
             dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
             dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
@@ -157,4 +169,4 @@ class _Order2Endpoint(torch.autograd.Function):
         # accumulated into the fresh g C^T (no copy of an n × h tensor)
         dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
         dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
-        return dxG, dxH, None, None, None, None, None
+        return dxG, dxH, None, None, None, None, None, None

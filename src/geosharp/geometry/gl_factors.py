@@ -26,6 +26,7 @@ from torch import Tensor
 
 from geosharp.geometry._validate import singular_threshold
 from geosharp.geometry.gl_endpoint import _eye_like
+from geosharp.geometry.gl_rows import RowSum, contract
 
 __all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
 
@@ -33,9 +34,9 @@ __all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
 RankCheck = Callable[[str, Tensor], None]
 
 
-def _gram(X: Tensor, eps: float) -> Tensor:
-    """Damped Gram matrix ``XᵀX + εI`` (batched)."""
-    M = X.mT @ X
+def _gram(X: Tensor, eps: float, row_sum: RowSum | None = None) -> Tensor:
+    """Damped Gram matrix ``XᵀX + εI`` (batched; ``XᵀX`` summed over ranks by ``row_sum``)."""
+    (M,) = contract((X, X), row_sum=row_sum)
     if eps:
         M = M + eps * _eye_like(M)
     return M
@@ -98,15 +99,26 @@ class GLFactors:
         return dataclasses.replace(self, **changes)
 
 
-def factorize(G: Tensor, H: Tensor, metric: str, eps: float, check: RankCheck) -> GLFactors:
+def factorize(
+    G: Tensor,
+    H: Tensor,
+    metric: str,
+    eps: float,
+    check: RankCheck,
+    row_sum: RowSum | None = None,
+) -> GLFactors:
     """The per-head factors of the base point ``(G, H)``, in the dtype of ``G`` and ``H``.
 
     ``M_G``, ``M_H`` and their inverses; for ``metric="inv"`` also the Sylvester factors
     ``S = M_H^{1/2} Q``, ``S⁻¹ = Qᵀ M_H^{−1/2}`` and the eigenvalues ``D`` of
     ``M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ`` (the denominators ``d_i + d_j`` are formed where they
-    are used). ``check`` sees both spectra before anything is inverted.
+    are used). ``check`` sees both spectra before anything is inverted. With ``row_sum`` (rows
+    split over ranks) ``GᵀG`` and ``HᵀH`` are summed over the ranks in one collective; every
+    factorization after it is of replicated ``h × h`` matrices, the same on every rank.
     """
-    MG, MH = _gram(G, eps), _gram(H, eps)
+    MG, MH = contract((G, G), (H, H), row_sum=row_sum)
+    if eps:
+        MG, MH = MG + eps * _eye_like(MG), MH + eps * _eye_like(MH)
     lg, Ug = _spd_funcs(MG)
     lh, Uh = _spd_funcs(MH)
     check("G", lg)
@@ -123,14 +135,16 @@ def factorize(G: Tensor, H: Tensor, metric: str, eps: float, check: RankCheck) -
     return GLFactors(MG, MH, MG_inv, MH_inv, S=MH_sqrt @ Q, S_inv=S_inv, eig=d)
 
 
-def sampling_roots(G: Tensor, H: Tensor, metric: str, eps: float) -> tuple[Tensor, Tensor]:
+def sampling_roots(
+    G: Tensor, H: Tensor, metric: str, eps: float, row_sum: RowSum | None = None
+) -> tuple[Tensor, Tensor]:
     """The square roots an isotropic Gaussian in the metric is multiplied by (SPEC §6).
 
     inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. The same operations as
     :func:`factorize` on the same inputs, so the same Gram spectra.
     """
-    lg, Ug = _spd_funcs(_gram(G, eps))
-    lh, Uh = _spd_funcs(_gram(H, eps))
+    lg, Ug = _spd_funcs(_gram(G, eps, row_sum))
+    lh, Uh = _spd_funcs(_gram(H, eps, row_sum))
     if metric == "inv":
         return _apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt())
     return _apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt())

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from geosharp.geometry.gl_endpoint import _add_mm, _hand_backward, _order2_forward, _Order2Endpoint
 from geosharp.geometry.gl_factors import GLFactors, _gram
+from geosharp.geometry.gl_rows import RowSum, contract
 
 __all__ = [
     "christoffel",
@@ -92,16 +93,26 @@ def vertical(G: Tensor, H: Tensor, omega: Tensor) -> tuple[Tensor, Tensor]:
     return -G @ omega, H @ omega.mT
 
 
-def lam(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: GLFactors, metric: str) -> Tensor:
+def lam(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    F: GLFactors,
+    metric: str,
+    row_sum: RowSum | None = None,
+) -> Tensor:
     """The ``Λ`` of the horizontal projection ``P(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (SPEC §4.4).
 
     The vertical-space solve of GL(h). mix: ``Λ = ½ (ξ_Hᵀ H M_H⁻¹ − M_G⁻¹ Gᵀ ξ_G)``. inv
     (corrected): ``AΛ + ΛA = B`` with ``A = M_H M_G`` and ``B = ξ_Hᵀ H M_G − M_H Gᵀ ξ_G``,
-    solved as ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``.
+    solved as ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``. ``row_sum``: rows split
+    over ranks (:mod:`~geosharp.geometry.gl_rows`).
     """
+    XH, GX = contract((xH, H), (G, xG), row_sum=row_sum)
     if metric == "mix":
-        return 0.5 * ((xH.mT @ H) @ F.MH_inv - F.MG_inv @ (G.mT @ xG))
-    B = (xH.mT @ H) @ F.MG - F.MH @ (G.mT @ xG)
+        return 0.5 * (XH @ F.MH_inv - F.MG_inv @ GX)
+    B = XH @ F.MG - F.MH @ GX
     S, d = F.S, F.eig
     Y = (F.S_inv @ B @ S) / (d.unsqueeze(-1) + d.unsqueeze(-2))
     return S @ Y @ F.S_inv
@@ -118,20 +129,35 @@ def horizontal_projection(
 
 
 def horizontal_residual(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: GLFactors, metric: str
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    F: GLFactors,
+    metric: str,
+    row_sum: RowSum | None = None,
 ) -> Tensor:
     """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (SPEC §4.3).
 
     inv: ``ξ_Gᵀ G M_H − M_G Hᵀ ξ_H``; mix: ``Gᵀ ξ_G M_H − M_G ξ_Hᵀ H``.
     """
     if metric == "inv":
-        return (xG.mT @ G) @ F.MH - F.MG @ (H.mT @ xH)
-    return (G.mT @ xG) @ F.MH - F.MG @ (xH.mT @ H)
+        XG, HX = contract((xG, G), (H, xH), row_sum=row_sum)
+        return XG @ F.MH - F.MG @ HX
+    GX, XH = contract((G, xG), (xH, H), row_sum=row_sum)
+    return GX @ F.MH - F.MG @ XH
 
 
 # -- geodesics (SPEC §4.5–§4.6) -------------------------------------------------------------------
 def christoffel(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+    row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The Christoffel quadratic form ``Γ(ξ, ξ)`` at ``(G, H)`` (SPEC §4.5).
 
@@ -143,27 +169,32 @@ def christoffel(
         mix:  Γ_G = ξ_G (ξ_Hᵀ H + Hᵀ ξ_H) M_H⁻¹ − G ξ_Hᵀ ξ_H M_H⁻¹
               Γ_H = ξ_H (ξ_Gᵀ G + Gᵀ ξ_G) M_G⁻¹ − H ξ_Gᵀ ξ_G M_G⁻¹
     """
-    XG = xG.mT @ G
-    XH = xH.mT @ H
+    XG, XH, KG, KH = contract((xG, G), (xH, H), (xG, xG), (xH, xH), row_sum=row_sum)
     if metric == "inv":
-        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ (xG.mT @ xG))
-        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ (xH.mT @ xH))
+        gG = -xG @ (MG_inv @ (XG + XG.mT)) + G @ (MG_inv @ KG)
+        gH = -xH @ (MH_inv @ (XH + XH.mT)) + H @ (MH_inv @ KH)
         return gG, gH
-    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ ((xH.mT @ xH) @ MH_inv)
-    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ ((xG.mT @ xG) @ MG_inv)
+    gG = xG @ ((XH + XH.mT) @ MH_inv) - G @ (KH @ MH_inv)
+    gH = xH @ ((XG + XG.mT) @ MG_inv) - H @ (KG @ MG_inv)
     return gG, gH
 
 
 def christoffel_at(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, metric: str, eps: float
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    metric: str,
+    eps: float,
+    row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`christoffel` with the damped Gram matrices of the point ``(G, H)`` itself.
 
     The right-hand side ``−Γ_γ(γ̇, γ̇)`` of the geodesic ODE (SPEC §4.5).
     """
-    MG_inv = torch.linalg.inv(_gram(G, eps))
-    MH_inv = torch.linalg.inv(_gram(H, eps))
-    return christoffel(G, H, xG, xH, MG_inv, MH_inv, metric)
+    MG_inv = torch.linalg.inv(_gram(G, eps, row_sum))
+    MH_inv = torch.linalg.inv(_gram(H, eps, row_sum))
+    return christoffel(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
 
 
 def order1_endpoint(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> tuple[Tensor, Tensor]:
@@ -172,7 +203,14 @@ def order1_endpoint(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> tuple[Tenso
 
 
 def order2_endpoint(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+    row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The order-2 endpoint ``(G, H) + ξ − ½Γ(ξ, ξ)`` of :func:`christoffel` (SPEC §4.6).
 
@@ -189,5 +227,5 @@ def order2_endpoint(
     :class:`~geosharp.geometry.gl_endpoint._Order2Endpoint`; otherwise autograd's.
     """
     if _hand_backward(xG, xH) and not any(t.requires_grad for t in (G, H, MG_inv, MH_inv)):
-        return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric)
-    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric)[:2]
+        return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric, row_sum)
+    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum=row_sum)[:2]

@@ -49,6 +49,7 @@ from torch import Tensor
 from geosharp.geometry.gl import DEFAULT_EPS, GLGeometry
 from geosharp.geometry.gl_execution import GLExecution
 from geosharp.geometry.gl_factors import GLFactors, RankCheck
+from geosharp.geometry.gl_rows import RowSum, contract
 
 __all__ = [
     "BlockDiagonalAlgebra",
@@ -196,7 +197,12 @@ class SubgroupFactors(GLFactors):
 
 # -- the math of the 𝔨 solve: pure functions of the factors ---------------------------------------
 def subgroup_factors(
-    G: Tensor, H: Tensor, F: GLFactors, algebra: BlockDiagonalAlgebra, metric: str
+    G: Tensor,
+    H: Tensor,
+    F: GLFactors,
+    algebra: BlockDiagonalAlgebra,
+    metric: str,
+    row_sum: RowSum | None = None,
 ) -> SubgroupFactors:
     """The factors of the vertical-space solve for ``𝔨`` at ``(G, H)``, in their dtype (SPEC §8).
 
@@ -205,10 +211,11 @@ def subgroup_factors(
     block eliminated), Cholesky-factored.
     """
     dev = G.device
+    HH, GG = contract((H, H), (G, G), row_sum=row_sum)
     if metric == "inv":
-        P1, Q1, P2, Q2 = F.MH_inv, H.mT @ H, G.mT @ G, F.MG_inv
+        P1, Q1, P2, Q2 = F.MH_inv, HH, GG, F.MG_inv
     else:
-        P1, Q1, P2, Q2 = F.MG, H.mT @ H, G.mT @ G, F.MH
+        P1, Q1, P2, Q2 = F.MG, HH, GG, F.MH
     PQ = (P1, Q1, P2, Q2)
     rows, cols, vals = (t.to(dev) for t in algebra.basis_entries())
     vals = vals.to(G.dtype)
@@ -234,25 +241,40 @@ def subgroup_factors(
     return out
 
 
-def moment(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: GLFactors, metric: str) -> Tensor:
+def moment(
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    F: GLFactors,
+    metric: str,
+    row_sum: RowSum | None = None,
+) -> Tensor:
     """``C(ξ)`` with ``⟨ξ, V(Ω)⟩ = ⟨C(ξ), Ω⟩_F`` for all ``Ω ∈ gl(h)``, ``(..., h, h)`` (SPEC §8).
 
     inv: ``C(ξ) = M_H⁻¹ ξ_Hᵀ H − Gᵀ ξ_G M_G⁻¹``; mix: ``C(ξ) = M_G ξ_Hᵀ H − Gᵀ ξ_G M_H``.
     """
+    XH, GX = contract((xH, H), (G, xG), row_sum=row_sum)
     if metric == "inv":
-        return F.MH_inv @ (xH.mT @ H) - (G.mT @ xG) @ F.MG_inv
-    return F.MG @ (xH.mT @ H) - (G.mT @ xG) @ F.MH
+        return F.MH_inv @ XH - GX @ F.MG_inv
+    return F.MG @ XH - GX @ F.MH
 
 
 def subgroup_lam(
-    G: Tensor, H: Tensor, xG: Tensor, xH: Tensor, F: SubgroupFactors, metric: str
+    G: Tensor,
+    H: Tensor,
+    xG: Tensor,
+    xH: Tensor,
+    F: SubgroupFactors,
+    metric: str,
+    row_sum: RowSum | None = None,
 ) -> Tensor:
     """``Ω* ∈ 𝔨`` of the horizontal projection ``ξ − V(Ω*)``: ``Π_𝔨 L(Ω*) = Π_𝔨 C(ξ)`` (SPEC §8).
 
     The free block by the closed-form ``gl(P)`` solve, the plane coefficients by the Schur
     complement's Cholesky factor, then the free block corrected by their response.
     """
-    C = moment(G, H, xG, xH, F, metric)
+    C = moment(G, H, xG, xH, F, metric, row_sum)
     has_free, has_pairs = len(F.free) > 0, F.rows.shape[0] > 0
     f = F.free
     omega_free = _solve_free(F, C[..., f.unsqueeze(-1), f]) if has_free else None
@@ -394,17 +416,17 @@ class GLSubgroupGeometry(GLGeometry):
                 f"the algebra acts on h={self.algebra.h} but the block has h={G.shape[-1]}"
             )
         base = super()._factorize(G, H, check)
-        return subgroup_factors(G, H, base, self.algebra, self.metric)
+        return subgroup_factors(G, H, base, self.algebra, self.metric, self.execution.row_sum)
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve in ``𝔨``: :func:`subgroup_lam`."""
-        return subgroup_lam(G, H, xG, xH, F, self.metric)
+        return subgroup_lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
 
     def moment(self, xi: tuple[Tensor, Tensor]) -> Tensor:
         """``C(ξ)`` of :func:`moment` at the base point, in the work dtype."""
         xG, xH = self._check_tangent(xi)
         G, H = self._point()
-        return moment(G, H, xG, xH, self.factors, self.metric)
+        return moment(G, H, xG, xH, self.factors, self.metric, self.execution.row_sum)
 
     def horizontal_residual(self, xi: tuple[Tensor, Tensor]) -> Tensor:
         """``Π_𝔨 C(ξ)``: zero iff ``ξ`` is metric-orthogonal to every vertical vector."""

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry import Geometry
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry.positions import Positions, as_tensor
 from geosharp.symmetry.specs import ParamSlice
 
@@ -262,6 +263,7 @@ class SymmetryBlock(ABC):
         metric: str,
         eps: float,
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> Geometry:
         """The quotient geometry of a batch of blocks at the base point ``point``.
 
@@ -273,6 +275,10 @@ class SymmetryBlock(ABC):
             work_dtype: Dtype of the per-step products, where the geometry offers one
                 (GL-type blocks; ``None``: its float64 default). Tangents are kept in the
                 point's dtype either way.
+            row_sum: The point holds this rank's rows of the factors only (a model sharded
+                by FSDP2, SPEC §10); ``row_sum`` sums an ``h × h`` contraction over the ranks
+                (:mod:`~geosharp.geometry.gl_rows`). ``None``: every row is here. A geometry
+                that cannot run on split rows raises ``NotImplementedError``.
         """
 
     # -- presentation -----------------------------------------------------------------------

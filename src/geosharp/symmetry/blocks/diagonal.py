@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry import DiagonalGeometry, Geometry
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry.blocks.base import MAX_TRIES, Coordinates, SymmetryBlock
 from geosharp.symmetry.specs import PairSpec
 
@@ -131,7 +132,13 @@ class DiagonalPair(SymmetryBlock):
         metric: str,
         eps: float,
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> Geometry:
         """A :class:`~geosharp.geometry.DiagonalGeometry` of ``(u, v)``."""
+        if row_sum is not None:
+            raise NotImplementedError(
+                "diagonal pairs on a sharded model (their coordinates u_i and v_i on different "
+                "ranks) are not implemented"
+            )
         u, v = point
         return DiagonalGeometry(u, v, metric=metric, eps=eps)

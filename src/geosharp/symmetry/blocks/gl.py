@@ -20,6 +20,8 @@ from torch import Tensor
 
 from geosharp.geometry import Geometry, GLGeometry
 from geosharp.geometry.gl_action import act as gl_act
+from geosharp.geometry.gl_execution import GLExecution
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra, GLSubgroupGeometry
 from geosharp.symmetry.blocks.base import MAX_TRIES, Coordinates, SymmetryBlock
 from geosharp.symmetry.positions import Positions
@@ -174,6 +176,7 @@ class GLBlock(SymmetryBlock):
         metric: str,
         eps: float,
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> Geometry:
         """A batched :class:`~geosharp.geometry.GLGeometry` over every head of ``blocks``."""
         G, H = point
@@ -181,7 +184,14 @@ class GLBlock(SymmetryBlock):
         name = f"{len(blocks)} GL({b0.head_dim}) block(s) n={b0.n}, m={b0.m}"
         heads = [f"{b.name} head {i}" for b in blocks for i in range(b.heads)]
         return GLGeometry(
-            G, H, metric=metric, eps=eps, name=name, head_names=heads, work_dtype=work_dtype
+            G,
+            H,
+            metric=metric,
+            eps=eps,
+            name=name,
+            head_names=heads,
+            execution=GLExecution(row_sum=row_sum),
+            work_dtype=work_dtype,
         )
 
     def __repr__(self) -> str:
@@ -283,6 +293,7 @@ class RotaryBlock(GLBlock):
         metric: str,
         eps: float,
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> Geometry:
         """A batched :class:`~geosharp.geometry.GLSubgroupGeometry` with the rotary algebra."""
         G, H = point
@@ -297,5 +308,6 @@ class RotaryBlock(GLBlock):
             eps=eps,
             name=name,
             head_names=heads,
+            execution=GLExecution(row_sum=row_sum),
             work_dtype=work_dtype,
         )

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry import FixedGeometry, Geometry
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry.blocks.base import Coordinates, SymmetryBlock
 from geosharp.symmetry.specs import TranslationSpec
 
@@ -118,6 +119,7 @@ class TranslationBlock(SymmetryBlock):
         metric: str,
         eps: float,
         work_dtype: torch.dtype | None = None,
+        row_sum: RowSum | None = None,
     ) -> Geometry:
         """:class:`~geosharp.geometry.FixedGeometry`: the quotient by translations is a point."""
         return FixedGeometry(point, name=f"{len(blocks)} key bias(es)")

@@ -1,0 +1,293 @@
+r"""The symmetry blocks of a sharded model, on one rank's rows (SPEC §10.1–§10.3).
+
+A model sharded by FSDP2 holds on every rank a slice of every parameter along one dimension.
+The blocks :func:`~geosharp.symmetry.find_symmetries` finds on it are global (positions in the
+whole model's ``θ``). This module lays them out on one rank:
+
+- every row of a GL(h) factor (``G``, ``H``: ``(heads, n, h)``) is either held whole by the
+  rank or not at all; the rank's block keeps its rows, in order, so that a contraction over
+  rows is the rank's part of the global one (summed over the ranks by the geometry's
+  ``row_sum``) and a row-wise product is local;
+- heads of one batched geometry need one row count: a head with fewer rows here than the
+  longest is padded with **zero rows**, which stay zero through every formula (a zero row of
+  the point and of ``ξ`` contributes nothing to a contraction, and a row-wise product of a
+  zero row is zero; the loss does not see them, so their gradient is zero). They are
+  coordinates of one extra vector of the rank's space, :data:`PAD`, never written to the model;
+- key-bias translations keep the rank's positions (held fixed);
+- a row split across ranks (a head's columns on two ranks) is refused in one line, with the
+  placement that avoids it: :func:`shard_placement` shards every projection whose rows run
+  along its dimension 1 (``W_q``, ``W_k``, ``W_v``, LoRA's ``A``) along that dimension.
+
+Each rank's batched geometries keep the global grouping (one per batch key of the global
+blocks, in one order), so every rank makes the same collectives in the same order whatever
+its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.symmetry import ParameterSpace, find_symmetries
+from geosharp.symmetry.blocks import GLBlock, SymmetryBlock, TranslationBlock
+from geosharp.symmetry.positions import as_tensor
+
+__all__ = ["PAD", "local_space", "shard_placement"]
+
+#: The name of the rank's zero rows (padding of heads with fewer rows here than others).
+PAD = "<zero rows>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a parameter's global positions lie on this rank (a slice along ``dim``)."""
+
+    offset: int  # the parameter's start in the global θ
+    shape: tuple[int, ...]  # global shape
+    dim: int  # the sharded dimension
+    start: int  # the rank's first index along dim
+    length: int  # the rank's number of indices along dim
+    local_offset: int  # the parameter's start in the rank's flat space
+
+    def local(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """``(held, local positions)`` of global positions ``pos`` in this parameter."""
+        q = pos - self.offset
+        inner = math.prod(self.shape[self.dim + 1 :])
+        size = self.shape[self.dim] if self.shape else 1
+        c = (q // inner) % size
+        held = (c >= self.start) & (c < self.start + self.length)
+        outer = q // (inner * size)
+        flat = outer * (inner * self.length) + (c - self.start) * inner + q % inner
+        return held, flat + self.local_offset
+
+
+def _layouts(space: ParameterSpace, shards: Any) -> list[_Layout]:
+    """Each parameter's :class:`_Layout` on this rank (from its ``DTensor`` placement)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = shards.space()
+    out = []
+    for j, p in enumerate(shards.params):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        dim = p.placements[0].dim
+        out.append(
+            _Layout(
+                space.offsets[j],
+                tuple(p.shape),
+                dim,
+                int(offset[dim]) if len(offset) else 0,
+                int(shape[dim]) if len(shape) else 1,
+                local.offsets[j],
+            )
+        )
+    return out
+
+
+def _localize(pos: Tensor, space: ParameterSpace, layouts: list[_Layout]) -> tuple[Tensor, Tensor]:
+    """``(held, local)`` for global positions ``pos`` (any shape)."""
+    flat = pos.reshape(-1).cpu().long()
+    held = torch.zeros(flat.shape, dtype=torch.bool)
+    local = torch.zeros(flat.shape, dtype=torch.long)
+    if flat.numel():
+        owner = space.owners(flat)
+        for j in torch.unique(owner).tolist():
+            sel = owner == j
+            h, loc = layouts[j].local(flat[sel])
+            held[sel], local[sel] = h, loc
+    return held.view(pos.shape), local.view(pos.shape)
+
+
+@functools.cache
+def _local_class(cls: type) -> type:
+    """``cls`` whose :meth:`batch_key` is the global group's (a rank's rows keep the grouping).
+
+    Two global groups whose rows on some rank happen to have one shape must stay two
+    geometries there, as on every other rank: their collectives must pair up.
+    """
+    ns = {
+        "__annotations__": {"global_key": Hashable},
+        "global_key": None,
+        "spec_type": None,  # never a builder of the finder
+        "batch_key": lambda self: ("rows on this rank", self.global_key),
+        "__module__": __name__,
+    }
+    return dataclasses.dataclass(frozen=True, eq=False, repr=False)(
+        type(f"Local{cls.__name__}", (cls,), ns)
+    )
+
+
+def local_space(
+    model: nn.Module, shards: Any, key_bias: str = "quotient"
+) -> tuple[ParameterSpace, dict[str, Tensor]]:
+    """The rank's space of a sharded model, with its blocks on the rank's rows.
+
+    Args:
+        model: The model (every trainable parameter a ``DTensor``).
+        shards: Its :class:`~geosharp.estimators.sharded.ShardedParams`.
+        key_bias: As :func:`~geosharp.symmetry.find_symmetries`.
+
+    Returns:
+        ``(space, padding)``: the rank's space (the shards' parameters, then :data:`PAD` if
+        some head is padded here) and ``{PAD: zeros}``, the base point of its padding rows
+        (empty when no head is padded).
+
+    Raises:
+        ValueError: If a row of a block's factor is split across ranks (with the placement
+            that avoids it), or the model's symmetry blocks do not match its parameters.
+        NotImplementedError: For diagonal pairs (their two coordinates on different ranks).
+    """
+    space = find_symmetries(model, key_bias=key_bias)
+    if tuple(space.param_names) != tuple(shards.names):
+        raise ValueError(
+            "the symmetry search on the sharded model saw other trainable parameters than its "
+            "shards (please report this)"
+        )
+    layouts = _layouts(space, shards)
+    base = shards.space()
+    pad_next = base.numel()  # the PAD vector's positions follow the shards'
+    blocks: list[SymmetryBlock] = []
+    groups: dict[Hashable, list[SymmetryBlock]] = {}
+    for b in space.blocks:
+        groups.setdefault(b.batch_key(), []).append(b)
+    for key, group in groups.items():
+        cls = type(group[0])
+        if isinstance(group[0], TranslationBlock):
+            for b in group:
+                held, local = _localize(as_tensor(b.index), space, layouts)
+                mine = local[held].reshape(1, 1, -1)
+                blocks.append(dataclasses.replace(b, index=mine))
+            continue
+        if not isinstance(group[0], GLBlock):
+            raise NotImplementedError(
+                f"{cls.__name__} blocks ({group[0].name!r}) on a sharded model are not "
+                "implemented (their coordinates lie on different ranks)"
+            )
+        rows = [[_rows(b, f, space, layouts) for f in b.index_fields] for b in group]
+        width = [max(r[k][0].shape[1] for r in rows) for k in range(len(cls.index_fields))]
+        local_cls = _local_class(cls)
+        for b, per_field in zip(group, rows, strict=True):
+            fields = {}
+            for f, (mine, count), n in zip(b.index_fields, per_field, width, strict=True):
+                index, pad_next = _padded(mine, count, n, pad_next)
+                fields[f] = index
+            values = {fl.name: getattr(b, fl.name) for fl in dataclasses.fields(b)}
+            blocks.append(local_cls(**{**values, **fields, "global_key": key}))
+    n_pad = pad_next - base.numel()
+    padding = {}
+    if n_pad:
+        like = shards.locals[0]
+        padding[PAD] = torch.zeros(n_pad, dtype=like.dtype, device=like.device)
+    local = ParameterSpace(
+        (*base.param_names, *padding),
+        (*base.shapes, *(t.shape for t in padding.values())),
+        (*base.offsets, *([base.numel()] if n_pad else [])),
+        blocks=blocks,
+        excluded=dict(base.excluded),
+        notes=list(space.notes),
+    )
+    return local, padding
+
+
+def _rows(
+    block: SymmetryBlock, field: str, space: ParameterSpace, layouts: list[_Layout]
+) -> tuple[Tensor, Tensor]:
+    """The rank's rows of one factor: ``(positions (B, k_max, h), rows held per head (B,))``.
+
+    Each head's rows held here come first, in order; the rest of its ``k_max`` rows are ``-1``
+    (to be padded).
+    """
+    pos = as_tensor(getattr(block, field))
+    held, local = _localize(pos, space, layouts)
+    whole, some = held.all(-1), held.any(-1)
+    if not torch.equal(whole, some):
+        b, i = (int(x) for x in torch.nonzero(some & ~whole)[0])
+        name, _ = space.locate(int(pos[b, i, 0]))
+        raise ValueError(
+            f"the rows of block {block.name!r} ({field}, head {b}) are split across ranks: "
+            f"{name!r} is sharded along a dimension that cuts a head's row. Shard it with "
+            "fully_shard(..., shard_placement_fn=geosharp.shard_placement(model)), and use a "
+            "world size that divides the number of heads when the block has a bias row"
+        )
+    count = whole.sum(-1)  # rows held per head
+    k = int(count.max()) if count.numel() else 0
+    out = torch.full((pos.shape[0], k, pos.shape[-1]), -1, dtype=torch.long)
+    for b in range(pos.shape[0]):
+        out[b, : int(count[b])] = local[b][whole[b]]
+    return out, count
+
+
+def _padded(mine: Tensor, count: Tensor, n: int, pad_next: int) -> tuple[Tensor, int]:
+    """``mine`` widened to ``n`` rows per head, the missing rows given fresh PAD positions."""
+    heads, k, h = mine.shape
+    out = torch.empty((heads, n, h), dtype=torch.long)
+    out[:, :k] = mine
+    rows = torch.arange(n).unsqueeze(0) >= count.unsqueeze(1)  # (heads, n): padding rows
+    missing = int(rows.sum()) * h
+    out[rows] = torch.arange(pad_next, pad_next + missing).view(-1, h)
+    return out, pad_next + missing
+
+
+def shard_placement(model: nn.Module, key_bias: str = "quotient") -> Callable[[Any], Any]:
+    """A ``shard_placement_fn`` for FSDP2 that keeps every row of every symmetry block whole.
+
+    ``fully_shard`` splits a parameter along dimension 0 by default. A projection whose block
+    rows run along dimension 1 (``W_q``, ``W_k``, ``W_v``: a row of ``G_QK`` is an input
+    feature, SPEC §10.3; LoRA's ``A``) is split along dimension 1 instead, so that each rank
+    holds whole rows of every head (an even share of each: no padding). Every other
+    parameter keeps FSDP's default. Build it on the model before sharding it::
+
+        place = geosharp.shard_placement(model)
+        for layer in model.layers:
+            fully_shard(layer, shard_placement_fn=place)
+        fully_shard(model, shard_placement_fn=place)
+
+    A bias row (``b_q`` of ``G_QK``, one row of ``h`` numbers per head) lies whole on a rank
+    when the world size divides the number of heads.
+
+    Args:
+        model: The model, before (or after) ``fully_shard``.
+        key_bias: As :func:`~geosharp.symmetry.find_symmetries`.
+
+    Returns:
+        ``fn(parameter) -> Shard(1) | None``, for ``fully_shard(shard_placement_fn=fn)``.
+    """
+    from torch.distributed.tensor import Shard
+
+    space = find_symmetries(model, key_bias=key_bias)
+    along_1 = _rows_along_dim_1(space)
+    named = dict(model.named_parameters())
+    ids = {id(named[n]) for n in along_1 if n in named}
+
+    def placement(param: Any) -> Any:
+        return Shard(1) if id(param) in ids else None
+
+    placement.parameters = tuple(sorted(along_1))  # type: ignore[attr-defined]
+    return placement
+
+
+def _rows_along_dim_1(space: ParameterSpace) -> set[str]:
+    """2-D parameters whose block rows a split along dimension 0 cuts and one along 1 does not."""
+    out: set[str] = set()
+    for b in space.blocks:
+        if not isinstance(b, GLBlock):
+            continue
+        for pos in b.indices:
+            pos = pos.reshape(-1, pos.shape[-1]).cpu()  # one row per line
+            owner = space.owners(pos[:, 0].contiguous())
+            for j in torch.unique(owner).tolist():
+                shape = tuple(space.shapes[j])
+                if len(shape) != 2:
+                    continue
+                q = pos[owner == j] - space.offsets[j]
+                r, c = q // shape[1], q % shape[1]
+                cut_by_0 = bool((r.amax(-1) != r.amin(-1)).any())
+                cut_by_1 = bool((c.amax(-1) != c.amin(-1)).any())
+                if cut_by_0 and not cut_by_1:
+                    out.add(space.param_names[j])
+    return out

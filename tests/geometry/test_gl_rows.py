@@ -1,0 +1,148 @@
+"""A GL(h) geometry on rows split over ranks equals the one on all rows (SPEC §10.1–§10.2).
+
+The ranks are threads here: each builds the geometry of its rows of ``G`` and ``H`` (uneven
+splits, one rank with no rows of ``G``), with a ``row_sum`` that adds the threads' ``h × h``
+contractions behind a barrier (what an all-reduce does across processes). Every replicated
+quantity (Gram matrices, Λ) must equal the one-process value, every row-wise result
+(projection, Riemannian gradient, Christoffel form, order-2 endpoint and its backward) the
+one-process rows, and the local norms must add up to the one-process norm (float64, 1e-12).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from geosharp.geometry import BlockDiagonalAlgebra, GLExecution, GLGeometry, GLSubgroupGeometry
+
+from .reference import random_block
+
+B, N, M, h = 3, 7, 5, 4
+#: rows of G and of H held by each of three ranks (rank 1 holds no row of G)
+SPLIT_G = (4, 0, 3)
+SPLIT_H = (1, 2, 2)
+
+
+class ThreadSum:
+    """An all-reduce over threads: each deposits its tensor, all read the same sum."""
+
+    def __init__(self, world: int) -> None:
+        self.slots: list = [None] * world
+        self.barrier = threading.Barrier(world)
+        self.calls = [0] * world
+
+    def for_rank(self, r: int):
+        def row_sum(t: torch.Tensor) -> torch.Tensor:
+            assert not t.requires_grad  # the hand-written backward sums plain tensors
+            self.calls[r] += 1
+            self.slots[r] = t
+            self.barrier.wait()
+            out = torch.stack(self.slots).sum(0)  # one order on every rank: one result
+            self.barrier.wait()
+            return out
+
+        return row_sum
+
+
+def make(kind: str, G, H, metric: str, row_sum=None):
+    ex = GLExecution(row_sum=row_sum)
+    if kind == "gl":
+        return GLGeometry(G, H, metric, 0.0, execution=ex)
+    alg = BlockDiagonalAlgebra(h, planes=((0, 2),), free=(1, 3))
+    return GLSubgroupGeometry(G, H, alg, metric=metric, execution=ex)
+
+
+def on_ranks(fn, ring: ThreadSum, world: int = 3) -> list:
+    """``fn(rank)`` on ``world`` threads, their results by rank (the first failure re-raised)."""
+    out: list = [None] * world
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            ring.barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def rows(t: torch.Tensor, split: tuple[int, ...]) -> list[torch.Tensor]:
+    return list(torch.split(t, split, dim=-2))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    assert a.shape == b.shape
+    if not b.numel():  # a rank with no rows
+        return True
+    return float((a - b).abs().max()) <= 1e-12 * max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["gl", "rotary"])
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_split_rows_equal_all_rows(kind, metric):
+    G, H, g = random_block((B,), N, M, h, seed=4)
+    xi = (
+        0.1 * torch.randn(G.shape, generator=g, dtype=G.dtype),
+        0.1 * torch.randn(H.shape, generator=g, dtype=H.dtype),
+    )
+    up = (
+        torch.randn(G.shape, generator=g, dtype=G.dtype),
+        torch.randn(H.shape, generator=g, dtype=H.dtype),
+    )
+    full = make(kind, G, H, metric)
+    want = {
+        "MG": full.factors.MG,
+        "lam": full.lam(xi),
+        "project": full.project(xi),
+        "hgrad": full.horizontal_grad(xi),
+        "christoffel": full.christoffel(xi),
+        "norm": full.norm_sq(xi),
+    }
+    leaves = tuple(t.clone().requires_grad_(True) for t in xi)
+    end = full.geodesic(leaves, order=2)
+    want["end"] = tuple(t.detach() for t in end)
+    want["back"] = torch.autograd.grad(end, leaves, up)
+
+    ring = ThreadSum(3)
+    parts = [
+        rows(t, s) for t, s in ((G, SPLIT_G), (H, SPLIT_H), (xi[0], SPLIT_G), (xi[1], SPLIT_H))
+    ]
+    ups = [rows(up[0], SPLIT_G), rows(up[1], SPLIT_H)]
+
+    def rank(r: int) -> dict:
+        Gr, Hr, xGr, xHr = (p[r] for p in parts)
+        geom = make(kind, Gr, Hr, metric, ring.for_rank(r))
+        x = (xGr, xHr)
+        got = {
+            "MG": geom.factors.MG,
+            "lam": geom.lam(x),
+            "project": geom.project(x),
+            "hgrad": geom.horizontal_grad(x),
+            "christoffel": geom.christoffel(x),
+            "norm": geom.norm_sq(x),  # this rank's part of the norm
+        }
+        lv = tuple(t.clone().requires_grad_(True) for t in x)
+        e = geom.geodesic(lv, order=2)
+        got["end"] = tuple(t.detach() for t in e)
+        got["back"] = torch.autograd.grad(e, lv, (ups[0][r], ups[1][r]))
+        return got
+
+    ranks = on_ranks(rank, ring)
+    for r, got in enumerate(ranks):
+        assert close(got["MG"], want["MG"]), r  # replicated: every rank the whole Gram matrix
+        assert close(got["lam"], want["lam"]), r
+        for key in ("project", "hgrad", "christoffel", "end", "back"):
+            for c, split in enumerate((SPLIT_G, SPLIT_H)):
+                assert close(got[key][c], rows(want[key][c], split)[r]), (key, c, r)
+    assert close(sum(got["norm"] for got in ranks), want["norm"])
+    assert len(set(ring.calls)) == 1  # every rank made the same collectives
