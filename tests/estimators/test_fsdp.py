@@ -1,9 +1,10 @@
 """gs.sharpness of an FSDP2-sharded model equals the unsharded value (SPEC §10).
 
 ``fsdp_worlds.py`` measures a tiny BERT and a Llama with grouped-query attention, fully trained
-(rotary Q/K blocks) and with a PEFT LoRA (LoRA GL(r) blocks), built from configs, in one process, then at world sizes 1, 2 and 4 (gloo on CPU, every layer
-and the root under ``fully_shard`` with :func:`geosharp.shard_placement`, every batch's rows
-split over the ranks), with adaptive and Euclidean (ℓ2, ℓ∞) and geodesic (inv, mix) sharpness;
+(rotary Q/K blocks) and with a PEFT LoRA (LoRA GL(r) blocks), built from configs, in one
+process, then at world sizes 1, 2 and 4 (gloo on CPU, every layer and the root under
+``fully_shard`` with :func:`geosharp.shard_placement`, every batch's rows split over the
+ranks), with adaptive and Euclidean (ℓ2, ℓ∞) and geodesic (inv, mix) sharpness;
 the geodesic ones run their GL(h) and LoRA GL(r) blocks on each rank's rows with ``h × h``
 reductions (SPEC §10.2). Asserted:
 

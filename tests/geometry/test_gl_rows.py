@@ -62,7 +62,7 @@ def on_ranks(fn, ring: ThreadSum, world: int = 3) -> list:
     def run(r: int) -> None:
         try:
             out[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
+        except BaseException as e:  # re-raised below
             errors.append(e)
             ring.barrier.abort()  # the other ranks stop waiting for this one
 
