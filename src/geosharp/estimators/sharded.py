@@ -301,6 +301,15 @@ class ShardedParams:
                 "was not subtracted exactly (please report this)"
             )
 
+    def release(self) -> None:
+        """Drop the base point's copy and the padding when the call is over.
+
+        The call's objective class closes over this object, and a class is always in a
+        reference cycle: without this, the copy of the shards (a parameter-sized buffer per
+        world) would live until Python's cycle collector runs, under the next call's peak.
+        """
+        self.base, self.padding, self._negative_zeros = {}, {}, []
+
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (FSDP accumulates into them)."""
         for p in self.params:
@@ -350,6 +359,7 @@ def restored(shards: ShardedParams | None) -> Iterator[None]:
         if shards is not None:
             shards.restore()
             shards.zero_grad()
+            shards.release()
 
 
 def _bits(tensors: Sequence[Tensor]) -> list[int]:
