@@ -225,11 +225,13 @@ def _rows(
 def _padded(mine: Tensor, count: Tensor, n: int, pad_next: int) -> tuple[Tensor, int]:
     """``mine`` widened to ``n`` rows per head, the missing rows given fresh PAD positions."""
     heads, k, h = mine.shape
-    out = torch.empty((heads, n, h), dtype=torch.long)
+    # int32 where the rank's positions fit (the blocks hold them for the whole call)
+    kind = torch.int32 if pad_next + heads * n * h < 2**31 else torch.long
+    out = torch.empty((heads, n, h), dtype=kind)
     out[:, :k] = mine
     rows = torch.arange(n).unsqueeze(0) >= count.unsqueeze(1)  # (heads, n): padding rows
     missing = int(rows.sum()) * h
-    out[rows] = torch.arange(pad_next, pad_next + missing).view(-1, h)
+    out[rows] = torch.arange(pad_next, pad_next + missing, dtype=kind).view(-1, h)
     return out, pad_next + missing
 
 
