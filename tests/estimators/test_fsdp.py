@@ -67,11 +67,15 @@ def test_sharded_values_equal_the_unsharded_ones(worlds, world):
             for m, got in by_measure["values"].items():
                 want = ref[key][m]
                 rho = float(key.split("/")[2]) / (10 if m.endswith("linf") else 1)
-                in_place = m.startswith("adaptive") and rho <= 0.4  # adaptive at ρ ≤ 0.4
+                base = "copy"  # the base point: in place at ρ ≤ 0.4, outside blocks for geodesic
+                if rho <= 0.4 and m.startswith("adaptive"):
+                    base = "in place"
+                elif rho <= 0.4 and m.startswith("geodesic"):
+                    base = "in place outside the blocks"
                 assert got["sharded"] == {
                     "world": int(world),
                     "shard_dims": [0, 1],  # shard_placement: Q/K/V and LoRA A along dim 1
-                    "base_point": "in place" if in_place else "copy",
+                    "base_point": base,
                 }
                 assert want["sharded"] is None
                 assert got["dtype"] == want["dtype"]

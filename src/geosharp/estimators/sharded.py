@@ -116,7 +116,7 @@ class ShardedParams:
             meshes, or none is trainable.
     """
 
-    def __init__(self, model: nn.Module, in_place: bool = False) -> None:
+    def __init__(self, model: nn.Module, in_place: bool | str = False) -> None:
         #: FSDP's modules, resharded before every write (see :meth:`reshard`)
         self.modules = _fsdp_modules(model)
         self.reshard()
@@ -162,16 +162,20 @@ class ShardedParams:
         self.world = mesh.size()
         #: the local shards themselves (views of FSDP's storage: a write is what it gathers)
         self.locals = [p._local_tensor for p in self.params]
-        #: θ′ = w + ξ is added into the shards and subtracted again, exactly (:meth:`shift`);
-        #: else the base point is a copy of the shards and θ′ is written over them
+        #: ``True``: θ′ = w + ξ is added into the shards and subtracted again, exactly
+        #: (:meth:`shift`); ``"rest"``: so for the parameters with no symmetry-block coordinate,
+        #: while those with one are copied (:meth:`block_space`) and θ′ is written over them;
+        #: ``False``: the base point is a copy of the shards and θ′ is written over them
         self.in_place = in_place
-        #: the base point: the shards themselves (in place), or a copy of them (one 1/world
-        #: parameter-sized buffer)
+        #: the parameters whose base point is a copy (one 1/world parameter-sized buffer for
+        #: all of them), the others' base point being the shards themselves
+        self.copied = set() if in_place else set(self.names)
         self.base = {
-            n: t.detach() if in_place else t.detach().clone()
+            n: t.detach().clone() if n in self.copied else t.detach()
             for n, t in zip(self.names, self.locals, strict=True)
         }
-        self._shifted: Sequence[Tensor] | None = None
+        #: (ξ′, parameter position) of a pending :meth:`shift`
+        self._shifted: list[tuple[Tensor, int]] | None = None
         self._bits = _bits(self.locals) if in_place else None
         #: the positions of every shard's negative zeros (in place): ``w + ξ − ξ`` turns ``−0``
         #: into ``+0`` (``−0 + 0 = +0``), so :meth:`unshift` writes them back
@@ -190,6 +194,12 @@ class ShardedParams:
         from geosharp.estimators.sharded_space import local_space
 
         space, self.padding = local_space(model, self, key_bias)
+        if self.in_place == "rest":  # copy the parameters that hold block coordinates
+            whole = {j for j, local in space.rest_layout() if local is None}
+            for j, n in enumerate(self.names):
+                if j not in whole and self.locals[j].numel():
+                    self.copied.add(n)
+                    self.base[n] = self.locals[j].detach().clone()
         return space
 
     def row_sum(self, t: Tensor) -> Tensor:
@@ -218,7 +228,7 @@ class ShardedParams:
         shards (``"copy"``) or the shards themselves (``"in place"``, :meth:`shift`).
         """
         dims = sorted({p.placements[0].dim for p in self.params})
-        base = "in place" if self.in_place else "copy"
+        base = {True: "in place", "rest": "in place outside the blocks"}.get(self.in_place, "copy")
         return {"world": self.world, "shard_dims": dims, "base_point": base}
 
     def space(self) -> ParameterSpace:
@@ -241,13 +251,17 @@ class ShardedParams:
             m.reshard()
 
     def write(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copy the rank's shard of every parameter into the model (in place, no graph)."""
+        """Copy the rank's shard of every parameter whose base point is a copy into the model.
+
+        The others (in place, :meth:`shift`) are left as they are.
+        """
         self.reshard()
         with torch.no_grad():
             for n, local in zip(self.names, self.locals, strict=True):
-                local.copy_(tensors[n])
+                if n in self.copied:
+                    local.copy_(tensors[n])
 
-    def shift(self, xi: Sequence[Tensor]) -> None:
+    def shift(self, xi: Sequence[Tensor], which: Sequence[int] | None = None) -> None:
         """Add ``ξ`` into the shards, which then hold ``θ′ = w + ξ`` (:attr:`in_place` only).
 
         Every component of ``ξ`` is first rounded in place to ``ξ′ = fl(fl(w + ξ) − w)``, the
@@ -259,33 +273,37 @@ class ShardedParams:
         is kept and :meth:`unshift` writes it back). The adaptive ball of radius ``ρ ≤ 0.4``
         guarantees the condition
         (``|ξ_i| ≤ ρ |w_i|``); the call checks the bits at its end (:meth:`restore`).
+
+        ``which``: the positions of the parameters ``xi`` moves (default: every one, in order).
         """
+        which = range(len(self.locals)) if which is None else which
         self.reshard()
         with torch.no_grad():
-            for x, w in zip(xi, self.locals, strict=True):
+            for x, j in zip(xi, which, strict=True):
+                w = self.locals[j]
                 x.add_(w).sub_(w)
                 w.add_(x)
-        self._shifted = xi
+        self._shifted = list(zip(xi, which, strict=True))
 
     def unshift(self) -> None:
         """Subtract the ``ξ′`` of :meth:`shift`: the shards hold ``w`` again (nothing if none)."""
         if self._shifted is None:
             return
         with torch.no_grad():
-            for x, w in zip(self._shifted, self.locals, strict=True):
+            for x, j in self._shifted:
+                w, where = self.locals[j], self._negative_zeros[j]
                 w.sub_(x)
-            for w, where in zip(self.locals, self._negative_zeros, strict=True):
                 if where.numel():
                     w[torch.unravel_index(where, w.shape)] = -0.0
         self._shifted = None
 
     def to_base(self) -> None:
         """Put the base point in the shards: subtract a pending shift, or write the copy back."""
-        if self.in_place:
-            self.unshift()
-            self.reshard()
-        else:
+        self.unshift()
+        if self.copied:
             self.write(self.base)
+        else:
+            self.reshard()
 
     def restore(self) -> None:
         """Put the base point back: the shards bit-identical to before the call.
@@ -398,9 +416,16 @@ def _negative_zeros(t: Tensor) -> Tensor:
 IN_PLACE_RHO = 0.4
 
 
-def in_place_ok(measure: str, rho: float) -> bool:
-    """Whether ``θ′`` can be added into the shards and subtracted exactly, with no copy."""
-    return measure == "adaptive" and rho <= IN_PLACE_RHO
+def in_place_ok(measure: str, rho: float) -> bool | str:
+    """Whether ``θ′`` can be added into the shards and subtracted exactly, with no copy.
+
+    ``True`` for adaptive sharpness at ``ρ ≤ 0.4``; ``"rest"`` for geodesic sharpness there
+    (its coordinates outside the blocks move in the adaptive ball: in place; the parameters
+    holding block coordinates are copied); else ``False`` (a copy of the shards).
+    """
+    if rho > IN_PLACE_RHO:
+        return False
+    return {"adaptive": True, "geodesic": "rest"}.get(measure, False)
 
 
 def unsupported(
@@ -468,7 +493,7 @@ def objective_class(shards: ShardedParams) -> type:
             return self.counted_loss(self.model(*args, **kwargs))
 
         def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
-            loss_at = self._in_place if shards.in_place else self._written
+            loss_at = self._in_place if shards.in_place is True else self._written
             value, grad = loss_at(xi, need_grad)
             if grad is not None:
                 self.counter["backward"] += 1
@@ -482,7 +507,7 @@ def objective_class(shards: ShardedParams) -> type:
         def _written(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
             """The loss with ``θ′`` written over the shards, its gradient pulled back to ``ξ``."""
             pert, grad = self.pert, None
-            with pert.applied(xi) as moved:
+            with self._applied(xi) as moved:
                 if need_grad is False:
                     with torch.no_grad():
                         shards.write(pert.endpoint_params(moved, applied=True))
@@ -497,6 +522,46 @@ def objective_class(shards: ShardedParams) -> type:
                         grad = self._pull_back(shards.backward(loss), ends, leaves)
                     del loss, ends
             return value, grad
+
+        @contextlib.contextmanager
+        def _applied(self, xi: Xi) -> Iterator[Xi]:
+            """``ξ`` with its straight-line piece turned into ``θ′`` for one loss.
+
+            As :meth:`Perturbation.applied <geosharp.estimators.perturbation.Perturbation.applied>`,
+            except that with :attr:`ShardedParams.in_place` ``"rest"`` the parameters with no
+            block coordinate hold ``θ′`` in the shards themselves (:meth:`ShardedParams.shift`:
+            their base point is not copied), and those components of the result are the shards.
+            On exit the shards hold ``w`` again and ``ξ`` is the displacement applied.
+            """
+            pert = self.pert
+            k = pert._rest_piece
+            if shards.in_place != "rest" or k is None or not pert.straight_rest:
+                with pert.applied(xi) as moved:
+                    yield moved
+                return
+            layout, rest = pert._layout, list(xi[k])
+            point = pert.pieces[k].geometry.point
+            whole = [
+                c
+                for c, (j, local) in enumerate(layout)
+                if local is None and shards.names[j] not in shards.copied
+            ]
+            others = sorted(set(range(len(rest))) - set(whole))
+            with torch.no_grad():  # rest coordinates inside copied parameters: θ′ in ξ
+                for c in others:
+                    rest[c].add_(point[c])
+            shards.shift([rest[c] for c in whole], [layout[c][0] for c in whole])
+            try:
+                for c in whole:
+                    rest[c] = shards.locals[layout[c][0]]  # θ′, in the shard
+                moved = list(xi)
+                moved[k] = tuple(rest)
+                yield moved
+            finally:
+                shards.unshift()
+                with torch.no_grad():
+                    for c in others:
+                        xi[k][c].sub_(point[c])
 
         def _in_place(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
             """The loss with ``θ′`` added into the shards: ``∂L/∂ξ = ∂L/∂θ′`` (one piece)."""
