@@ -46,8 +46,10 @@ class ThreadSum:
         return row_sum
 
 
-def make(kind: str, G, H, metric: str, row_sum=None):
+def make(kind: str, G, H, metric: str, row_sum=None, chunk: int | None = None):
     ex = GLExecution(row_sum=row_sum)
+    if chunk is not None:  # chunks of heads decided by each rank's own rows
+        ex = GLExecution(row_sum=row_sum, chunk_elements=chunk)
     if kind == "gl":
         return GLGeometry(G, H, metric, 0.0, execution=ex)
     alg = BlockDiagonalAlgebra(h, planes=((0, 2),), free=(1, 3))
@@ -89,7 +91,9 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("kind", ["gl", "rotary"])
 @pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_split_rows_equal_all_rows(kind, metric):
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_split_rows_equal_all_rows(kind, metric, chunk):
+    """``chunk=16``: the ranks project 3, 2 and 3 chunks of heads, in one collective each."""
     G, H, g = random_block((B,), N, M, h, seed=4)
     xi = (
         0.1 * torch.randn(G.shape, generator=g, dtype=G.dtype),
@@ -121,7 +125,9 @@ def test_split_rows_equal_all_rows(kind, metric):
 
     def rank(r: int) -> dict:
         Gr, Hr, xGr, xHr = (p[r] for p in parts)
-        geom = make(kind, Gr, Hr, metric, ring.for_rank(r))
+        geom = make(kind, Gr, Hr, metric, ring.for_rank(r), chunk)
+        if chunk is not None:
+            assert len(geom._slices) == (3, 2, 3)[r]
         x = (xGr, xHr)
         got = {
             "MG": geom.factors.MG,

@@ -67,6 +67,7 @@ from geosharp.geometry.gl_factors import (
     factorize,
     sampling_roots,
 )
+from geosharp.geometry.gl_rows import contract
 
 __all__ = ["DEFAULT_EPS", "GLGeometry"]
 
@@ -179,6 +180,10 @@ class GLGeometry(Geometry):
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve :func:`~geosharp.geometry.gl_math.lam` (SPEC §4.4)."""
         return gl_math.lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
+
+    def _lam_from(self, F: GLFactors, XH: Tensor, GX: Tensor) -> Tensor:
+        """:meth:`_lam` from the contractions ``ξ_Hᵀ H``, ``Gᵀ ξ_G`` summed over every row."""
+        return gl_math.lam_from(XH, GX, F, self.metric)
 
     # -- validation and dtypes ------------------------------------------------------------------
     @property
@@ -304,11 +309,13 @@ class GLGeometry(Geometry):
         outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
         outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
         oG, oH = self._flat(outG), self._flat(outH)
-        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
+        split = ex.row_sum is not None and len(self._slices) > 1
+        lams = self._split_lams(Gs, Hs, xG, xH, grad) if split else None
+        for c, (sl, F) in enumerate(zip(self._slices, self._chunk_factors, strict=True)):
             eG, eH = ex.widen(xG[sl], xH[sl])
             g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
             G, H = ex.widen(Gs[sl], Hs[sl])
-            L = self._lam(F, G, H, g, h)
+            L = self._lam(F, G, H, g, h) if lams is None else lams[c]
             # the Riemannian gradient is a fresh temporary: P may accumulate into it
             pG, pH = gl_math.horizontal_projection(G, H, g, h, L, inplace=grad and ex.inplace)
             if pairing is not None:
@@ -316,6 +323,30 @@ class GLGeometry(Geometry):
                 pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
             oG[sl], oH[sl] = pG, pH
         return outG, outH
+
+    def _split_lams(
+        self, Gs: Tensor, Hs: Tensor, xG: Tensor, xH: Tensor, grad: bool
+    ) -> list[Tensor]:
+        """Every chunk's ``Λ`` when the rows are split over ranks, with one collective.
+
+        The chunks of heads are this rank's (its rows decide them), so a collective per chunk
+        would not pair up across ranks: the contractions of every chunk are formed first, summed
+        over the ranks in one ``row_sum``, and each chunk's ``Λ`` solved from them; the caller
+        then widens each chunk again for its row-wise products.
+        """
+        ex = self.execution
+        parts = []
+        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
+            eG, eH = ex.widen(xG[sl], xH[sl])
+            g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
+            G, H = ex.widen(Gs[sl], Hs[sl])
+            parts.append(torch.stack(contract((h, H), (G, g))))
+            del eG, eH, g, h, G, H
+        XH, GX = ex.row_sum(torch.cat(parts, dim=1)).unbind(0)  # (2, heads, h, h): one sum
+        return [
+            self._lam_from(F, XH[sl], GX[sl])
+            for sl, F in zip(self._slices, self._chunk_factors, strict=True)
+        ]
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (at ``eps=0``).

@@ -81,8 +81,8 @@ class GLExecution:
         row_sum: Sums the ``h × h`` contractions over rows across the ranks that hold the
             other rows of ``G`` and ``H`` (a model sharded by FSDP2, SPEC §10;
             :mod:`~geosharp.geometry.gl_rows`). ``None``: this process holds every row. With
-            it the heads run in one pass (every rank must make the same collectives, whatever
-            its share of the rows).
+            it a chunked projection sums every chunk's contractions in one collective (the
+            chunks are the rank's own, and every rank must make the same collectives).
     """
 
     factor_dtype: torch.dtype | None = None
@@ -125,13 +125,13 @@ class GLExecution:
     def head_slices(self, G: Tensor, H: Tensor) -> list[slice]:
         """The chunks of the flattened heads the per-step products run over.
 
-        ``[slice(None)]`` (one pass) off the :attr:`chunk_devices`, when all heads fit in
-        :attr:`chunk_elements` or with a :attr:`row_sum`; otherwise consecutive slices of
+        ``[slice(None)]`` (one pass) off the :attr:`chunk_devices` or when all heads fit in
+        :attr:`chunk_elements`; otherwise consecutive slices of
         ``chunk_elements // (max(n, m) · h)`` heads.
         """
         n_heads = math.prod(G.shape[:-2])
         per = max(1, self.chunk_elements // (max(G.shape[-2], H.shape[-2]) * G.shape[-1]))
-        if G.device.type not in self.chunk_devices or per >= n_heads or self.row_sum is not None:
+        if G.device.type not in self.chunk_devices or per >= n_heads:
             return [slice(None)]
         return [slice(i, min(i + per, n_heads)) for i in range(0, n_heads, per)]
 

@@ -45,6 +45,7 @@ __all__ = [
     "horizontal_residual",
     "inner",
     "lam",
+    "lam_from",
     "metric_weights",
     "order1_endpoint",
     "order2_endpoint",
@@ -110,6 +111,11 @@ def lam(
     over ranks (:mod:`~geosharp.geometry.gl_rows`).
     """
     XH, GX = contract((xH, H), (G, xG), row_sum=row_sum)
+    return lam_from(XH, GX, F, metric)
+
+
+def lam_from(XH: Tensor, GX: Tensor, F: GLFactors, metric: str) -> Tensor:
+    """:func:`lam` from its two contractions ``ξ_Hᵀ H`` and ``Gᵀ ξ_G`` (summed over every row)."""
     if metric == "mix":
         return 0.5 * (XH @ F.MH_inv - F.MG_inv @ GX)
     B = XH @ F.MG - F.MH @ GX

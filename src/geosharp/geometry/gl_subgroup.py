@@ -255,6 +255,11 @@ def moment(
     inv: ``C(ξ) = M_H⁻¹ ξ_Hᵀ H − Gᵀ ξ_G M_G⁻¹``; mix: ``C(ξ) = M_G ξ_Hᵀ H − Gᵀ ξ_G M_H``.
     """
     XH, GX = contract((xH, H), (G, xG), row_sum=row_sum)
+    return moment_from(XH, GX, F, metric)
+
+
+def moment_from(XH: Tensor, GX: Tensor, F: GLFactors, metric: str) -> Tensor:
+    """:func:`moment` from its two contractions ``ξ_Hᵀ H`` and ``Gᵀ ξ_G``."""
     if metric == "inv":
         return F.MH_inv @ XH - GX @ F.MG_inv
     return F.MG @ XH - GX @ F.MH
@@ -274,7 +279,11 @@ def subgroup_lam(
     The free block by the closed-form ``gl(P)`` solve, the plane coefficients by the Schur
     complement's Cholesky factor, then the free block corrected by their response.
     """
-    C = moment(G, H, xG, xH, F, metric, row_sum)
+    return lam_in_algebra(moment(G, H, xG, xH, F, metric, row_sum), F)
+
+
+def lam_in_algebra(C: Tensor, F: SubgroupFactors) -> Tensor:
+    """:func:`subgroup_lam` from the moment ``C(ξ)``."""
     has_free, has_pairs = len(F.free) > 0, F.rows.shape[0] > 0
     f = F.free
     omega_free = _solve_free(F, C[..., f.unsqueeze(-1), f]) if has_free else None
@@ -421,6 +430,10 @@ class GLSubgroupGeometry(GLGeometry):
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve in ``𝔨``: :func:`subgroup_lam`."""
         return subgroup_lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
+
+    def _lam_from(self, F: GLFactors, XH: Tensor, GX: Tensor) -> Tensor:
+        """:meth:`_lam` from the summed contractions ``ξ_Hᵀ H``, ``Gᵀ ξ_G``."""
+        return lam_in_algebra(moment_from(XH, GX, F, self.metric), F)
 
     def moment(self, xi: tuple[Tensor, Tensor]) -> Tensor:
         """``C(ξ)`` of :func:`moment` at the base point, in the work dtype."""
