@@ -8,7 +8,9 @@ every head), measure the same model on their rows of every batch, and report the
 whether their shards came back bit-identical. It prints one JSON line.
 
 ``bert-twin`` is the BERT with a random element of its symmetry group applied (the same
-function, other weights): its geodesic values must equal the BERT's.
+function, other weights): its geodesic values must equal the BERT's. ``bert-default`` is the
+BERT sharded with FSDP's default placement (dimension 0): every head's Q/K/V rows lie whole on
+one rank and the others pad them with zero rows (SPEC §10.6).
 
     python tests/estimators/fsdp_worlds.py 1,2,4          # gloo on CPU (the test)
     python tests/estimators/fsdp_worlds.py 1,2 cuda       # nccl, one GPU per rank
@@ -41,6 +43,7 @@ MEASURES = {
 CASES = [
     ("bert", "float64", 0.05),
     ("bert-twin", "float64", 0.05),
+    ("bert-default", "float64", 0.05),
     ("bert", "float32", 0.05),
     ("llama-gqa", "float64", 0.05),
     ("llama-gqa-lora", "float64", 0.05),
@@ -60,7 +63,7 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
         from geosharp.symmetry.reparametrize import reparametrize
 
         return reparametrize(build("bert", dtype), torch.Generator().manual_seed(1), scale=3.0)
-    if name == "bert":
+    if name in ("bert", "bert-default"):
         from transformers import BertConfig, BertForSequenceClassification
 
         cfg = BertConfig(
@@ -178,7 +181,8 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
         n = ROWS // world
         for name, dt, rho in CASES:
             model = build(name, getattr(torch, dt)).to(dev)
-            place = gs.shard_placement(model)  # whole rows of every head on every rank
+            # whole rows of every head on every rank, or FSDP's default (whole heads)
+            place = None if name == "bert-default" else gs.shard_placement(model)
             for layer in layers(model):
                 fully_shard(layer, mesh=mesh, shard_placement_fn=place)
             fully_shard(model, mesh=mesh, shard_placement_fn=place)

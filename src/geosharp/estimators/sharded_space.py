@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -42,6 +43,10 @@ __all__ = ["PAD", "local_space", "shard_placement"]
 
 #: The name of the rank's zero rows (padding of heads with fewer rows here than others).
 PAD = "<zero rows>"
+
+#: Padding above this share of a rank's real block coordinates is warned about (FSDP's
+#: default placement puts whole heads on one rank: the others then pad them whole).
+PAD_WARN = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +184,16 @@ def local_space(
             values = {fl.name: getattr(b, fl.name) for fl in dataclasses.fields(b)}
             blocks.append(local_cls(**{**values, **fields, "global_key": key}))
     n_pad = pad_next - base.numel()
+    real = sum(b.numel for b in blocks if isinstance(b, GLBlock)) - n_pad
+    if n_pad > PAD_WARN * max(real, 1):
+        warnings.warn(
+            f"the symmetry blocks' rows are spread unevenly over the ranks: this rank pads its "
+            f"{real:,} block coordinates with {n_pad:,} zeros (rows of heads it holds fewer of), "
+            "which every buffer of the ascent holds; shard the model with "
+            "fully_shard(..., shard_placement_fn="
+            "geosharp.shard_placement(model)) for an even share of every head's rows",
+            stacklevel=3,
+        )
     padding = {}
     if n_pad:
         like = shards.locals[0]
