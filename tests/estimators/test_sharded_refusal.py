@@ -1,10 +1,11 @@
 """What a model sharded by FSDP2 is refused, in one line before any work.
 
-``gs.sharpness`` and ``gs.measure`` measure it with the element-wise measures (``test_fsdp.py``,
-``tests/measure/test_fsdp_cli.py``); their geodesic and average-case measures, ``gs.measure``'s
-curvature measures and ``gs.curvature`` say that they do not yet, instead of failing inside the
-perturbation. The check runs in a child process: it needs a process group (gloo, one rank) and
-``fully_shard``.
+``gs.sharpness`` and ``gs.measure`` measure it with the element-wise measures and with geodesic
+sharpness at order 1 or 2 (``test_fsdp.py``, ``tests/measure/test_fsdp_cli.py``; here on an
+``nn.Sequential`` without symmetry blocks, where geodesic is adaptive sharpness); the exact
+geodesic, the average case, ``gs.measure``'s curvature measures and ``gs.curvature`` say that
+they do not yet, instead of failing inside the perturbation. The check runs in a child process:
+it needs a process group (gloo, one rank) and ``fully_shard``.
 """
 
 import subprocess
@@ -23,8 +24,11 @@ SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import warnings
     import geosharp as gs
     from geosharp.errors import MeasureError
+
+    warnings.simplefilter("ignore")  # geodesic without blocks: "is adaptive sharpness here"
 
     store = tempfile.NamedTemporaryFile(delete=False).name
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -37,10 +41,16 @@ SCRIPT = textwrap.dedent(
         calls = {
             "sharpness": lambda: gs.sharpness(model, ce, batches, measure="adaptive", steps=1),
             "geodesic": lambda: gs.sharpness(model, ce, batches, measure="geodesic", steps=1),
+            "geodesic-exact": lambda: gs.sharpness(
+                model, ce, batches, measure="geodesic", order="exact", steps=1
+            ),
             "average": lambda: gs.sharpness(model, ce, batches, measure="adaptive", kind="average"),
             "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
             "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
-            "measure-geodesic": lambda: gs.measure(model, batches, measures=["geodesic-inv-o2"]),
+            "measure-geodesic": lambda: gs.measure(
+                model, batches, measures=["geodesic-inv-o2"], rhos=[0.1], steps=1
+            ),
+            "measure-exact": lambda: gs.measure(model, batches, measures=["geodesic-mix-exact"]),
             "measure-average": lambda: gs.measure(model, batches, measures=["adaptive-average"]),
             "measure-curvature": lambda: gs.measure(model, batches, measures=["curvature-lmax"]),
         }
@@ -73,24 +83,28 @@ def test_an_fsdp2_sharded_model_is_refused_in_one_line():
     lines = [ln for ln in out.stdout.splitlines() if ln.split(" ")[0].startswith(names)]
     assert [ln.split(" ")[:2] for ln in lines] == [
         ["sharpness", "MEASURED"],
-        ["geodesic", "REFUSED"],
+        ["geodesic", "MEASURED"],
+        ["geodesic-exact", "REFUSED"],
         ["average", "REFUSED"],
         ["curvature", "REFUSED"],
         ["measure", "MEASURED"],
-        ["measure-geodesic", "REFUSED"],
+        ["measure-geodesic", "MEASURED"],
+        ["measure-exact", "REFUSED"],
         ["measure-average", "REFUSED"],
         ["measure-curvature", "REFUSED"],
     ]
-    geodesic, average, curvature = lines[1:4]
-    assert "symmetry blocks' geometry on sharded rows (SPEC §10.2)" in geodesic
+    exact, average, curvature = lines[2:5]
+    assert "measure='geodesic'" in exact and "order='exact'" in exact
+    assert "the exact (RK4) geodesic on sharded rows is not implemented yet" in exact
     assert "kind='average'" in average
     assert "sharded DTensors ('0.weight' and 3 more" in curvature
     assert "gs.curvature does not measure sharded models yet" in curvature
     assert "docs/cluster.md" in curvature
-    m_geodesic, m_average, m_curvature = lines[5:]
-    assert "geodesic-inv-o2 worst l2 on a sharded (FSDP2) model: the symmetry blocks'" in m_geodesic
+    m_exact, m_average, m_curvature = lines[7:]
+    assert "geodesic-mix-oexact worst l2 on a sharded (FSDP2) model: the exact (RK4)" in m_exact
     assert "the average case (random perturbations)" in m_average
     assert "the curvature measures (gs.curvature)" in m_curvature
-    for ln in lines[5:]:
+    for ln in lines[7:]:
         assert "a sharded model is measured with adaptive-l2, adaptive-linf" in ln
+        assert "geodesic-inv|mix-o1|o2" in ln
         assert "docs/cluster.md" in ln

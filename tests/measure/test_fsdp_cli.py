@@ -11,13 +11,18 @@ command in this process. Asserted:
 - float32, at ρ = 0.3 (adaptive: θ′ added into the shards in place): the losses within 1e-6 and
   the value within 1e-5 of the clean loss (a value of 3e-3 is a difference of two losses of
   1.1, whose float32 rounding, 1e-7, is a larger part of it; measured: 2e-5 of the value);
-- float64, at ρ = 0.3 and 3: every value within 1e-10 (relative), every loss within 1e-12;
+- float64, at ρ = 0.3 and 3: every value within 1e-10 (relative), every loss within 1e-12,
+  geodesic sharpness (inv and mix, order 2) included: its GL(h) blocks of the attention heads
+  on each rank's rows, ``W_q``, ``W_k``, ``W_v`` sharded along dimension 1
+  (``geosharp.shard_placement``, which ``--fsdp`` uses);
 - rank 0 alone prints the table and writes the results, which record the sharding and what was
   skipped; and a bad combination is refused in one line, exit status 2, before anything loads.
 
 A PEFT LoRA adapter of a tiny Llama (the base frozen, sharded with it) on a ``.txt`` corpus, the
 causal-lm task: the ranks hold unequally many tokens of a batch, and the built-in cross-entropy
-weighed by each rank's share of them gives the one-process values within 1e-10 in float64.
+weighed by each rank's share of them gives the one-process values within 1e-10 in float64, the
+geodesic (mix, order 2) on the adapter's GL(r) blocks included (LoRA's ``A`` sharded along
+dimension 1).
 """
 
 import json
@@ -38,10 +43,14 @@ dist = pytest.importorskip("torch.distributed")
 
 SENTENCES = [*_SIX, ("the film was good", 2), ("a bad movie", 0)]  # 8 rows: 2 ranks × 4
 MEASURES = ["adaptive-l2", "euclidean-l2", "adaptive-linf"]
-COMMON = [
-    "--measures", *MEASURES, "--rho", "0.3", "3", "--steps", "5", "--batch-size", "4",
-    "--max-length", "16", "--no-progress", "--threads", "1",
+#: Measured in float64 only (the blocks' geometry on each rank's rows, SPEC §10.6).
+GEODESIC = ["geodesic-inv-o2", "geodesic-mix-o2"]
+REST = [
+    "--rho", "0.3", "3", "--steps", "5", "--batch-size", "4", "--max-length", "16",
+    "--no-progress", "--threads", "1",
 ]  # fmt: skip
+COMMON = ["--measures", *MEASURES, *REST]
+ARGS = {"float32": COMMON, "float64": ["--measures", *MEASURES, *GEODESIC, *REST]}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +86,10 @@ def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys,
     if not dist.is_available():
         pytest.skip("torch without distributed")
     model, data = bert_and_data
-    sharded = _torchrun(model, data, tmp_path / "sharded", dtype)
+    args = ARGS[dtype]
+    sharded = _torchrun(model, data, tmp_path / "sharded", dtype, args)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    code = main(["measure", str(model), str(data), *COMMON, "--dtype", dtype, "--out",
+    code = main(["measure", str(model), str(data), *args, "--dtype", dtype, "--out",
                  str(tmp_path / "whole")])  # fmt: skip
     capsys.readouterr()
     assert code == 0
@@ -92,9 +102,12 @@ def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys,
     assert "fsdp: 2 layer(s) (BertLayer) and the root sharded over 2 rank(s) (gloo" in (
         sharded.stdout
     )
+    # W_q, W_k, W_v of the 2 layers along dimension 1: the heads' rows whole on a rank
+    assert "; 6 parameter(s) placed along dimension 1 so that the rows" in sharded.stdout
     st = got["settings"]
     assert st["fsdp"]["world"] == 2 and st["fsdp"]["backend"] == "gloo"
-    assert st["fsdp"]["layers"] == 2
+    assert st["fsdp"]["layers"] == 2 and st["fsdp"]["along_dim_1"] == 6
+    assert st["sharded"]["shard_dims"] == [0, 1]
     assert st["sharded"]["world"] == 2
     assert set(st["sharded"]["skipped"]) == {"symmetry_search", "self_check", "time_estimate"}
     assert got["invariance_check"] is None and want["invariance_check"]["passed"]
@@ -107,6 +120,9 @@ def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys,
     assert [(r["measure"], r["rho"]) for r in got["results"]] == [
         (r["measure"], r["rho"]) for r in want["results"]
     ]
+    measured = {r["measure"] for r in got["results"]}
+    geodesic = {"geodesic-inv-o2 worst l2", "geodesic-mix-o2 worst l2"}
+    assert measured & geodesic == (geodesic if dtype == "float64" else set())
     for g, w in zip(got["results"], want["results"], strict=True):
         where = (dtype, g["measure"], g["rho"], g["value"], w["value"])
         assert g["error"] is None and w["error"] is None, where
@@ -132,8 +148,8 @@ def test_fsdp_causal_lm_lora_weighs_the_ranks_by_their_tokens(
     if not dist.is_available():
         pytest.skip("torch without distributed")
     args = [
-        "--measures", "adaptive-l2", "euclidean-l2", "--rho", "0.3", "--steps", "3",
-        "--batch-size", "2", "--samples", "6", "--no-progress", "--threads", "1",
+        "--measures", "adaptive-l2", "euclidean-l2", "geodesic-mix-o2", "--rho", "0.3",
+        "--steps", "3", "--batch-size", "2", "--samples", "6", "--no-progress", "--threads", "1",
     ]  # fmt: skip
     sharded = _torchrun(adapter_dir, corpus_txt, tmp_path / "sharded", "float64", args)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
@@ -147,6 +163,11 @@ def test_fsdp_causal_lm_lora_weighs_the_ranks_by_their_tokens(
     assert got["settings"]["fsdp"]["loss_weighing"].startswith("token-weighted")
     assert got["settings"]["loss"] == want["settings"]["loss"] == "auto: cross-entropy"
     assert got["settings"]["n_params"] == want["settings"]["n_params"]  # the adapter's only
+    # LoRA's A (r x in) of q_proj, v_proj and down_proj in 2 layers, along dimension 1
+    assert got["settings"]["fsdp"]["along_dim_1"] == 6
+    assert [r["measure"] for r in got["results"]] == [
+        "adaptive worst l2", "euclidean worst l2", "geodesic-mix-o2 worst l2"
+    ]  # fmt: skip
     for a, b in zip(got["clean_losses"], want["clean_losses"], strict=True):
         assert _rel(a, b) <= 1e-12
     for g, w in zip(got["results"], want["results"], strict=True):
@@ -185,9 +206,13 @@ def test_fsdp_without_torchrun_is_refused_before_loading(capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--measures", "geodesic-inv-o2"], "symmetry blocks' geometry on sharded rows"),
-        (["--measures", "adaptive-l2", "adaptive-blocks"], "attention-only"),
+        (["--measures", "geodesic-inv-exact"], "the exact (RK4) geodesic on sharded rows"),
+        (
+            ["--measures", "geodesic-mix-o2", "adaptive-blocks", "geodesic-blocks-exact"],
+            "geodesic-inv-oexact-blocks worst l2 on a sharded (FSDP2) model: the exact (RK4)",
+        ),
         (["--measures", "adaptive-average"], "the average case (random perturbations)"),
+        (["--measures", "geodesic-mix-o2-average"], "the average case (random perturbations)"),
         (["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
         (["--measures", "relative-flatness"], "relative flatness of a sharded model"),
         (["--device", "cuda:1"], "use --device auto, cuda or cpu"),
@@ -196,8 +221,15 @@ def test_fsdp_without_torchrun_is_refused_before_loading(capsys, monkeypatch):
     ],
 )
 def test_a_bad_combination_with_fsdp_is_one_line(capsys, monkeypatch, args, says):
+    from geosharp.measuring.fsdp import FsdpRun
+
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)
+
+    def never(self):  # a combination let through would wait for rank 1 of 2 (for 30 minutes)
+        raise RuntimeError("not refused: --fsdp went on to start the process group")
+
+    monkeypatch.setattr(FsdpRun, "start", never)
     line = _refused(capsys, *args)
     assert says in line
     if "--measures" in args:
@@ -230,3 +262,33 @@ def test_the_layers_sharded_are_the_transformer_blocks():
     )
     assert transformer_layers(mlp) == list(mlp[0])
     assert transformer_layers(nn.Sequential(nn.Linear(2, 2), nn.Tanh())) == []
+
+
+def test_the_placement_keeps_the_heads_rows_whole_where_fsdp2_can():
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from geosharp.measuring.fsdp import FsdpRun
+
+    bert = transformers.BertForSequenceClassification(
+        transformers.BertConfig(
+            vocab_size=20, hidden_size=8, num_attention_heads=2, num_hidden_layers=2,
+            intermediate_size=16,
+        )
+    )  # fmt: skip
+    named = dict(bert.named_parameters())
+    qkv = [f"bert.encoder.layer.{i}.attention.self.{p}.weight" for i in range(2)
+           for p in ("key", "query", "value")]  # fmt: skip
+    said: list[str] = []
+    run = FsdpRun(rank=0, world=2, local_rank=0, device=torch.device("cpu"))
+    place = run._placement(bert, said.append)
+    assert sorted(run.along_dim_1) == sorted(qkv) and not said
+    assert [place(named[n]) for n in qkv] == [Shard(1)] * 6
+    assert place(named["bert.encoder.layer.0.attention.output.dense.weight"]) is None
+    # 3 ranks do not divide the 8 input features, which FSDP2 splits along dimension 1 only
+    # evenly: they stay on FSDP's default (dimension 0), so element-wise measures still run
+    run = FsdpRun(rank=0, world=3, local_rank=0, device=torch.device("cpu"))
+    place = run._placement(bert, said.append)
+    assert run.along_dim_1 == [] and [place(named[n]) for n in qkv] == [None] * 6
+    assert len(said) == 1 and "6 parameter(s) whose rows the geodesic measures need" in said[0]
+    assert "3 ranks do not divide it" in said[0]

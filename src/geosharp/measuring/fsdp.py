@@ -15,7 +15,11 @@ evenly). Then :class:`FsdpRun`
    everywhere), applies ``fully_shard`` to every transformer layer
    (:func:`transformer_layers`: the modules of a Hugging Face model's ``_no_split_modules``
    classes in its ``nn.ModuleList``\ s, else the children of the ``nn.ModuleList``\ s of
-   repeated modules) and to the root, which moves each rank's shard to its device;
+   repeated modules) and to the root, which moves each rank's shard to its device, every call
+   with the ``shard_placement_fn`` of :func:`geosharp.estimators.sharded_space.shard_placement`
+   (built on the model before sharding it): ``W_q``, ``W_k``, ``W_v`` and LoRA's ``A`` are split
+   along dimension 1, so that no row of a symmetry block is split across ranks (the geodesic and
+   attention-only measures need whole rows, SPEC §10.3; the element-wise ones do not care);
 3. gives every rank its rows of every batch (:func:`local_rows`: rank ``r`` of ``W`` holds rows
    ``r·m/W … (r+1)·m/W − 1`` of a batch of ``m``): a sharded model measures every batch on every
    rank, each on its rows (FSDP's collectives need every rank in every forward), unlike the
@@ -76,6 +80,7 @@ class FsdpRun:
         device: Where the shards live: ``cuda`` (the current device, ``cuda:LOCAL_RANK``) or
             ``cpu``.
         layers: The layers sharded as their own units (:meth:`shard` sets it).
+        along_dim_1: The parameters sharded along dimension 1 (:meth:`shard` sets it).
         loss_weighing: How the ranks' losses make the batch's (:meth:`loss` sets it).
     """
 
@@ -84,6 +89,7 @@ class FsdpRun:
     local_rank: int
     device: torch.device
     layers: list[str] = field(default_factory=list)
+    along_dim_1: list[str] = field(default_factory=list)
     loss_weighing: str = "none: every rank holds as many rows (a mean over rows)"
 
     @property
@@ -98,7 +104,16 @@ class FsdpRun:
         init_distributed(self.backend)
 
     def shard(self, model: nn.Module, say: Callable[[str], None]) -> nn.Module:
-        """``fully_shard`` every transformer layer and the root, on a 1-D mesh of the ranks."""
+        """``fully_shard`` every transformer layer and the root, on a 1-D mesh of the ranks.
+
+        Every call gets the ``shard_placement_fn`` of :func:`geosharp.shard_placement`, built
+        on the model before it is sharded, so that no row of a symmetry block is split across
+        ranks. FSDP2 splits a parameter along dimension 1 only evenly: one whose dimension 1
+        the ranks do not divide keeps FSDP's default (dimension 0), and a line says so (the
+        geodesic measures then find its rows split, unless the ranks divide the number of
+        heads, and fail saying why; the element-wise measures do not need whole rows). So does
+        a symmetry finder that fails on the model.
+        """
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -106,27 +121,69 @@ class FsdpRun:
         layers = transformer_layers(model)
         names = {id(m): n for n, m in model.named_modules()}
         kinds = sorted({type(m).__name__ for m in layers})  # before FSDP renames the classes
+        place = self._placement(model, say)
         try:
             for layer in layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, shard_placement_fn=place)
+            fully_shard(model, mesh=mesh, shard_placement_fn=place)
         except Exception as err:
             raise MeasureError(
                 f"--fsdp: FSDP2's fully_shard cannot shard this model ({type(model).__name__}): "
                 f"{type(err).__name__}: {err}"
             ) from err
         self.layers = [names[id(m)] for m in layers]
+        rows = (
+            f"{len(self.along_dim_1)} parameter(s) placed along dimension 1 so that the rows of "
+            "the symmetry blocks stay whole (geosharp.shard_placement), the rest along 0"
+        )
         if layers:
             say(
                 f"fsdp: {len(layers)} layer(s) ({', '.join(kinds)}) and the root sharded over "
-                f"{self.world} rank(s) ({self.backend}, {self.device.type})"
+                f"{self.world} rank(s) ({self.backend}, {self.device.type}); {rows}"
             )
         else:
             say(
                 f"fsdp: no repeated layers found, so only the root is sharded over {self.world} "
-                "rank(s): every forward gathers the whole model at once"
+                f"rank(s): every forward gathers the whole model at once; {rows}"
             )
         return model
+
+    def _placement(self, model: nn.Module, say: Callable[[str], None]) -> Callable | None:
+        """:func:`geosharp.shard_placement` of the unsharded model, less what FSDP2 refuses.
+
+        Sets :attr:`along_dim_1`. ``None`` (FSDP's default) if the symmetry finder fails.
+        """
+        from geosharp.estimators.sharded_space import shard_placement
+
+        try:
+            place = shard_placement(model)  # on the whole model: before fully_shard
+        except Exception as err:  # the same model on every rank: every rank falls back alike
+            say(
+                f"fsdp: the symmetry finder failed on {type(model).__name__} "
+                f"({type(err).__name__}: {err}), so every parameter is sharded along dimension "
+                "0 (FSDP's default): a geodesic or attention-only measure may find a block's "
+                "rows split across ranks and fail"
+            )
+            return None
+        named = dict(model.named_parameters())
+        uneven = [n for n in place.parameters if n in named and named[n].shape[1] % self.world]
+        self.along_dim_1 = [n for n in place.parameters if n not in uneven]
+        if not uneven:
+            return place
+        say(
+            f"fsdp: {len(uneven)} parameter(s) whose rows the geodesic measures need whole "
+            f"({uneven[0]}{' and more' if len(uneven) > 1 else ''}: {named[uneven[0]].shape[1]} "
+            f"columns) stay split along dimension 0 (FSDP's default): FSDP2 splits a dimension "
+            f"other than 0 only evenly, and {self.world} ranks do not divide it; the geodesic "
+            "and attention-only measures will find their rows split and fail unless the ranks "
+            "divide the number of heads (use a number of ranks that divides both)"
+        )
+        keep = {id(named[n]) for n in uneven}
+
+        def placement(param: Any) -> Any:
+            return None if id(param) in keep else place(param)
+
+        return placement
 
     def loss(self, spec: Any, task: str, warn: Callable[[str], None]) -> Any:
         """The loss to measure: a language model's built-in one weighed by token shares.
@@ -167,6 +224,7 @@ class FsdpRun:
             "device": self.device.type,
             "layers": len(self.layers),
             "layer_names": self.layers[:3] + (["..."] if len(self.layers) > 3 else []),
+            "along_dim_1": len(self.along_dim_1),
             "rows": "every batch split evenly over the ranks, in contiguous blocks",
             "loss_weighing": self.loss_weighing,
         }

@@ -1,13 +1,17 @@
-r"""``gs.measure`` of a model sharded by FSDP2: the element-wise measures, shard by shard.
+r"""``gs.measure`` of a model sharded by FSDP2: the worst-case measures, shard by shard.
 
 A model whose trainable parameters are ``DTensor``\ s sharded by
 ``torch.distributed.fsdp.fully_shard`` is measured by :func:`geosharp.sharpness`'s sharded path
 (:mod:`geosharp.estimators.sharded`): every rank passes its own rows of every batch, and every
-rank gets the same values. What :func:`~geosharp.measuring.core.measure` does around the
-measurements runs here without gathering the weights whole:
+rank gets the same values. The worst-case measures from ``ξ = 0`` are measured: the element-wise
+ones (adaptive, Euclidean; ℓ2 or ℓ∞), and geodesic sharpness (metric inv or mix, order 1 or 2)
+and the attention-only measures (``-blocks``), whose symmetry blocks are laid out on each rank's
+rows and whose ``h × h`` contractions are summed over the ranks (SPEC §10.6; the rows of a block
+must not be split across ranks: :func:`geosharp.shard_placement`). What
+:func:`~geosharp.measuring.core.measure` does around the measurements runs here without
+gathering the weights whole:
 
-- **refused before any work** (:func:`check_plan`), one line each: geodesic sharpness and the
-  attention-only measures (the symmetry blocks' geometry on sharded rows, SPEC §10.2), the
+- **refused before any work** (:func:`check_plan`), one line each: the exact (RK4) geodesic, the
   average case (noise drawn by global position), the curvature measures and relative flatness;
 - **checked, collectively**: every trainable parameter is a sharded ``DTensor`` on one mesh
   (:class:`~geosharp.estimators.sharded.ShardedParams`), no weight's ``1/w²`` overflows (counted
@@ -18,10 +22,12 @@ measurements runs here without gathering the weights whole:
   finite with valid labels. A rank whose batch fails tells the others, so that every rank
   raises the same error instead of waiting for it;
 - **skipped, with the reason in the result** (:data:`SKIPPED`, the report's
-  ``settings["sharded"]["skipped"]``): the symmetry search and its proof, the invariance
-  self-check and the time estimate. Each re-runs the model with substituted weights
-  (:func:`torch.func.functional_call`), which FSDP's own gathers of the shards would bypass,
-  and the element-wise measures use no symmetry blocks.
+  ``settings["sharded"]["skipped"]``): the proof of the symmetry blocks on the data, the
+  invariance self-check and the time estimate. Each re-runs the model with substituted weights
+  (:func:`torch.func.functional_call`), which FSDP's own gathers of the shards would bypass. The
+  geodesic and attention-only measures still find their blocks
+  (:func:`~geosharp.symmetry.find_symmetries`, inside :func:`geosharp.sharpness`): those are the
+  architecture adapters' structural claims for the model, not re-proven on its data.
 """
 
 from __future__ import annotations
@@ -45,17 +51,25 @@ __all__ = ["SKIPPED", "ShardedCheck", "check_plan", "prepare_sharded", "refusal"
 
 #: What ``gs.measure`` does not run on a sharded model, and why (recorded in the result).
 SKIPPED = {
-    "symmetry_search": "not run on a sharded model: proving a block re-runs the model with "
-    "substituted weights (torch.func.functional_call), which FSDP's gathers of the shards "
-    "bypass; the element-wise measures measured here use no symmetry blocks",
-    "self_check": "not run on a sharded model: it re-parametrizes the symmetry blocks, which "
-    "were not searched (see symmetry_search)",
+    "symmetry_search": "not proven on a sharded model: the geodesic and attention-only measures "
+    "find the symmetry blocks inside gs.sharpness (find_symmetries: the architecture adapters' "
+    "structural claims for this model), but proving them on the data "
+    "(geosharp.symmetry.prove) re-runs the model with substituted weights "
+    "(torch.func.functional_call), which FSDP's gathers of the shards bypass: the blocks used "
+    "are the finder's claims for the architecture, not re-proven on this model's data (the "
+    "element-wise measures use no blocks)",
+    "self_check": "not run on a sharded model: it re-parametrizes the symmetry blocks by a "
+    "random group element and re-runs the model with the substituted weights "
+    "(torch.func.functional_call), which FSDP's gathers of the shards bypass",
     "time_estimate": "not made for a sharded model: its timing passes substitute weights "
     "(torch.func.functional_call), which FSDP's gathers of the shards bypass",
 }
 
 #: The measures a sharded model is measured with, as ``geosharp measure --measures`` reads them.
-SUPPORTED = "adaptive-l2, adaptive-linf, euclidean-l2, euclidean-linf (worst case)"
+SUPPORTED = (
+    "adaptive-l2, adaptive-linf, euclidean-l2, euclidean-linf, geodesic-inv|mix-o1|o2 and the "
+    "attention-only -blocks measures (worst case)"
+)
 
 
 def refusal(spec: Measure) -> str | None:
@@ -66,7 +80,9 @@ def refusal(spec: Measure) -> str | None:
     elif spec.family == "relative flatness":
         why = "relative flatness of a sharded model is not implemented yet"
     else:  # sharpness: what gs.sharpness's sharded path refuses
-        why = unsupported(kw.get("measure"), kw.get("perturb"), kw.get("kind"))
+        why = unsupported(
+            kw.get("measure"), kw.get("perturb"), kw.get("kind"), order=kw.get("order", 1)
+        )
     if why is None:
         return None
     return (
@@ -87,8 +103,8 @@ def check_plan(specs: Sequence[Measure], space: ParameterSpace | None) -> None:
             raise MeasureError(why)
     if space is not None:
         raise MeasureError(
-            "space: a sharded model's parameter space is its ranks' shards, with no symmetry "
-            "blocks; pass space=None"
+            "space: a sharded model's parameter space is its ranks' shards, which every "
+            "measure lays out itself (the symmetry blocks on the rank's rows); pass space=None"
         )
 
 
@@ -105,8 +121,9 @@ class ShardedCheck:
         loss_fn: The loss.
         loss_name: Its name.
         space: ``None`` (the measures build the space of the shards themselves).
-        summary: The symmetry summary: not searched, and why.
-        adaptive_note: Which coordinates use the adaptive geometry: all of them.
+        summary: The symmetry summary: the blocks are not proven on the data, and why.
+        adaptive_note: Which coordinates use the adaptive geometry (every one for the
+            element-wise measures; those outside the blocks for the geodesic ones).
         clean_losses: The loss of every batch (the mean over ranks), all finite.
         invariance: ``None`` (the self-check was not run: :data:`SKIPPED`).
         shards: The checked shards.
@@ -194,10 +211,12 @@ def prepare_sharded(
         f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all "
         f"finite; each the mean of the {shards.world} ranks' losses on their rows)"
     )
-    summary = f"symmetry blocks: not searched ({SKIPPED['symmetry_search']})"
+    summary = f"symmetry blocks: {SKIPPED['symmetry_search']}"
     note = (
-        f"adaptive geometry: every trainable coordinate ({shards.numel:,}) — the element-wise "
-        "measures of a sharded model give every coordinate the adaptive (or Euclidean) geometry"
+        f"adaptive geometry: every trainable coordinate ({shards.numel:,}) in the element-wise "
+        "measures (or the Euclidean geometry); the geodesic and attention-only measures give "
+        "the symmetry blocks that find_symmetries claims for the architecture their own "
+        "geometry, on each rank's rows, and every other coordinate the adaptive one"
     )
     return ShardedCheck(
         model, batches, loss_fn, loss_name, None, summary, note, clean, None, shards, rows, widest
