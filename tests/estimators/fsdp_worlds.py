@@ -30,13 +30,14 @@ import torch.multiprocessing as mp
 
 import geosharp as gs
 
-#: label → (measure, norm, block metric)
+#: label → (measure, norm, block metric, perturb)
 MEASURES = {
-    "adaptive": ("adaptive", "l2", "inv"),
-    "euclidean": ("euclidean", "l2", "inv"),
-    "adaptive-linf": ("adaptive", "linf", "inv"),
-    "geodesic-inv": ("geodesic", "l2", "inv"),
-    "geodesic-mix": ("geodesic", "l2", "mix"),
+    "adaptive": ("adaptive", "l2", "inv", "all"),
+    "euclidean": ("euclidean", "l2", "inv", "all"),
+    "adaptive-linf": ("adaptive", "linf", "inv", "all"),
+    "geodesic-inv": ("geodesic", "l2", "inv", "all"),
+    "geodesic-mix": ("geodesic", "l2", "mix", "all"),
+    "adaptive-blocks": ("adaptive", "l2", "inv", "blocks"),  # attention only
 }
 #: (model, dtype, rho) measured sharded and unsharded; bfloat16 at a radius that its 8-bit
 #: mantissa resolves (θ′ = w + ξ rounds ξ to ~1/256 of |w|: at ρ = 0.05 that is ~8 % of ξ)
@@ -140,7 +141,7 @@ def key(name: str, dt: str, rho: float) -> str:
 def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dict]:
     """Per measure: the value, the clean and the perturbed loss of every batch."""
     out = {}
-    for m, (measure, norm, metric) in MEASURES.items():
+    for m, (measure, norm, metric, perturb) in MEASURES.items():
         r = rho / 10 if norm == "linf" else rho  # a box of side ρ|w| holds a far larger move
         res = gs.sharpness(
             model,
@@ -149,6 +150,7 @@ def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dic
             measure=measure,
             norm=norm,
             metric=metric,
+            perturb=perturb,
             rho=r,
             steps=STEPS,
             progress=False,

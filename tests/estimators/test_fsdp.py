@@ -68,7 +68,9 @@ def test_sharded_values_equal_the_unsharded_ones(worlds, world):
                 want = ref[key][m]
                 rho = float(key.split("/")[2]) / (10 if m.endswith("linf") else 1)
                 base = "copy"  # the base point: in place at ρ ≤ 0.4, outside blocks for geodesic
-                if rho <= 0.4 and m.startswith("adaptive"):
+                if m.endswith("blocks"):  # the coordinates outside the blocks do not move
+                    base = "in place outside the blocks"
+                elif rho <= 0.4 and m.startswith("adaptive"):
                     base = "in place"
                 elif rho <= 0.4 and m.startswith("geodesic"):
                     base = "in place outside the blocks"
@@ -100,17 +102,23 @@ def test_sharded_values_equal_the_unsharded_ones(worlds, world):
 def test_bfloat16_is_within_its_tolerance_of_float32_on_the_same_weights(worlds):
     """The bfloat16 BERT (loss in float32) at ρ = 0.5 against float32 on the same weights.
 
-    Tolerance 2 % of the value (measured: 0.3–0.4 % unsharded; at ρ = 0.05 bfloat16 cannot
-    resolve ``w + ξ`` and differs by ~30 %, see ``docs/cluster.md``).
+    Tolerance 2 % of the value (measured 2026-12-04: 0.04–1.13 % for every measure at worlds
+    1, 2 and 4, geodesic-mix 0.79–0.99 % with its order-2 endpoint in float32, 3.6 % at world 4
+    with it in bfloat16; at ρ = 0.05 bfloat16 cannot
+    resolve ``w + ξ`` and differs by ~30 %, see ``docs/cluster.md``). Not the attention-only
+    measure: its value, 3e-5 of a loss of 1.1 here, is below what a bfloat16 forward resolves
+    (1.4e-5 in bfloat16, unsharded).
     """
     ref = worlds["reference"]
     half, full = ref["bert/bfloat16/0.5"], ref["bert/float32/0.5"]
     assert half["adaptive"]["dtype"] == "torch.bfloat16"
-    for m in half:
+    resolved = [m for m in half if not m.endswith("blocks")]
+    for m in resolved:
         assert _rel(half[m]["value"], full[m]["value"]) <= 0.02, m
     for world, ranks in worlds["worlds"].items():
         for rank, out in ranks.items():
-            for m, got in out["bert/bfloat16/0.5"]["values"].items():
+            for m in resolved:
+                got = out["bert/bfloat16/0.5"]["values"][m]
                 assert _rel(got["value"], full[m]["value"]) <= 0.02, (world, rank, m)
 
 

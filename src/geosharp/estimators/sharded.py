@@ -98,7 +98,8 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
         raise NotImplementedError(
             f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
             f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness and "
-            "gs.measure do, with the adaptive and euclidean measures (docs/cluster.md)"
+            "gs.measure do, with the worst-case adaptive, euclidean and geodesic measures "
+            "(docs/cluster.md)"
         )
 
 
@@ -416,13 +417,16 @@ def _negative_zeros(t: Tensor) -> Tensor:
 IN_PLACE_RHO = 0.4
 
 
-def in_place_ok(measure: str, rho: float) -> bool | str:
+def in_place_ok(measure: str, rho: float, perturb: str = "all") -> bool | str:
     """Whether ``θ′`` can be added into the shards and subtracted exactly, with no copy.
 
     ``True`` for adaptive sharpness at ``ρ ≤ 0.4``; ``"rest"`` for geodesic sharpness there
     (its coordinates outside the blocks move in the adaptive ball: in place; the parameters
-    holding block coordinates are copied); else ``False`` (a copy of the shards).
+    holding block coordinates are copied) and for the attention-only measures at any radius
+    (the coordinates outside the blocks do not move); else ``False`` (a copy of the shards).
     """
+    if perturb == "blocks":
+        return "rest"
     if rho > IN_PLACE_RHO:
         return False
     return {"adaptive": True, "geodesic": "rest"}.get(measure, False)

@@ -155,7 +155,42 @@ def local_space(
         )
     layouts = _layouts(space, shards)
     base = shards.space()
-    pad_next = base.numel()  # the PAD vector's positions follow the shards'
+    try:
+        blocks, n_pad = _local_blocks(space, layouts, base.numel())
+        failure = None
+    except (ValueError, NotImplementedError) as err:
+        failure = (type(err).__name__, str(err))
+    _agree(shards, failure)  # a rank that holds no part of a split row raises too
+    real = sum(b.numel for b in blocks if isinstance(b, GLBlock)) - n_pad
+    if n_pad > PAD_WARN * max(real, 1):
+        warnings.warn(
+            f"the symmetry blocks' rows are spread unevenly over the ranks: this rank pads its "
+            f"{real:,} block coordinates with {n_pad:,} zeros (rows of heads it holds fewer of), "
+            "which every buffer of the ascent holds; shard the model with "
+            "fully_shard(..., shard_placement_fn="
+            "geosharp.shard_placement(model)) for an even share of every head's rows",
+            stacklevel=3,
+        )
+    padding = {}
+    if n_pad:
+        like = shards.locals[0]
+        padding[PAD] = torch.zeros(n_pad, dtype=like.dtype, device=like.device)
+    local = ParameterSpace(
+        (*base.param_names, *padding),
+        (*base.shapes, *(t.shape for t in padding.values())),
+        (*base.offsets, *([base.numel()] if n_pad else [])),
+        blocks=blocks,
+        excluded=dict(base.excluded),
+        notes=list(space.notes),
+    )
+    return local, padding
+
+
+def _local_blocks(
+    space: ParameterSpace, layouts: list[_Layout], pad_next: int
+) -> tuple[list[SymmetryBlock], int]:
+    """The global blocks on the rank's rows (padded), and how many padding coordinates."""
+    first = pad_next  # the PAD vector's positions follow the shards'
     blocks: list[SymmetryBlock] = []
     groups: dict[Hashable, list[SymmetryBlock]] = {}
     for b in space.blocks:
@@ -183,30 +218,25 @@ def local_space(
                 fields[f] = index
             values = {fl.name: getattr(b, fl.name) for fl in dataclasses.fields(b)}
             blocks.append(local_cls(**{**values, **fields, "global_key": key}))
-    n_pad = pad_next - base.numel()
-    real = sum(b.numel for b in blocks if isinstance(b, GLBlock)) - n_pad
-    if n_pad > PAD_WARN * max(real, 1):
-        warnings.warn(
-            f"the symmetry blocks' rows are spread unevenly over the ranks: this rank pads its "
-            f"{real:,} block coordinates with {n_pad:,} zeros (rows of heads it holds fewer of), "
-            "which every buffer of the ascent holds; shard the model with "
-            "fully_shard(..., shard_placement_fn="
-            "geosharp.shard_placement(model)) for an even share of every head's rows",
-            stacklevel=3,
-        )
-    padding = {}
-    if n_pad:
-        like = shards.locals[0]
-        padding[PAD] = torch.zeros(n_pad, dtype=like.dtype, device=like.device)
-    local = ParameterSpace(
-        (*base.param_names, *padding),
-        (*base.shapes, *(t.shape for t in padding.values())),
-        (*base.offsets, *([base.numel()] if n_pad else [])),
-        blocks=blocks,
-        excluded=dict(base.excluded),
-        notes=list(space.notes),
-    )
-    return local, padding
+    return blocks, pad_next - first
+
+
+def _agree(shards: Any, failure: tuple[str, str] | None) -> None:
+    """Raise on every rank the first rank's failure to lay its blocks out, if any rank failed.
+
+    A row split across ranks is seen by the ranks holding a part of it; the others would go on
+    to the ascent's first collective and wait there.
+    """
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * shards.world
+    dist.all_gather_object(every, failure, group=shards.group)
+    for rank, found in enumerate(every):
+        if found is not None:
+            kind, msg = found
+            where = "" if found == failure else f" (found on rank {rank})"
+            cls = NotImplementedError if kind == "NotImplementedError" else ValueError
+            raise cls(msg + where)
 
 
 def _rows(
@@ -226,8 +256,9 @@ def _rows(
         raise ValueError(
             f"the rows of block {block.name!r} ({field}, head {b}) are split across ranks: "
             f"{name!r} is sharded along a dimension that cuts a head's row. Shard it with "
-            "fully_shard(..., shard_placement_fn=geosharp.shard_placement(model)), and use a "
-            "world size that divides the number of heads when the block has a bias row"
+            "fully_shard(..., shard_placement_fn=geosharp.shard_placement(model)) (FSDP2 "
+            "splits its dimension 1 only if the world size divides it), and use a world size "
+            "that divides the number of heads when the block has a bias row"
         )
     count = whole.sum(-1)  # rows held per head
     k = int(count.max()) if count.numel() else 0
@@ -250,7 +281,9 @@ def _padded(mine: Tensor, count: Tensor, n: int, pad_next: int) -> tuple[Tensor,
     return out, pad_next + missing
 
 
-def shard_placement(model: nn.Module, key_bias: str = "quotient") -> Callable[[Any], Any]:
+def shard_placement(
+    model: nn.Module, key_bias: str = "quotient", world: int | None = None
+) -> Callable[[Any], Any]:
     """A ``shard_placement_fn`` for FSDP2 that keeps every row of every symmetry block whole.
 
     ``fully_shard`` splits a parameter along dimension 0 by default. A projection whose block
@@ -265,26 +298,34 @@ def shard_placement(model: nn.Module, key_bias: str = "quotient") -> Callable[[A
         fully_shard(model, shard_placement_fn=place)
 
     A bias row (``b_q`` of ``G_QK``, one row of ``h`` numbers per head) lies whole on a rank
-    when the world size divides the number of heads.
+    when the world size divides the number of heads. FSDP2 splits a dimension other than 0
+    only evenly: given ``world``, a parameter whose dimension 1 the world size does not divide
+    keeps FSDP's default (its rows are then whole on a rank only if the world size divides the
+    number of heads).
 
     Args:
         model: The model, before (or after) ``fully_shard``.
         key_bias: As :func:`~geosharp.symmetry.find_symmetries`.
+        world: The number of ranks (``None``: every such parameter along dimension 1).
 
     Returns:
-        ``fn(parameter) -> Shard(1) | None``, for ``fully_shard(shard_placement_fn=fn)``.
+        ``fn(parameter) -> Shard(1) | None``, for ``fully_shard(shard_placement_fn=fn)``; its
+        ``parameters`` are the names placed along dimension 1, its ``kept`` those left on
+        dimension 0 because ``world`` does not divide their dimension 1.
     """
     from torch.distributed.tensor import Shard
 
     space = find_symmetries(model, key_bias=key_bias)
-    along_1 = _rows_along_dim_1(space)
     named = dict(model.named_parameters())
-    ids = {id(named[n]) for n in along_1 if n in named}
+    along_1 = {n for n in _rows_along_dim_1(space) if n in named}
+    kept = {n for n in along_1 if world and named[n].shape[1] % world}
+    ids = {id(named[n]) for n in along_1 - kept}
 
     def placement(param: Any) -> Any:
         return Shard(1) if id(param) in ids else None
 
-    placement.parameters = tuple(sorted(along_1))  # type: ignore[attr-defined]
+    placement.parameters = tuple(sorted(along_1 - kept))  # type: ignore[attr-defined]
+    placement.kept = tuple(sorted(kept))  # type: ignore[attr-defined]
     return placement
 
 

@@ -261,7 +261,7 @@ def sharpness(
                 "model; a sharded model measures every batch on every rank, on the rank's rows "
                 "of it: leave distributed unset"
             )
-        shards = ShardedParams(model, in_place=in_place_ok(measure, rho))
+        shards = ShardedParams(model, in_place=in_place_ok(measure, rho, perturb))
         distributed = False  # every rank measures every batch, on its own rows of it
 
     setup = perturbation_of(

@@ -103,11 +103,6 @@ def _execute(args: argparse.Namespace) -> int:
         batches = fsdp.local_rows(batches, run.rank, run.world)
         loss = run.loss(loss, ready.task, warn)
     default = fsdp.DEFAULT_MEASURES if run is not None else DEFAULT_MEASURES
-    if run is not None and not args.measures:
-        say(
-            f"measures: {' '.join(default)} (--fsdp's default: the element-wise one of the "
-            "paper's three; geodesic sharpness of a sharded model is not implemented yet)"
-        )
 
     report = measure(
         model,

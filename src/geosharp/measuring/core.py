@@ -117,11 +117,12 @@ def measure(
     them set to 0 is measured and a warning says so.
 
     A model sharded by FSDP2 (every trainable parameter a sharded ``DTensor``; call it on every
-    rank with the rank's rows of every batch) is measured with the element-wise worst-case
-    measures (adaptive, Euclidean; ℓ2 or ℓ∞), every rank getting the same report; the other
-    measures are refused in one line before any work, and the symmetry search, the self-check
-    and the time estimate are skipped, with the reason in ``settings["sharded"]["skipped"]``
-    (:mod:`geosharp.measuring.sharded`, ``docs/cluster.md``).
+    rank with the rank's rows of every batch) is measured with the worst-case measures
+    (adaptive, Euclidean, geodesic and attention-only at order 1 or 2), every rank getting the
+    same report; the other measures are refused in one line before any work, and the proof of
+    the symmetry blocks on data, the self-check and the time estimate are skipped, with the
+    reason in ``settings["sharded"]["skipped"]`` (:mod:`geosharp.measuring.sharded`,
+    ``docs/cluster.md``).
 
     Args:
         model: Any ``nn.Module``, on the device and in the dtype to measure in.
@@ -194,7 +195,11 @@ def measure(
     if sharded:
         loss_fn, loss_name = resolve_loss(loss_fn)
         batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
-        ready = prepare_sharded(model, batches, loss_fn, loss_name, say)
+        uses_blocks = any(
+            m.kwargs().get("measure") == "geodesic" or m.kwargs().get("perturb") == "blocks"
+            for m in specs
+        )
+        ready = prepare_sharded(model, batches, loss_fn, loss_name, say, blocks=uses_blocks)
     else:
         ready = prepare_measurement(
             model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp.measuring.core import DEFAULT_MEASURES as CORE_DEFAULT_MEASURES
 from geosharp.measuring.errors import MeasureError
 
 __all__ = [
@@ -65,8 +66,8 @@ __all__ = [
 
 #: What ``torchrun`` sets in every rank's environment.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-#: ``--fsdp`` without ``--measures``: the element-wise one of the paper's three measures.
-DEFAULT_MEASURES = ("adaptive-l2",)
+#: ``--fsdp`` without ``--measures``: the paper's three, as without ``--fsdp``.
+DEFAULT_MEASURES = CORE_DEFAULT_MEASURES
 
 
 @dataclass
@@ -155,8 +156,8 @@ class FsdpRun:
         """
         from geosharp.estimators.sharded_space import shard_placement
 
-        try:
-            place = shard_placement(model)  # on the whole model: before fully_shard
+        try:  # on the whole model: before fully_shard
+            place = shard_placement(model, world=self.world)
         except Exception as err:  # the same model on every rank: every rank falls back alike
             say(
                 f"fsdp: the symmetry finder failed on {type(model).__name__} "
@@ -166,8 +167,8 @@ class FsdpRun:
             )
             return None
         named = dict(model.named_parameters())
-        uneven = [n for n in place.parameters if n in named and named[n].shape[1] % self.world]
-        self.along_dim_1 = [n for n in place.parameters if n not in uneven]
+        uneven = list(place.kept)
+        self.along_dim_1 = list(place.parameters)
         if not uneven:
             return place
         say(
@@ -178,12 +179,7 @@ class FsdpRun:
             "and attention-only measures will find their rows split and fail unless the ranks "
             "divide the number of heads (use a number of ranks that divides both)"
         )
-        keep = {id(named[n]) for n in uneven}
-
-        def placement(param: Any) -> Any:
-            return None if id(param) in keep else place(param)
-
-        return placement
+        return place
 
     def loss(self, spec: Any, task: str, warn: Callable[[str], None]) -> Any:
         """The loss to measure: a language model's built-in one weighed by token shares.

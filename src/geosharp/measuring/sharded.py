@@ -178,6 +178,7 @@ def prepare_sharded(
     loss_fn: Callable,
     loss_name: str,
     say: Callable[[str], None],
+    blocks: bool = False,
 ) -> ShardedCheck:
     """Check a sharded model and the rank's rows of the batches, collectively (module docs).
 
@@ -189,6 +190,9 @@ def prepare_sharded(
         loss_fn: The loss (resolved).
         loss_name: Its name.
         say: Called with what was checked or skipped.
+        blocks: Some measure uses the symmetry blocks: lay them out on the ranks' rows now
+            (:func:`~geosharp.estimators.sharded_space.local_space`), so that a row split
+            across ranks is refused before any measurement.
 
     Returns:
         A :class:`ShardedCheck`.
@@ -203,6 +207,13 @@ def prepare_sharded(
     except ValueError as err:
         raise MeasureError(str(err)) from err
     _check_representable(shards)
+    if blocks:
+        try:
+            space = shards.block_space(model, "quotient")
+        except (ValueError, NotImplementedError) as err:  # on every rank alike
+            raise MeasureError(str(err)) from err
+        n = sum(b.count for b in space.blocks)
+        say(f"symmetry blocks: {len(space.blocks)} ({n} heads or factors) on every rank's rows")
     rows, widest = _check_rows(shards, batches)
     say(f"symmetry blocks: {SKIPPED['symmetry_search']}")
     say(f"self-check: {SKIPPED['self_check']}")
