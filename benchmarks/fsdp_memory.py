@@ -60,6 +60,45 @@ def build(hidden: int, layers: int) -> torch.nn.Module:
     return BertForSequenceClassification(cfg).eval()
 
 
+def sharded_setup(rank: int, world: int, args: dict) -> tuple:
+    """The rank's sharded BERT, its size, its rows of the batch, the loss and a plain step.
+
+    Every layer and the root under ``fully_shard`` (``args["placement"]``: ``"rows"`` for
+    :func:`geosharp.shard_placement`, else FSDP's default), the process group already made.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    import geosharp as gs
+
+    model = build(args["hidden"], args["layers"])
+    n_params = sum(p.numel() for p in model.parameters())
+    place = gs.shard_placement(model) if args.get("placement", "rows") == "rows" else None
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, shard_placement_fn=place)
+    fully_shard(model, shard_placement_fn=place)
+    g = torch.Generator().manual_seed(1)
+    rows = args["rows"] // world
+    ids = torch.randint(1, 30000, (args["rows"], args["seq"]), generator=g)
+    y = torch.randint(0, 2, (args["rows"],), generator=g)
+    mine = [
+        (
+            {"input_ids": ids[rank * rows : (rank + 1) * rows]},
+            y[rank * rows : (rank + 1) * rows],
+        )
+    ]
+
+    def ce(out, t):
+        return torch.nn.functional.cross_entropy(out.logits, t)
+
+    def plain() -> None:
+        for x, t in mine:
+            ce(model(**x), t).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return model, n_params, mine, ce, plain
+
+
 def reset_peak() -> None:
     """Reset the process's peak resident set (``VmHWM``) to its current size."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -101,36 +140,10 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        from torch.distributed.fsdp import fully_shard
 
         import geosharp as gs
 
-        model = build(args["hidden"], args["layers"])
-        n_params = sum(p.numel() for p in model.parameters())
-        place = gs.shard_placement(model) if args["placement"] == "rows" else None
-        for layer in model.bert.encoder.layer:
-            fully_shard(layer, shard_placement_fn=place)
-        fully_shard(model, shard_placement_fn=place)
-        g = torch.Generator().manual_seed(1)
-        rows = args["rows"] // world
-        ids = torch.randint(1, 30000, (args["rows"], args["seq"]), generator=g)
-        y = torch.randint(0, 2, (args["rows"],), generator=g)
-        mine = [
-            (
-                {"input_ids": ids[rank * rows : (rank + 1) * rows]},
-                y[rank * rows : (rank + 1) * rows],
-            )
-        ]
-
-        def ce(out, t):
-            return torch.nn.functional.cross_entropy(out.logits, t)
-
-        def plain() -> None:
-            for x, t in mine:
-                ce(model(**x), t).backward()
-            for p in model.parameters():
-                p.grad = None
-
+        model, n_params, mine, ce, plain = sharded_setup(rank, world, args)
         plain()  # warm-up
         reset_peak()
         plain()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_memory import build
+from fsdp_memory import sharded_setup
 
 
 def _allocations(prof) -> list[tuple[int, int, int, tuple[str, ...]]]:
@@ -87,36 +87,11 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        from torch.distributed.fsdp import fully_shard
         from torch.profiler import ProfilerActivity, profile
 
         import geosharp as gs
 
-        model = build(args["hidden"], args["layers"])
-        n_params = sum(p.numel() for p in model.parameters())
-        place = gs.shard_placement(model)
-        for layer in model.bert.encoder.layer:
-            fully_shard(layer, shard_placement_fn=place)
-        fully_shard(model, shard_placement_fn=place)
-        g = torch.Generator().manual_seed(1)
-        rows = args["rows"] // world
-        ids = torch.randint(1, 30000, (args["rows"], args["seq"]), generator=g)
-        y = torch.randint(0, 2, (args["rows"],), generator=g)
-        mine = [
-            (
-                {"input_ids": ids[rank * rows : (rank + 1) * rows]},
-                y[rank * rows : (rank + 1) * rows],
-            )
-        ]
-
-        def ce(out, t):
-            return torch.nn.functional.cross_entropy(out.logits, t)
-
-        def plain() -> None:
-            for x, t in mine:
-                ce(model(**x), t).backward()
-            for p in model.parameters():
-                p.grad = None
+        model, n_params, mine, ce, plain = sharded_setup(rank, world, args)
 
         measure, _, metric = args["measure"].partition("-")
 
