@@ -319,7 +319,7 @@ def objectives(
         counter: Shared by every objective (default: a new counter per batch).
         bar: A :class:`PassBar` advanced at every forward.
         make: The objective's class (default :class:`Objective`; a sharded model's is
-            :func:`~geosharp.estimators.sharded.objective_class`).
+            :func:`~geosharp.estimators.sharded_objective.objective_class`).
 
     Yields:
         ``(objective, generator)``, one per batch, in order.

@@ -16,7 +16,9 @@ substituted tensors would be bypassed):
    reduce-scatters the gradient: every rank gets its shard of the gradient of the mean of the
    ranks' losses;
 3. that gradient is pulled back through the rank's shard of the endpoint map (autograd,
-   locally) to ``ξ``'s shard.
+   locally) to ``ξ``'s shard
+
+(the objective of :mod:`~geosharp.estimators.sharded_objective`).
 
 The value of a batch is the mean over ranks of the ranks' losses (one scalar all-reduce); the
 norms and pairings of Auto-PGD are sums over ranks of local sums (one scalar all-reduce per
@@ -44,10 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.harness import Objective
-from geosharp.estimators.perturbation import Xi
 from geosharp.symmetry import ParameterSpace
-from geosharp.symmetry.verify import model_arguments
 
 
 def _dtensor_type() -> type | None:
@@ -481,146 +480,3 @@ SUPPORTED_PHRASE = (
     "worst-case sharpness from ξ = 0 (adaptive, euclidean, geodesic and attention-only at "
     "order 1 or 2)"
 )
-
-
-def objective_class(shards: ShardedParams) -> type:
-    """The :class:`~geosharp.estimators.harness.Objective` of a sharded model, on its shards."""
-
-    class ShardedObjective(Objective):
-        """``f_S(ξ)`` of a sharded model: the rank's rows of ``S``, the rank's shard of ``ξ``."""
-
-        #: the embedding-row cut works on whole tables; a sharded table is kept whole
-        row_cut = False
-
-        def _loss(self) -> Tensor:
-            args, kwargs = model_arguments(self.inputs)
-            return self.counted_loss(self.model(*args, **kwargs))
-
-        def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
-            loss_at = self._in_place if shards.in_place is True else self._written
-            value, grad = loss_at(xi, need_grad)
-            if grad is not None:
-                self.counter["backward"] += 1
-            if check and not math.isfinite(value):
-                raise FloatingPointError(
-                    f"the loss became {value} at a perturbation of norm "
-                    f"{self.pert.norm(xi):.3g}: try a smaller rho"
-                )
-            return value, grad
-
-        def _written(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
-            """The loss with ``θ′`` written over the shards, its gradient pulled back to ``ξ``."""
-            pert, grad = self.pert, None
-            with self._applied(xi) as moved:
-                if need_grad is False:
-                    with torch.no_grad():
-                        shards.write(pert.endpoint_params(moved, applied=True))
-                        return shards.mean_loss(self._loss()), None
-                leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
-                with torch.enable_grad():
-                    ends = pert.endpoint_params(leaves, applied=True)
-                    shards.write(ends)
-                    loss = self._loss()
-                    value = shards.mean_loss(loss)
-                    if not callable(need_grad) or need_grad(value):
-                        grad = self._pull_back(shards.backward(loss), ends, leaves)
-                    del loss, ends
-            return value, grad
-
-        @contextlib.contextmanager
-        def _applied(self, xi: Xi) -> Iterator[Xi]:
-            """``ξ`` with its straight-line piece turned into ``θ′`` for one loss.
-
-            As :meth:`Perturbation.applied <geosharp.estimators.perturbation.Perturbation.applied>`,
-            except that with :attr:`ShardedParams.in_place` ``"rest"`` the parameters with no
-            block coordinate hold ``θ′`` in the shards themselves (:meth:`ShardedParams.shift`:
-            their base point is not copied), and those components of the result are the shards.
-            On exit the shards hold ``w`` again and ``ξ`` is the displacement applied.
-            """
-            pert = self.pert
-            k = pert._rest_piece
-            if shards.in_place != "rest" or k is None or not pert.straight_rest:
-                with pert.applied(xi) as moved:
-                    yield moved
-                return
-            layout, rest = pert._layout, list(xi[k])
-            point = pert.pieces[k].geometry.point
-            whole = [
-                c
-                for c, (j, local) in enumerate(layout)
-                if local is None and shards.names[j] not in shards.copied
-            ]
-            others = sorted(set(range(len(rest))) - set(whole))
-            with torch.no_grad():  # rest coordinates inside copied parameters: θ′ in ξ
-                for c in others:
-                    rest[c].add_(point[c])
-            shards.shift([rest[c] for c in whole], [layout[c][0] for c in whole])
-            try:
-                for c in whole:
-                    rest[c] = shards.locals[layout[c][0]]  # θ′, in the shard
-                moved = list(xi)
-                moved[k] = tuple(rest)
-                yield moved
-            finally:
-                shards.unshift()
-                with torch.no_grad():
-                    for c in others:
-                        xi[k][c].sub_(point[c])
-
-        def _in_place(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
-            """The loss with ``θ′`` added into the shards: ``∂L/∂ξ = ∂L/∂θ′`` (one piece)."""
-            grad = None
-            (rest,) = xi  # the element-wise measures: one piece, one component per parameter
-            shards.shift(rest)
-            try:
-                if need_grad is False:
-                    with torch.no_grad():
-                        return shards.mean_loss(self._loss()), None
-                with torch.enable_grad():
-                    loss = self._loss()
-                    value = shards.mean_loss(loss)
-                    if not callable(need_grad) or need_grad(value):
-                        g = shards.backward(loss)
-                        grad = [tuple(g.pop(n) for n in shards.names)]
-                    del loss
-            finally:
-                shards.unshift()
-            return value, grad
-
-        def _pull_back(self, g: dict[str, Tensor], ends: Mapping[str, Tensor], leaves: list) -> Xi:
-            """``∂L/∂ξ`` from the shards' gradient ``g`` through the endpoint ``ends(leaves)``."""
-            flat = [t for x in leaves for t in x]
-            outs = [(ends[n], g.pop(n)) for n in shards.names if ends[n].requires_grad]
-            where = {id(t): i for i, t in enumerate(flat)}
-            if all(id(o) in where for o, _ in outs):  # θ′ is ξ's own tensor: ∂L/∂ξ = ∂L/∂θ′
-                grads: list = [None] * len(flat)
-                for o, v in outs:
-                    grads[where[id(o)]] = v
-            else:
-                grads = torch.autograd.grad(
-                    [o for o, _ in outs],
-                    flat,
-                    grad_outputs=[v for _, v in outs],
-                    allow_unused=True,
-                )
-            del outs
-            it = iter(
-                gr if gr is not None else torch.zeros_like(t)
-                for gr, t in zip(grads, flat, strict=True)
-            )
-            return [tuple(next(it) for _ in x) for x in leaves]
-
-        def clean(self, need_grad: bool = False) -> tuple[float, Xi | None]:
-            shards.to_base()
-            if not need_grad:
-                with torch.no_grad():
-                    return shards.mean_loss(self._loss()), None
-            with torch.enable_grad():
-                loss = self._loss()
-                value = shards.mean_loss(loss)
-                g = shards.backward(loss)
-            del loss
-            self.counter["backward"] += 1
-            return value, self.pert.grad_at_zero([g[n] for n in self.pert.space.param_names])
-
-    return ShardedObjective

@@ -47,9 +47,9 @@ from geosharp.estimators.sharded import (
     check_supported,
     in_place_ok,
     is_sharded,
-    objective_class,
     restored,
 )
+from geosharp.estimators.sharded_objective import objective_class
 from geosharp.estimators.worst import WorstCase
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import eval_mode
