@@ -99,6 +99,23 @@ def sharded_setup(rank: int, world: int, args: dict) -> tuple:
     return model, n_params, mine, ce, plain
 
 
+def sharded_call(model: torch.nn.Module, ce, mine: list, args: dict):
+    """The measured call: ``gs.sharpness`` with ``args["measure"]`` (e.g. ``geodesic-inv``)."""
+    import geosharp as gs
+
+    measure, _, metric = args["measure"].partition("-")
+    return gs.sharpness(
+        model,
+        ce,
+        mine,
+        measure=measure,
+        metric=metric or "inv",
+        rho=args["rho"],
+        steps=args["steps"],
+        progress=False,
+    )
+
+
 def reset_peak() -> None:
     """Reset the process's peak resident set (``VmHWM``) to its current size."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -141,8 +158,6 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
-        import geosharp as gs
-
         model, n_params, mine, ce, plain = sharded_setup(rank, world, args)
         plain()  # warm-up
         reset_peak()
@@ -152,18 +167,8 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         with Count() as cp:
             plain()
         reset_peak()
-        measure, _, metric = args["measure"].partition("-")
         with Count() as cc:
-            res = gs.sharpness(
-                model,
-                ce,
-                mine,
-                measure=measure,
-                metric=metric or "inv",
-                rho=args["rho"],
-                steps=args["steps"],
-                progress=False,
-            )
+            res = sharded_call(model, ce, mine, args)
         call_peak = peak_rss()
         unit = n_params * 4 / world
         queue.put(

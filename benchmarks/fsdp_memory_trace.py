@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_memory import sharded_setup
+from fsdp_memory import sharded_call, sharded_setup
 
 
 def _allocations(prof) -> list[tuple[int, int, int, tuple[str, ...]]]:
@@ -89,23 +89,10 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         from torch.profiler import ProfilerActivity, profile
 
-        import geosharp as gs
-
         model, n_params, mine, ce, plain = sharded_setup(rank, world, args)
 
-        measure, _, metric = args["measure"].partition("-")
-
         def call() -> None:
-            gs.sharpness(
-                model,
-                ce,
-                mine,
-                measure=measure,
-                metric=metric or "inv",
-                rho=args["rho"],
-                steps=args["steps"],
-                progress=False,
-            )
+            sharded_call(model, ce, mine, args)
 
         plain()  # warm-up
         unit = n_params * 4 / world

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -402,7 +402,7 @@ class Perturbation:
         return piece.geometry.is_straight(piece.order)
 
     @contextlib.contextmanager
-    def applied(self, xi: Xi) -> Iterator[Xi]:
+    def applied(self, xi: Xi, skip: Collection[int] = ()) -> Iterator[Xi]:
         """``ξ`` with its straight-line piece turned into ``θ′ = w + ξ`` in place, for one loss.
 
         The forward at a perturbed point needs ``θ′`` of every weight outside blocks, and the
@@ -413,13 +413,19 @@ class Perturbation:
         displacement the forward applied. That is ``ξ`` rounded to the point it reached (each
         coordinate moves by at most half an ulp of ``θ′``; exactly ``ξ`` whenever ``w + ξ`` is
         representable, e.g. ``ξ = 0``), so an ascent carries the perturbation of the point it
-        evaluated. Pieces that do not move on straight lines are left as they are.
+        evaluated. Pieces that do not move on straight lines are left as they are, and so are
+        the rest piece's components ``skip`` (a caller holding their ``θ′`` elsewhere: a
+        sharded model's shards, :mod:`geosharp.estimators.sharded_objective`).
         """
         k = self._rest_piece
         if not self.straight_rest or k is None:
             yield xi
             return
-        pairs = list(zip(xi[k], self.pieces[k].geometry.point, strict=True))
+        pairs = [
+            pair
+            for c, pair in enumerate(zip(xi[k], self.pieces[k].geometry.point, strict=True))
+            if c not in skip
+        ]
         for t, w in pairs:
             if t.dtype != w.dtype or t.shape != w.shape:
                 raise ValueError(

@@ -180,8 +180,6 @@ class ShardedParams:
         #: the positions of every shard's negative zeros (in place): ``w + ξ − ξ`` turns ``−0``
         #: into ``+0`` (``−0 + 0 = +0``), so :meth:`unshift` writes them back
         self._negative_zeros = [_negative_zeros(t) for t in self.locals] if in_place else []
-        #: collectives made by :meth:`sum` and :meth:`row_sum` (besides FSDP's own)
-        self.collectives = 0
         #: the zero rows padding the rank's block heads (:func:`block_space`), by name
         self.padding: dict[str, Tensor] = {}
 
@@ -218,7 +216,6 @@ class ShardedParams:
         else:
             out = wide.detach().clone()
             dist.all_reduce(out, group=self.group)
-        self.collectives += 1
         return out.to(t.dtype)
 
     def describe(self) -> dict[str, Any]:
@@ -360,7 +357,14 @@ class ShardedParams:
 
         out = t.detach().to(device=self.locals[0].device, dtype=torch.float64).clone()
         dist.all_reduce(out, group=self.group)
-        self.collectives += 1
+        return out
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the shards' group, in rank order (a picklable object)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def mean_loss(self, loss: Tensor) -> float:

@@ -84,29 +84,23 @@ def objective_class(shards: ShardedParams) -> type:
                 with pert.applied(xi) as moved:
                     yield moved
                 return
-            layout, rest = pert._layout, list(xi[k])
-            point = pert.pieces[k].geometry.point
+            layout = pert._layout
             whole = [
                 c
                 for c, (j, local) in enumerate(layout)
                 if local is None and shards.names[j] not in shards.copied
             ]
-            others = sorted(set(range(len(rest))) - set(whole))
-            with torch.no_grad():  # rest coordinates inside copied parameters: θ′ in ξ
-                for c in others:
-                    rest[c].add_(point[c])
-            shards.shift([rest[c] for c in whole], [layout[c][0] for c in whole])
-            try:
-                for c in whole:
-                    rest[c] = shards.locals[layout[c][0]]  # θ′, in the shard
-                moved = list(xi)
-                moved[k] = tuple(rest)
-                yield moved
+            shards.shift([xi[k][c] for c in whole], [layout[c][0] for c in whole])
+            try:  # the rest coordinates inside copied parameters: θ′ in ξ, as in one process
+                with pert.applied(xi, skip=set(whole)) as moved:
+                    rest = list(moved[k])
+                    for c in whole:
+                        rest[c] = shards.locals[layout[c][0]]  # θ′, in the shard
+                    moved = list(moved)
+                    moved[k] = tuple(rest)
+                    yield moved
             finally:
                 shards.unshift()
-                with torch.no_grad():
-                    for c in others:
-                        xi[k][c].sub_(point[c])
 
         def _in_place(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
             """The loss with ``θ′`` added into the shards: ``∂L/∂ξ = ∂L/∂θ′`` (one piece)."""

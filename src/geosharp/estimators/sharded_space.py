@@ -227,11 +227,7 @@ def _agree(shards: Any, failure: tuple[str, str] | None) -> None:
     A row split across ranks is seen by the ranks holding a part of it; the others would go on
     to the ascent's first collective and wait there.
     """
-    import torch.distributed as dist
-
-    every: list[Any] = [None] * shards.world
-    dist.all_gather_object(every, failure, group=shards.group)
-    for rank, found in enumerate(every):
+    for rank, found in enumerate(shards.exchange(failure)):
         if found is not None:
             kind, msg = found
             where = "" if found == failure else f" (found on rank {rank})"

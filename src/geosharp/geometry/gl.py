@@ -44,7 +44,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -311,10 +311,7 @@ class GLGeometry(Geometry):
         oG, oH = self._flat(outG), self._flat(outH)
         split = ex.row_sum is not None and len(self._slices) > 1
         lams = self._split_lams(Gs, Hs, xG, xH, grad) if split else None
-        for c, (sl, F) in enumerate(zip(self._slices, self._chunk_factors, strict=True)):
-            eG, eH = ex.widen(xG[sl], xH[sl])
-            g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
-            G, H = ex.widen(Gs[sl], Hs[sl])
+        for c, (sl, F, eG, eH, g, h, G, H) in enumerate(self._chunks(Gs, Hs, xG, xH, grad)):
             L = self._lam(F, G, H, g, h) if lams is None else lams[c]
             # the Riemannian gradient is a fresh temporary: P may accumulate into it
             pG, pH = gl_math.horizontal_projection(G, H, g, h, L, inplace=grad and ex.inplace)
@@ -323,6 +320,19 @@ class GLGeometry(Geometry):
                 pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
             oG[sl], oH[sl] = pG, pH
         return outG, outH
+
+    def _chunks(
+        self, Gs: Tensor, Hs: Tensor, xG: Tensor, xH: Tensor, grad: bool
+    ) -> Iterator[tuple]:
+        """The chunks of heads, each widened once: ``(slice, factors, e_G, e_H, g, h, G, H)``.
+
+        ``(g, h)`` is ``e`` itself, or with ``grad`` its Riemannian gradient.
+        """
+        ex = self.execution
+        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
+            eG, eH = ex.widen(xG[sl], xH[sl])
+            g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
+            yield (sl, F, eG, eH, g, h, *ex.widen(Gs[sl], Hs[sl]))
 
     def _split_lams(
         self, Gs: Tensor, Hs: Tensor, xG: Tensor, xH: Tensor, grad: bool
@@ -334,15 +344,11 @@ class GLGeometry(Geometry):
         over the ranks in one ``row_sum``, and each chunk's ``Λ`` solved from them; the caller
         then widens each chunk again for its row-wise products.
         """
-        ex = self.execution
-        parts = []
-        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
-            eG, eH = ex.widen(xG[sl], xH[sl])
-            g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
-            G, H = ex.widen(Gs[sl], Hs[sl])
-            parts.append(torch.stack(contract((h, H), (G, g))))
-            del eG, eH, g, h, G, H
-        XH, GX = ex.row_sum(torch.cat(parts, dim=1)).unbind(0)  # (2, heads, h, h): one sum
+        parts = [
+            torch.stack(contract((h, H), (G, g)))
+            for *_, g, h, G, H in self._chunks(Gs, Hs, xG, xH, grad)
+        ]
+        XH, GX = self.execution.row_sum(torch.cat(parts, dim=1)).unbind(0)  # one sum
         return [
             self._lam_from(F, XH[sl], GX[sl])
             for sl, F in zip(self._slices, self._chunk_factors, strict=True)

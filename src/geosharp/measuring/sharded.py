@@ -234,15 +234,6 @@ def prepare_sharded(
     )
 
 
-def _exchange(shards: ShardedParams, obj: Any) -> list[Any]:
-    """``obj`` of every rank of the shards' group, in rank order."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * shards.world
-    dist.all_gather_object(out, obj, group=shards.group)
-    return out
-
-
 def _check_representable(shards: ShardedParams) -> None:
     """Refuse weights whose ``1/w²`` overflows, counted on the shards and summed over ranks."""
     n = sum(count_unrepresentable(t.detach()) for t in shards.locals if t.is_floating_point())
@@ -265,7 +256,7 @@ def _check_rows(shards: ShardedParams, batches: list) -> tuple[list[int | None],
     local = [
         _rows(b[0], b[1]) if isinstance(b, (tuple, list)) and len(b) == 2 else None for b in batches
     ]
-    everyone = _exchange(shards, (local, batch_sizes(batches).get("longest_input")))
+    everyone = shards.exchange((local, batch_sizes(batches).get("longest_input")))
     counts = [len(rows) for rows, _ in everyone]
     if any(c != counts[0] for c in counts):
         raise MeasureError(
@@ -307,7 +298,7 @@ def _clean_pass(
                     value, error = batch_loss(b, batch, run, loss_fn, device), None
                 except MeasureError as err:
                     value, error = float("nan"), str(err)
-                failed = [(r, e) for r, e in enumerate(_exchange(shards, error)) if e is not None]
+                failed = [(r, e) for r, e in enumerate(shards.exchange(error)) if e is not None]
                 if failed:
                     r, e = failed[0]
                     raise MeasureError(e if shards.world == 1 else f"{e} (on rank {r})")
