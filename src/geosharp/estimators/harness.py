@@ -434,6 +434,8 @@ def perturbation_of(
     if shards is not None:
         pert = build()
         pert.reduce = shards.sum
+        if shards.in_place == "rest":  # the block parameters' base point: the pieces' copies
+            shards.base_source = pert.base_params
         return Setup(space, base, pert, False)
     if not cache:
         return Setup(space, base, build(), False)

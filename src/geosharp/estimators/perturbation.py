@@ -297,6 +297,16 @@ class Perturbation:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
         return self.space.flatten(self.endpoint_params(xi))
 
+    def base_params(self) -> dict[str, Tensor]:
+        """The base point by name, assembled from the pieces' base points (exact copies).
+
+        The parameters with block coordinates are fresh tensors (gathered from the pieces'
+        points, bit for bit their values when the perturbation was built); the others are
+        the rest piece's own tensors.
+        """
+        with torch.no_grad():
+            return self._assembly([tuple(p.geometry.point) for p in self.pieces])
+
     def endpoint_params(self, xi: Xi, applied: bool = False) -> dict[str, Tensor]:
         """The perturbed parameters by name, ready for :func:`torch.func.functional_call`.
 

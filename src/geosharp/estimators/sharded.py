@@ -167,8 +167,9 @@ class ShardedParams:
         #: while those with one are copied (:meth:`block_space`) and θ′ is written over them;
         #: ``False``: the base point is a copy of the shards and θ′ is written over them
         self.in_place = in_place
-        #: the parameters whose base point is a copy (one 1/world parameter-sized buffer for
-        #: all of them), the others' base point being the shards themselves
+        #: the parameters θ′ is written over (not added into): their base point is a copy (one
+        #: 1/world parameter-sized buffer for all of them) or, ``"rest"``, the perturbation's
+        #: pieces (:attr:`base_source`); the others' base point is the shards themselves
         self.copied = set() if in_place else set(self.names)
         self.base = {
             n: t.detach().clone() if n in self.copied else t.detach()
@@ -182,6 +183,11 @@ class ShardedParams:
         self._negative_zeros = [_negative_zeros(t) for t in self.locals] if in_place else []
         #: the zero rows padding the rank's block heads (:func:`block_space`), by name
         self.padding: dict[str, Tensor] = {}
+        #: ``"rest"``: the base point of the parameters holding block coordinates, by name,
+        #: assembled from the perturbation's pieces (set by the call once the perturbation is
+        #: built, :meth:`~geosharp.estimators.perturbation.Perturbation.base_params`): their
+        #: block base points and rest values are copies already, so these shards are not copied
+        self.base_source: Any = None
 
     def block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
         """The rank's space with the model's symmetry blocks on the rank's rows (SPEC §10.1).
@@ -192,12 +198,13 @@ class ShardedParams:
         from geosharp.estimators.sharded_space import local_space
 
         space, self.padding = local_space(model, self, key_bias)
-        if self.in_place == "rest":  # copy the parameters that hold block coordinates
+        if self.in_place == "rest":  # θ′ is written over the parameters holding block coordinates
             whole = {j for j, local in space.rest_layout() if local is None}
             for j, n in enumerate(self.names):
                 if j not in whole and self.locals[j].numel():
+                    # no copy: the perturbation's pieces gather their values (the base point
+                    # restored from them, :attr:`base_source`)
                     self.copied.add(n)
-                    self.base[n] = self.locals[j].detach().clone()
         return space
 
     def row_sum(self, t: Tensor) -> Tensor:
@@ -295,12 +302,21 @@ class ShardedParams:
         self._shifted = None
 
     def to_base(self) -> None:
-        """Put the base point in the shards: subtract a pending shift, or write the copy back."""
+        """Put the base point in the shards: subtract a pending shift, or write it back."""
         self.unshift()
-        if self.copied:
-            self.write(self.base)
-        else:
+        if not self.copied:
             self.reshard()
+            return
+        if self.in_place == "rest":
+            if self.base_source is None:
+                raise RuntimeError(
+                    "the base point of the parameters holding block coordinates is not known: "
+                    "the perturbation was not built (please report this)"
+                )
+            with torch.no_grad():
+                self.write(self.base_source())
+        else:
+            self.write(self.base)
 
     def restore(self) -> None:
         """Put the base point back: the shards bit-identical to before the call.
@@ -324,6 +340,7 @@ class ShardedParams:
         world) would live until Python's cycle collector runs, under the next call's peak.
         """
         self.base, self.padding, self._negative_zeros = {}, {}, []
+        self.base_source = None
 
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (FSDP accumulates into them)."""
