@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import GLBlock, SymmetryBlock, TranslationBlock
-from geosharp.symmetry.positions import as_tensor
+from geosharp.symmetry.positions import Positions, as_tensor
 
 __all__ = ["PAD", "local_space", "shard_placement"]
 
@@ -195,12 +195,15 @@ def _local_blocks(
     groups: dict[Hashable, list[SymmetryBlock]] = {}
     for b in space.blocks:
         groups.setdefault(b.batch_key(), []).append(b)
+    bound = pad_next + sum(b.numel for b in space.blocks)  # the rank's coordinates, at most
     for key, group in groups.items():
         cls = type(group[0])
         if isinstance(group[0], TranslationBlock):
             for b in group:
                 held, local = _localize(as_tensor(b.index), space, layouts)
-                mine = local[held].reshape(1, 1, -1)
+                whole = held.numel() > 0 and bool(held.all())
+                recipe = _local_recipe(b.index, space, layouts, local, bound) if whole else None
+                mine = recipe if recipe is not None else local[held].reshape(1, 1, -1)
                 blocks.append(dataclasses.replace(b, index=mine))
             continue
         if not isinstance(group[0], GLBlock):
@@ -214,6 +217,13 @@ def _local_blocks(
         for b, per_field in zip(group, rows, strict=True):
             fields = {}
             for f, (mine, count), n in zip(b.index_fields, per_field, width, strict=True):
+                unpadded = n > 0 and bool((count == n).all())
+                recipe = (
+                    _local_recipe(getattr(b, f), space, layouts, mine, bound) if unpadded else None
+                )
+                if recipe is not None:  # no position tensor held: built when asked for
+                    fields[f] = recipe
+                    continue
                 index, pad_next = _padded(mine, count, n, pad_next)
                 fields[f] = index
             values = {fl.name: getattr(b, fl.name) for fl in dataclasses.fields(b)}
@@ -262,6 +272,52 @@ def _rows(
     for b in range(pos.shape[0]):
         out[b, : int(count[b])] = local[b][whole[b]]
     return out, count
+
+
+def _local_recipe(
+    pos: Any,
+    space: ParameterSpace,
+    layouts: list[_Layout],
+    mine: Tensor,
+    bound: int,
+) -> Positions | None:
+    """The rank's positions of one factor as a recipe of its local shards, if they are one.
+
+    A factor whose every part is sliced along an axis the parameter is not sharded along (the
+    heads' axis of ``W_q`` with ``W_q`` split along its rows, dimension 1) has on the rank the
+    same slices of the local shards: a :class:`~geosharp.symmetry.positions.Positions` recipe
+    over the local shapes and offsets, which holds no position tensor, and whose layout the
+    perturbation's assembly writes through views of the parameters (no gather index either).
+    Checked against the rank's positions ``mine`` (every one held here, none padding);
+    ``None`` (a position tensor is kept) when the recipe puts any position elsewhere.
+    ``bound``: more than the rank's coordinates, padding included (int32 below ``2³¹``).
+    """
+    if not isinstance(pos, Positions):
+        return None
+    parts, heads, head_dim = pos.recipe
+    starts = {int(off): j for j, off in enumerate(space.offsets) if space.shapes[j]}
+    local = []
+    for shape, piece, offset in parts:
+        j = starts.get(int(offset))
+        if j is None:
+            return None
+        lay = layouts[j]
+        lshape = list(shape)
+        if lshape:
+            lshape[lay.dim] = lay.length
+        local.append((tuple(lshape), piece, lay.local_offset))
+    try:
+        if len(local) == 1 and local[0][1] is None:
+            shape, _, offset = local[0]
+            recipe = Positions.arange(offset, shape, bound)
+        else:
+            recipe = Positions.slices(local, heads, head_dim, bound)
+        built = recipe.tensor()
+    except (ValueError, RuntimeError):  # the slice does not fit the local shape
+        return None
+    if built.shape != mine.shape or not torch.equal(built.long(), mine.long()):
+        return None
+    return recipe
 
 
 def _padded(mine: Tensor, count: Tensor, n: int, pad_next: int) -> tuple[Tensor, int]:
