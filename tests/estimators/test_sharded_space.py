@@ -121,3 +121,50 @@ def test_padding_rows_get_fresh_positions():
     assert index[0, :2].tolist() == [[0, 1], [2, 3]] and index[1, 0].tolist() == [4, 5]
     pads = torch.cat([index[0, 2], index[1, 1:].reshape(-1)])
     assert sorted(pads.tolist()) == list(range(100, 106))
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=8,
+        max_position_embeddings=8,
+    )
+    return LlamaModel(cfg).double().eval()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_unpadded_factors_are_recipes_of_the_local_shards(world):
+    """With the placement, a bias-free model's every factor is a recipe (no position tensor).
+
+    The recipe's positions are the rank's own (``_rows``); a factor with a bias row held by
+    some ranks only (BERT's ``G`` of Q/K at worlds 2 and 4) keeps a padded position tensor.
+    """
+    from geosharp.estimators.sharded_space import _local_blocks
+    from geosharp.symmetry.positions import Positions
+
+    for model, recipes_only in ((tiny_llama(), True), (tiny_bert(heads=4), world == 1)):
+        space = find_symmetries(model)
+        dims = dict.fromkeys(shard_placement(model).parameters, 1)
+        for rank in range(world):
+            lay = layouts(space, dims, rank, world)
+            n_local = sum(math.prod(x.shape) // x.shape[x.dim] * x.length for x in lay)
+            blocks, _ = _local_blocks(space, lay, n_local)
+            kinds = set()
+            gl = {b.name: b for b in space.gl_blocks}
+            for local in blocks:
+                if local.name not in gl:  # a key-bias translation, held fixed
+                    continue
+                for field in local.index_fields:
+                    pos = getattr(local, field)
+                    kinds.add(type(pos) is Positions)
+                    if type(pos) is Positions:
+                        mine, _ = _rows(gl[local.name], field, space, lay)
+                        assert torch.equal(pos.tensor().long(), mine), (field, rank)
+            assert kinds == ({True} if recipes_only else {True, False}), (model, rank)
