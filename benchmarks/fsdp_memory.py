@@ -1,7 +1,8 @@
 """Per-rank memory and collectives of ``gs.sharpness`` on an FSDP2-sharded model (issue 27).
 
-Every rank (gloo on CPU, ``torch.multiprocessing``) builds the same BERT from a config,
-``fully_shard``\\ s every layer and the root, and then, under the peak resident set:
+Every rank (gloo on CPU, ``torch.multiprocessing``) builds the same BERT (``--model llama``: a
+Llama-GQA) from a config, ``fully_shard``\\ s every layer and the root, and then, under the
+peak resident set:
 
 - two plain sharded steps (the model's own forward on the rank's rows, ``loss.backward()``:
   FSDP gathers each layer and reduce-scatters its gradient), the reference peak;
@@ -42,10 +43,27 @@ import torch.multiprocessing as mp
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
-def build(hidden: int, layers: int) -> torch.nn.Module:
+def build(hidden: int, layers: int, model: str = "bert") -> torch.nn.Module:
+    """BERT (attention biases: padded bias rows at worlds > 1) or Llama-GQA (none)."""
+    torch.manual_seed(0)
+    if model == "llama":
+        from transformers import LlamaConfig, LlamaForSequenceClassification
+
+        cfg = LlamaConfig(
+            vocab_size=30000,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=64,
+            num_labels=2,
+            pad_token_id=0,
+            attn_implementation="eager",
+        )
+        return LlamaForSequenceClassification(cfg).eval()
     from transformers import BertConfig, BertForSequenceClassification
 
-    torch.manual_seed(0)
     cfg = BertConfig(
         vocab_size=30000,
         hidden_size=hidden,
@@ -61,7 +79,7 @@ def build(hidden: int, layers: int) -> torch.nn.Module:
 
 
 def sharded_setup(rank: int, world: int, args: dict) -> tuple:
-    """The rank's sharded BERT, its size, its rows of the batch, the loss and a plain step.
+    """The rank's sharded model (``args["model"]``), its size, its rows, the loss and a plain step.
 
     Every layer and the root under ``fully_shard`` (``args["placement"]``: ``"rows"`` for
     :func:`geosharp.shard_placement`, else FSDP's default), the process group already made.
@@ -70,10 +88,11 @@ def sharded_setup(rank: int, world: int, args: dict) -> tuple:
 
     import geosharp as gs
 
-    model = build(args["hidden"], args["layers"])
+    model = build(args["hidden"], args["layers"], args.get("model", "bert"))
     n_params = sum(p.numel() for p in model.parameters())
     place = gs.shard_placement(model) if args.get("placement", "rows") == "rows" else None
-    for layer in model.bert.encoder.layer:
+    layers = model.bert.encoder.layer if hasattr(model, "bert") else model.model.layers
+    for layer in layers:
         fully_shard(layer, shard_placement_fn=place)
     fully_shard(model, shard_placement_fn=place)
     g = torch.Generator().manual_seed(1)
@@ -205,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         default="adaptive",
         help="adaptive, euclidean, geodesic-inv or geodesic-mix",
     )
+    ap.add_argument("--model", default="bert", choices=("bert", "llama"))
     ap.add_argument("--placement", default="rows", choices=("rows", "default"))
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--json", default=None)

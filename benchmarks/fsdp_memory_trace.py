@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--measure", default="geodesic-inv")
+    ap.add_argument("--model", default="bert", choices=("bert", "llama"))
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rows", type=int, default=8)
