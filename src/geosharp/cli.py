@@ -280,7 +280,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _population(command: str, argv: Sequence[str], debug: bool) -> int:
-    """``geosharp study|symmetry-test MANIFEST ...`` (:mod:`geosharp.studies.population_cli`)."""
+    """``geosharp study|symmetry-test MANIFEST ...`` (:mod:`geosharp.studies.population_cli`).
+
+    With ``--fsdp`` (one process per rank under ``torchrun``) the process ends here once a
+    process group was started (:func:`geosharp.measuring.fsdp.finish`), with the same status.
+    """
+    rc = _population_status(command, argv, debug)
+    if "--fsdp" in argv:
+        from geosharp.measuring.fsdp import finish
+
+        finish(rc)
+    return rc
+
+
+def _population_status(command: str, argv: Sequence[str], debug: bool) -> int:
     from geosharp.studies.population_cli import run
     from geosharp.studies.store import StudyMismatchError
 

@@ -78,8 +78,6 @@ def _quiet(_msg: str) -> None:
 
 
 def _execute(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
 
     from geosharp.measuring import fsdp
@@ -92,16 +90,13 @@ def _execute(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     opts = options_from_args(args)
     say, warn = (_say, _warn) if run is None or run.rank == 0 else (_quiet, _quiet)
+    source = ModelSource(args.model, weights=args.weights, base=args.base)
     if run is not None:
         run.start()
-        opts = dataclasses.replace(opts, device=torch.device("cpu"))  # fully_shard moves shards
-    source = ModelSource(args.model, weights=args.weights, base=args.base)
-    ready = load_for_measure(source, opts, say=say, warn=warn)
-    model, batches, loss = ready.model, ready.batches, ready.loss
-    if run is not None:
-        model = run.shard(model, say)
-        batches = fsdp.local_rows(batches, run.rank, run.world)
-        loss = run.loss(loss, ready.task, warn)
+        ready, model, batches, loss = run.load(source, opts, say, warn)  # sharded, its rows
+    else:
+        ready = load_for_measure(source, opts, say=say, warn=warn)
+        model, batches, loss = ready.model, ready.batches, ready.loss
     default = fsdp.DEFAULT_MEASURES if run is not None else DEFAULT_MEASURES
 
     report = measure(

@@ -46,15 +46,13 @@ from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.estimate import batch_sizes
-from geosharp.measuring.losses import resolve_loss
 from geosharp.measuring.prepare import (
     CheckedModel,
-    _prepare_batches,
     adaptive_note,
     prepare_measurement,
 )
 from geosharp.measuring.results import MeasureReport
-from geosharp.measuring.sharded import SKIPPED, ShardedCheck, check_plan, prepare_sharded
+from geosharp.measuring.sharded import SKIPPED, ShardedCheck, check_plan, check_sharded
 from geosharp.symmetry import ParameterSpace
 
 __all__ = [
@@ -193,13 +191,7 @@ def measure(
         progress = sys.stderr.isatty()
     ready: CheckedModel | ShardedCheck
     if sharded:
-        loss_fn, loss_name = resolve_loss(loss_fn)
-        batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
-        uses_blocks = any(
-            m.kwargs().get("measure") == "geodesic" or m.kwargs().get("perturb") == "blocks"
-            for m in specs
-        )
-        ready = prepare_sharded(model, batches, loss_fn, loss_name, say, blocks=uses_blocks)
+        ready = check_sharded(model, batches, loss_fn, specs, say)
     else:
         ready = prepare_measurement(
             model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn

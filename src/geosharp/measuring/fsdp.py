@@ -4,6 +4,9 @@ r"""``geosharp measure --fsdp``: the model sharded by FSDP2 over the ranks of ``
 
     torchrun --standalone --nproc-per-node 8 -m geosharp measure MODEL DATA --fsdp ...
 
+(``geosharp study MANIFEST --fsdp`` does the same to every model of a manifest:
+:mod:`geosharp.studies.population_fsdp`, with :meth:`FsdpRun.load` and :meth:`FsdpRun.agree`.)
+
 Every rank runs the same command. :func:`check_args` refuses a bad combination in one line
 before anything is loaded (not under ``torchrun``, a measure a sharded model cannot be measured
 with, a device other than ``auto``/``cpu``/``cuda``, a batch that the ranks cannot split
@@ -181,6 +184,44 @@ class FsdpRun:
         )
         return place
 
+    def load(
+        self, source: Any, opts: Any, say: Callable[[str], None], warn: Callable[[str], None]
+    ) -> tuple[Any, nn.Module, list[tuple[Any, Any]], Any]:
+        """Load a model on the CPU, shard it, take this rank's rows, weigh the loss.
+
+        What every rank of ``geosharp measure --fsdp`` and ``geosharp study MANIFEST --fsdp``
+        does to each model (the process group started).
+
+        Args:
+            source: The :class:`~geosharp.measuring.pipeline.ModelSource`.
+            opts: The :class:`~geosharp.measuring.pipeline.MeasureOptions` (its device is
+                replaced by the CPU: ``fully_shard`` moves each rank's shard to its device).
+            say: Where the log goes.
+            warn: Where warnings go.
+
+        Returns:
+            ``(ready, model, batches, loss)``: the
+            :class:`~geosharp.measuring.pipeline.ReadyModel`, the sharded model, the rank's
+            rows of every batch (:func:`local_rows`) and the loss (:meth:`loss`).
+        """
+        import dataclasses
+
+        from geosharp.measuring.pipeline import load_for_measure
+
+        opts = dataclasses.replace(opts, device=torch.device("cpu"))
+        ready = load_for_measure(source, opts, say=say, warn=warn)
+        model = self.shard(ready.model, say)
+        batches = local_rows(ready.batches, self.rank, self.world)
+        return ready, model, batches, self.loss(ready.loss, ready.task, warn)
+
+    def agree(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a pickled broadcast): what rank 0 decided."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def loss(self, spec: Any, task: str, warn: Callable[[str], None]) -> Any:
         """The loss to measure: a language model's built-in one weighed by token shares.
 
@@ -226,12 +267,18 @@ class FsdpRun:
         }
 
 
-def check_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> FsdpRun:
+def check_args(
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    command: str = "measure MODEL DATA",
+) -> FsdpRun:
     """Refuse, in one line before anything is loaded, what ``--fsdp`` cannot run.
 
     Args:
-        args: The parsed ``geosharp measure`` arguments (with ``--fsdp``).
+        args: The parsed ``geosharp measure`` (or ``geosharp study MANIFEST``) arguments, with
+            ``--fsdp``: ``measures``, ``device``, ``batch_size``, ``samples``.
         env: The environment (default: ``os.environ``).
+        command: The command, as the line refusing a launch outside ``torchrun`` names it.
 
     Returns:
         The rank's :class:`FsdpRun` (the process group not yet initialized).
@@ -251,7 +298,7 @@ def check_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
         raise MeasureError(
             f"--fsdp runs one process per rank under torchrun, but {', '.join(missing)} "
             "is not set: launch with `torchrun --standalone --nproc-per-node N -m geosharp "
-            "measure MODEL DATA --fsdp ...` (docs/cluster.md)"
+            f"{command} --fsdp ...` (docs/cluster.md)"
         )
     for text in args.measures or DEFAULT_MEASURES:
         why = refusal(parse_measure(text))

@@ -47,7 +47,14 @@ from geosharp.measuring.estimate import _rows, batch_sizes
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import eval_mode, model_arguments
 
-__all__ = ["SKIPPED", "ShardedCheck", "check_plan", "prepare_sharded", "refusal"]
+__all__ = [
+    "SKIPPED",
+    "ShardedCheck",
+    "check_plan",
+    "check_sharded",
+    "prepare_sharded",
+    "refusal",
+]
 
 #: What ``gs.measure`` does not run on a sharded model, and why (recorded in the result).
 SKIPPED = {
@@ -170,6 +177,32 @@ class ShardedCheck:
                 "skipped": dict(SKIPPED),
             },
         }
+
+
+def check_sharded(
+    model: nn.Module,
+    batches: Any,
+    loss_fn: Any,
+    specs: Sequence[Measure],
+    say: Callable[[str], None],
+) -> ShardedCheck:
+    """What ``gs.measure`` does to a sharded model before measuring it with ``specs``.
+
+    The loss resolved, the rank's rows as a list on the shards' device, then
+    :func:`prepare_sharded`, which lays the symmetry blocks out on the ranks' rows first when a
+    geodesic or attention-only measure is among ``specs``. ``geosharp study MANIFEST --fsdp``
+    runs it for every model. Every rank must call it (collective).
+    """
+    from geosharp.measuring.losses import resolve_loss
+    from geosharp.measuring.prepare import _prepare_batches
+
+    loss_fn, loss_name = resolve_loss(loss_fn)
+    batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
+    blocks = any(
+        m.kwargs().get("measure") == "geodesic" or m.kwargs().get("perturb") == "blocks"
+        for m in specs
+    )
+    return prepare_sharded(model, batches, loss_fn, loss_name, say, blocks=blocks)
 
 
 def prepare_sharded(

@@ -18,7 +18,8 @@ on a pilot model (``--rho auto``: the manifest's first model, ``auto:NAME`` anot
 at the pilot's sharpness only — never at a gap or a τ.
 
 :func:`geosharp.studies.population_call.study` is the same in one Python call; the radii
-are :mod:`geosharp.studies.population_radii`'s.
+are :mod:`geosharp.studies.population_radii`'s; under ``torchrun`` with ``--fsdp`` every model is
+sharded over the ranks (:mod:`geosharp.studies.population_fsdp`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class PopulationStudy(Study):
 
     name = "population"
     key_bias = "quotient"
+    #: Whether this process writes the study's folder (under ``--fsdp``, rank 0 alone does).
+    writes = True
 
     def __init__(self, settings: PopulationSettings, log: Callable[[str], None] | None = None):
         from geosharp.measuring.pipeline import MeasureOptions
@@ -148,7 +151,7 @@ class PopulationStudy(Study):
         if plan.pilot is None:
             self.grids = {m.name: plan.grid_of(m) for m in with_rho}
             return
-        record = _read_json(out / MANIFEST_FILE)
+        record = self.agree(_read_json(out / MANIFEST_FILE))
         if record.get("rho_rule", {}).get("plan") == json.loads(json.dumps(asdict(plan))):
             self.grids = {k: tuple(v) for k, v in record["rho_rule"]["grids"].items()}
             if set(self.grids) == {m.name for m in with_rho}:
@@ -164,7 +167,7 @@ class PopulationStudy(Study):
         for m in with_rho:
 
             def rise(rho: float, m: Measure = m) -> float:
-                return m.run(
+                value = m.run(
                     ready.model,
                     ready.loss_fn,
                     ready.batches,
@@ -173,12 +176,27 @@ class PopulationStudy(Study):
                     **ready.settings,
                     progress=False,
                 ).value
+                return self.agree(value)  # every rank walks the ladder as rank 0 does
 
             kind = m.kwargs().get("kind", "worst")
             self.grids[m.name] = ladder_grid(rise, kind, m.name, log=self.say)
         self._write_record(out, pilot=pilot.model_id)
 
+    def agree(self, obj: Any) -> Any:
+        """What rank 0 decided, on every rank (one process: ``obj``)."""
+        return obj
+
+    def measure_all(
+        self, out: Path, *, force: bool, progress: bool | None, shard: Shard | None
+    ) -> RunSummary:
+        """The runner's loop over the models (:func:`~geosharp.studies.runner.run_study`)."""
+        return run_study(
+            self, out, force=force, progress=progress, shard=shard, report=False, log=self.say
+        )
+
     def _write_record(self, out: Path, pilot: str | None = None) -> None:
+        if not self.writes:
+            return
         m = self.manifest
         record = {
             "manifest": str(m.path),
@@ -311,6 +329,8 @@ class PopulationStudy(Study):
 
     def write_models(self, out: Path) -> None:
         """``OUT/models.json``: the architecture and blocks of every model measured this run."""
+        if not self.writes:
+            return
         old = _read_json(out / MODELS_FILE)
         old.update(self._models)
         atomic_write_text(out / MODELS_FILE, json.dumps(old, indent=1) + "\n")
@@ -335,6 +355,7 @@ def run_population(
     shard: Shard | None = None,
     log: Callable[[str], None] | None = None,
     expected: str | None = None,
+    study: PopulationStudy | None = None,
 ) -> RunSummary:
     """Check the manifest, fix the radii, measure every model, write the report.
 
@@ -352,6 +373,8 @@ def run_population(
             or ``"negative"``, stated before measuring: the direction of the report's paired
             verdict (geodesic against adaptive). ``None``: the sign of τ_geo + τ_ada. A report
             setting, not part of the study's configuration.
+        study: The study of ``settings`` to run (default: a :class:`PopulationStudy`; under
+            ``--fsdp`` a :class:`~geosharp.studies.population_fsdp.ShardedPopulation`).
 
     Returns:
         The runner's :class:`~geosharp.studies.runner.RunSummary`.
@@ -361,7 +384,7 @@ def run_population(
     if expected is not None and expected not in EXPECTED:
         raise MeasureError(f"--expect must be one of {', '.join(EXPECTED)}, got {expected!r}")
     out = Path(out_dir)
-    study = PopulationStudy(settings, log=log)
+    study = PopulationStudy(settings, log=log) if study is None else study
     study.expected = expected
     say = study.say
     m = study.manifest
@@ -374,11 +397,9 @@ def run_population(
     study._write_record(out, pilot=_pilot_of(out))
     for name, grid in study.grids.items():
         say(f"radii of {name}: " + ", ".join(f"{r:g}" for r in grid))
-    summary = run_study(
-        study, out, force=force, progress=progress, shard=shard, report=False, log=say
-    )
+    summary = study.measure_all(out, force=force, progress=progress, shard=shard)
     study.write_models(out)
-    if shard is None:
+    if shard is None and study.writes:
         summary.report = report_from_folder(out)
     return summary
 

@@ -38,6 +38,15 @@ examples:
   geosharp study runs.csv --data train.csv --text-col sentence --out runs/mine
   geosharp study runs.csv --data train.csv --rho 0.01 0.0316 0.1 --measures adaptive geodesic-inv
   geosharp study lora.jsonl --data corpus.txt --base ./llama --task causal-lm --out runs/lora
+
+sharded models (--fsdp, one process per rank under torchrun; docs/cluster.md):
+  torchrun --standalone --nproc-per-node 8 -m geosharp study runs.csv --data corpus.txt \\
+      --fsdp --measures adaptive-l2 geodesic-inv-o2 --batch-size 64 --out runs/big
+  every rank loads each model, shards it with FSDP2 as geosharp measure --fsdp does and
+  measures its rows of every batch; rank 0 alone writes OUT (a killed run resumes with the
+  same command, with or without --fsdp: the configuration is the same). Refused in one line
+  before any work: what geosharp measure --fsdp refuses (the exact geodesic, ...),
+  --curvature, and symmetry-test.
 """
 
 
@@ -106,6 +115,17 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads of torch and BLAS")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun (torchrun --standalone --nproc-per-node N -m geosharp study "
+        "MANIFEST ... --fsdp): shard every model with FSDP2's fully_shard as geosharp measure "
+        "--fsdp does (nccl on GPUs, gloo on CPUs), split the rows of every batch evenly over "
+        "the ranks; rank 0 alone writes OUT. Worst-case measures from xi = 0 (adaptive, "
+        "euclidean, geodesic inv/mix order 1 or 2, -blocks); what the sharded path cannot "
+        "measure yet (the exact geodesic, --curvature, ...) is refused in one line "
+        "(docs/cluster.md)",
+    )
     if command == "symmetry-test":
         p.description = (
             "Re-measure a finished population after a random equivalent re-parametrization of "
@@ -146,6 +166,11 @@ def run(
     for key in ("batch_size", "max_length", "iters", "probes"):
         if getattr(args, key) < 1:
             raise MeasureError(f"--{key.replace('_', '-')} must be >= 1")
+    fsdp = None
+    if args.fsdp:  # before the manifest is read, on every rank alike
+        from geosharp.studies.population_fsdp import check_study_args
+
+        fsdp = check_study_args(args)
     if args.threads is not None and set_threads is not None:
         set_threads(args.threads)
     out = args.out or Path("runs") / Path(args.manifest).stem
@@ -174,7 +199,15 @@ def run(
     )
     if command == "symmetry-test":
         return args, _symmetry_test(settings, args)
-    ensure_writable_dir(out)
+    study = None
+    if fsdp is not None:  # the manifest read and checked before the process group starts
+        from geosharp.studies.population_fsdp import ShardedPopulation
+
+        study = ShardedPopulation(settings, fsdp, log=_say)
+    if fsdp is None or fsdp.rank == 0:
+        ensure_writable_dir(out)
+    if fsdp is not None:
+        fsdp.start()
     progress = False if args.no_progress else None
     summary = run_population(
         settings,
@@ -184,7 +217,10 @@ def run(
         shard=shard,
         log=_say,
         expected=getattr(args, "expect", None),
+        study=study,
     )
+    if fsdp is not None and fsdp.rank != 0:
+        return args, 0
     print(
         f"{Path(args.manifest).name}: measured {summary.measured}, reused {summary.reused} "
         f"rows in {summary.time_s:.1f} s"

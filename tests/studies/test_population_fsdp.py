@@ -1,0 +1,192 @@
+"""``geosharp study MANIFEST --fsdp`` under ``torchrun`` equals the unsharded study (issue 27).
+
+Three tiny BERT classifiers (built from configs, saved with a word-level tokenizer: nothing is
+downloaded), a manifest of their accuracies and a CSV of 8 sentences in 2 batches of 4 rows.
+``torchrun --standalone --nproc-per-node 2 -m geosharp study ... --fsdp`` (gloo on CPU, float64:
+every model's layer and root under ``fully_shard``, ``W_q``, ``W_k``, ``W_v`` along dimension 1,
+2 rows of every batch per rank) against ``geosharp study`` in this process. Asserted:
+
+- the ρ rule (``--rho auto``) walked on the sharded pilot picks the unsharded grids;
+- every value of ``results.csv`` (adaptive-l2, geodesic-inv-o2, geodesic-mix-o2 at the 3 radii
+  of each grid) within 1e-10 (relative) of the unsharded study's;
+- rank 0 alone writes and prints; the report says the models were sharded and what was skipped;
+- a killed run (rows deleted from ``study.sqlite``) resumed with the same command measures only
+  the missing rows, and ``results.csv`` is then what the whole run wrote, bit for bit;
+- what a sharded study cannot run is refused in one line, exit status 2, before the manifest is
+  read (in this process, with ``torchrun``'s environment set).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from geosharp.cli import main
+
+from ..measure.conftest import CORPUS, make_tokenizer
+
+transformers = pytest.importorskip("transformers")
+dist = pytest.importorskip("torch.distributed")
+
+ROWS = [("bert-a", 1.00, 0.70, 0.1), ("bert-b", 0.95, 0.80, 0.01), ("bert-c", 0.90, 0.85, 0.1)]
+ARGS = [
+    "--measures", "adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2", "--rho", "auto",
+    "--steps", "3", "--batch-size", "4", "--samples", "8", "--max-length", "16",
+    "--dtype", "float64", "--device", "cpu", "--no-progress", "--threads", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def population(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp-population")
+    tok = make_tokenizer()
+    for i, (name, *_rest) in enumerate(ROWS):
+        # large weights (initializer_range): losses far from log 2, the ρ rule's radii small
+        cfg = transformers.BertConfig(
+            vocab_size=len(tok), hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+            intermediate_size=32, max_position_embeddings=32, num_labels=2,
+            pad_token_id=tok.pad_token_id, initializer_range=0.5,
+        )  # fmt: skip
+        torch.manual_seed(i)
+        transformers.BertForSequenceClassification(cfg).save_pretrained(root / "models" / name)
+        tok.save_pretrained(root / "models" / name)
+    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows([text, i % 2] for i, text in enumerate((CORPUS * 2)[:8]))
+    with (root / "manifest.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "train_accuracy", "test_accuracy", "lr"])
+        w.writerows([f"models/{name}", tr, te, lr] for name, tr, te, lr in ROWS)
+    return root
+
+
+def _args(root, out):
+    return [str(root / "manifest.csv"), "--data", str(root / "data.csv"), "--out", str(out), *ARGS]
+
+
+def _torchrun(root, out):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "geosharp", "study",
+           *_args(root, out), "--fsdp"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _values(out):
+    with (out / "results.csv").open(encoding="utf-8") as f:
+        return {(r["model_id"], r["measure"], r["rho"]): r["value"] for r in csv.DictReader(f)}
+
+
+def test_the_sharded_study_equals_the_unsharded_one_and_resumes(population, tmp_path, capsys):
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    sharded = _torchrun(population, tmp_path / "sharded")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert main(["study", *_args(population, tmp_path / "whole")]) == 0
+    capsys.readouterr()
+
+    # the ρ rule on the sharded pilot: rank 0's record, the unsharded grids
+    record = json.loads((tmp_path / "sharded" / "manifest.json").read_text())
+    want = json.loads((tmp_path / "whole" / "manifest.json").read_text())
+    assert record["rho_rule"]["grids"] == want["rho_rule"]["grids"]
+    assert len(record["rho_rule"]["grids"]) == 3
+    got, ref = _values(tmp_path / "sharded"), _values(tmp_path / "whole")
+    assert got.keys() == ref.keys() and len(got) == 3 * 3 * 3
+    worst = max(abs(float(got[k]) - float(ref[k])) / abs(float(ref[k])) for k in got)
+    assert worst <= 1e-10, worst  # measured: 2.5e-14
+
+    # rank 0 alone printed and wrote; the report says how the models were measured
+    assert sharded.stdout.count("measured 27, reused 0 rows") == 1
+    assert sharded.stderr.count("radii: the ρ rule on the pilot models/bert-a") == 1
+    assert "fsdp: 1 layer(s) (BertLayer) and the root sharded over 2 rank(s) (gloo" in (
+        sharded.stderr
+    )
+    assert not list(tmp_path.glob("sharded/*.tmp"))
+    html = (tmp_path / "sharded" / "report.html").read_text(encoding="utf-8")
+    assert "FSDP2 over 2 ranks (gloo, cpu)" in html and "--fsdp: the self-check was not run" in html
+    models = json.loads((tmp_path / "sharded" / "models.json").read_text())
+    assert sorted(models) == [f"models/{n}" for n, *_ in ROWS]
+
+    # killed: a model's rows and one more row lost; the same command measures only those
+    db = sqlite3.connect(tmp_path / "sharded" / "study.sqlite")
+    with db:
+        lost = db.execute("DELETE FROM measurements WHERE model_id = 'models/bert-b'").rowcount
+        lost += db.execute(
+            "DELETE FROM measurements WHERE model_id = 'models/bert-c' AND rho = "
+            "(SELECT MAX(rho) FROM measurements WHERE model_id = 'models/bert-c')"
+        ).rowcount
+    db.close()
+    assert 9 < lost < 27
+    again = _torchrun(population, tmp_path / "sharded")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(f"measured {lost}, reused {27 - lost} rows") == 1, again.stdout
+    assert "the ρ rule's grids of" in again.stderr  # rank 0's record, not walked again
+    assert _values(tmp_path / "sharded") == got
+
+
+TORCHRUN_ENV = {
+    "RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29999",
+}
+
+
+def _refused(capsys, tmp_path, command, *args):
+    out = tmp_path / "never"
+    code = main([command, "no-such-manifest.csv", "--data", "no-such-data.csv", "--out",
+                 str(out), "--fsdp", *args])  # fmt: skip
+    printed, err = capsys.readouterr()
+    assert code == 2, err
+    assert "Traceback" not in printed + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("geosharp: error: --fsdp"), err
+    assert "no-such" not in err  # refused before the manifest or the data is read
+    assert not out.exists()
+    return lines[0]
+
+
+def test_fsdp_study_without_torchrun_is_refused(capsys, tmp_path, monkeypatch):
+    for k in TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    line = _refused(capsys, tmp_path, "study")
+    assert "--fsdp runs one process per rank under torchrun" in line
+    assert "-m geosharp study MANIFEST --data DATA --fsdp ...` (docs/cluster.md)" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "says"),
+    [
+        ("study", ["--measures", "geodesic-inv-exact"], "the exact (RK4) geodesic on sharded"),
+        ("study", ["--curvature"], "--fsdp with --curvature: the curvature measures"),
+        ("study", ["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
+        ("study", ["--device", "cuda:1"], "use --device auto, cuda or cpu"),
+        ("study", ["--batch-size", "5"], "--batch-size 5 is not a multiple of the 2 ranks"),
+        ("symmetry-test", [], "symmetry-test re-parametrizes every model by a random group"),
+    ],
+)
+def test_what_a_sharded_study_cannot_run_is_one_line(
+    capsys, tmp_path, monkeypatch, command, args, says
+):
+    from geosharp.measuring.fsdp import FsdpRun
+
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+
+    def never(self):  # a combination let through would wait for rank 1 of 2 (for 30 minutes)
+        raise RuntimeError("not refused: --fsdp went on to start the process group")
+
+    monkeypatch.setattr(FsdpRun, "start", never)
+    assert says in _refused(capsys, tmp_path, command, *args)
