@@ -360,11 +360,23 @@ class ShardedParams:
 
         FSDP's backward reduce-scatters it into the parameters' gradients, which are taken and
         dropped (nothing accumulates from one loss to the next).
+
+        FSDP's gradients are views of one buffer per layer. The gradient of a parameter that
+        θ′ is written over (:attr:`copied`: the attention projections) is pulled back into
+        ``ξ``'s layout and dropped, while the others' becomes the ascent direction in place:
+        those sharing a buffer with a copied parameter's are cloned, so that the buffer, and
+        the copied parameters' part of it, is freed (one block-sized buffer less under the
+        next backward, for a copy of the rest of those layers' gradient per step).
         """
         self.zero_grad()
         loss.backward()
         g = self.grads()
         self.zero_grad()
+        if self.copied and len(self.copied) < len(self.names):
+            shared = {_storage(g[n]) for n in self.copied if g[n].numel()}
+            for n, t in g.items():
+                if n not in self.copied and t.numel() and _storage(t) in shared:
+                    g[n] = t.clone()
         g.update((n, torch.zeros_like(t)) for n, t in self.padding.items())  # never in the loss
         return g
 
@@ -450,6 +462,11 @@ def in_place_ok(measure: str, rho: float, perturb: str = "all") -> bool | str:
     if rho > IN_PLACE_RHO:
         return False
     return {"adaptive": True, "geodesic": "rest"}.get(measure, False)
+
+
+def _storage(t: Tensor) -> int:
+    """The address of ``t``'s storage (views of one buffer share it)."""
+    return t.untyped_storage().data_ptr()
 
 
 def unsupported(
