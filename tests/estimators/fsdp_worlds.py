@@ -51,6 +51,22 @@ CASES = [
     ("llama-gqa-lora", "float32", 0.05),
     ("bert", "bfloat16", 0.5),
 ]
+#: label → the random measures (their noise drawn by every rank as one process draws it):
+#: the average case and random starts, ℓ2 (a random point of the horizontal sphere) and ℓ∞
+RANDOM = {
+    "adaptive-average": {"measure": "adaptive", "kind": "average", "samples": 3},
+    "geodesic-inv-average": {"measure": "geodesic", "kind": "average", "samples": 3},
+    "geodesic-inv-restarts": {"measure": "geodesic", "restarts": 2, "random_init": True},
+    "adaptive-linf-restarts": {"measure": "adaptive", "norm": "linf", "random_init": True},
+}
+#: case key → the random measures it is measured with too (bert-default: padded heads, whose
+#: zero rows must get zero noise: a random start's norm would count them)
+RANDOM_CASES = {
+    "bert/float64/0.05": tuple(RANDOM),
+    "llama-gqa-lora/float64/0.05": tuple(RANDOM),
+    "bert-default/float64/0.05": ("geodesic-inv-average", "geodesic-inv-restarts"),
+}
+RANDOM_STEPS = 2
 #: measured unsharded only: the float32 value on the same weights as the bfloat16 case
 REFERENCE_ONLY = [("bert", "float32", 0.5)]
 ROWS = 8  # rows of every batch: split evenly over 1, 2 or 4 ranks
@@ -166,6 +182,22 @@ def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dic
     return out
 
 
+def measure_random(model: torch.nn.Module, data: list, rho: float, labels: tuple) -> dict:
+    """Per random measure of ``labels``: the value, the losses and the base point's kind."""
+    out = {}
+    for m in labels:
+        kw = RANDOM[m]
+        r = rho / 10 if kw.get("norm") == "linf" else rho
+        res = gs.sharpness(model, ce, data, rho=r, steps=RANDOM_STEPS, progress=False, **kw)
+        out[m] = {
+            "value": res.value,
+            "clean": res.clean_losses,
+            "perturbed": res.perturbed_losses,
+            "sharded": res.settings["sharded"],
+        }
+    return out
+
+
 def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> None:
     try:
         torch.set_num_threads(1)
@@ -197,11 +229,13 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
                 for x, y in batches()
             ]
             values = measure_all(model, mine, rho)
+            k = key(name, dt, rho)
+            random = measure_random(model, mine, rho, RANDOM_CASES.get(k, ()))
             same = all(
                 torch.equal(a, p._local_tensor)
                 for a, p in zip(before, model.parameters(), strict=True)
             )
-            out[key(name, dt, rho)] = {"values": values, "shards_identical": same}
+            out[k] = {"values": values, "random": random, "shards_identical": same}
             del model
         queue.put((rank, out))
         dist.destroy_process_group()
@@ -218,11 +252,12 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
     def on(data: list) -> list:
         return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
 
-    ref = {
-        key(name, dt, rho): measure_all(build(name, getattr(torch, dt)).to(dev), on(batches()), rho)
-        for name, dt, rho in CASES + REFERENCE_ONLY
-    }
-    result = {"reference": ref, "worlds": {}}
+    ref, random = {}, {}
+    for name, dt, rho in CASES + REFERENCE_ONLY:
+        model, k = build(name, getattr(torch, dt)).to(dev), key(name, dt, rho)
+        ref[k] = measure_all(model, on(batches()), rho)
+        random[k] = measure_random(model, on(batches()), rho, RANDOM_CASES.get(k, ()))
+    result = {"reference": ref, "random": random, "worlds": {}}
     ctx = mp.get_context("spawn")
     for world in worlds:
         queue = ctx.Queue()

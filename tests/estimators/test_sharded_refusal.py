@@ -1,10 +1,11 @@
 """What a model sharded by FSDP2 is refused, in one line before any work.
 
 ``gs.sharpness`` and ``gs.measure`` measure it with the element-wise measures and with geodesic
-sharpness at order 1 or 2 (``test_fsdp.py``, ``tests/measure/test_fsdp_cli.py``; here on an
-``nn.Sequential`` without symmetry blocks, where geodesic is adaptive sharpness); the exact
-geodesic, the average case, ``gs.measure``'s curvature measures and ``gs.curvature`` say that
-they do not yet, instead of failing inside the perturbation. The check runs in a child process:
+sharpness at order 1 or 2, worst case (from ``ξ = 0`` or random starts) and average case
+(``test_fsdp.py``, ``tests/measure/test_fsdp_cli.py``; here on an ``nn.Sequential`` without
+symmetry blocks, where geodesic is adaptive sharpness); the exact geodesic, ``gs.measure``'s
+curvature measures and ``gs.curvature`` say that they do not yet, instead of failing inside the
+perturbation. The check runs in a child process:
 it needs a process group (gloo, one rank) and ``fully_shard``.
 """
 
@@ -45,6 +46,9 @@ SCRIPT = textwrap.dedent(
                 model, ce, batches, measure="geodesic", order="exact", steps=1
             ),
             "average": lambda: gs.sharpness(model, ce, batches, measure="adaptive", kind="average"),
+            "restarts": lambda: gs.sharpness(
+                model, ce, batches, measure="adaptive", restarts=2, random_init=True, steps=1
+            ),
             "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
             "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
             "measure-geodesic": lambda: gs.measure(
@@ -79,32 +83,32 @@ def test_an_fsdp2_sharded_model_is_refused_in_one_line():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    names = ("sharpness", "geodesic", "average", "curvature", "measure")
+    names = ("sharpness", "geodesic", "average", "restarts", "curvature", "measure")
     lines = [ln for ln in out.stdout.splitlines() if ln.split(" ")[0].startswith(names)]
     assert [ln.split(" ")[:2] for ln in lines] == [
         ["sharpness", "MEASURED"],
         ["geodesic", "MEASURED"],
         ["geodesic-exact", "REFUSED"],
-        ["average", "REFUSED"],
+        ["average", "MEASURED"],  # each rank draws its part of the unsharded noise
+        ["restarts", "MEASURED"],
         ["curvature", "REFUSED"],
         ["measure", "MEASURED"],
         ["measure-geodesic", "MEASURED"],
         ["measure-exact", "REFUSED"],
-        ["measure-average", "REFUSED"],
+        ["measure-average", "MEASURED"],
         ["measure-curvature", "REFUSED"],
     ]
-    exact, average, curvature = lines[2:5]
+    exact, curvature = lines[2], lines[5]
     assert "measure='geodesic'" in exact and "order='exact'" in exact
     assert "the exact (RK4) geodesic on sharded rows is not implemented yet" in exact
-    assert "kind='average'" in average
+    assert "worst-case (from ξ = 0 or random starts) and average-case sharpness" in exact
     assert "sharded DTensors ('0.weight' and 3 more" in curvature
     assert "gs.curvature does not measure sharded models yet" in curvature
     assert "docs/cluster.md" in curvature
-    m_exact, m_average, m_curvature = lines[7:]
+    m_exact, m_curvature = lines[8], lines[10]
     assert "geodesic-mix-oexact worst l2 on a sharded (FSDP2) model: the exact (RK4)" in m_exact
-    assert "the average case (random perturbations)" in m_average
     assert "the curvature measures (gs.curvature)" in m_curvature
-    for ln in lines[7:]:
+    for ln in (m_exact, m_curvature):
         assert "a sharded model is measured with adaptive-l2, adaptive-linf" in ln
         assert "geodesic-inv|mix-o1|o2" in ln
         assert "docs/cluster.md" in ln

@@ -211,8 +211,6 @@ def test_fsdp_without_torchrun_is_refused_before_loading(capsys, monkeypatch):
             ["--measures", "geodesic-mix-o2", "adaptive-blocks", "geodesic-blocks-exact"],
             "geodesic-inv-oexact-blocks worst l2 on a sharded (FSDP2) model: the exact (RK4)",
         ),
-        (["--measures", "adaptive-average"], "the average case (random perturbations)"),
-        (["--measures", "geodesic-mix-o2-average"], "the average case (random perturbations)"),
         (["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
         (["--measures", "relative-flatness"], "relative flatness of a sharded model"),
         (["--device", "cuda:1"], "use --device auto, cuda or cpu"),

@@ -13,7 +13,7 @@ import torch
 from geosharp.estimators.pieces import Piece, Xi
 from geosharp.geometry.draws import draw_like
 
-__all__ = ["box", "sign_direction", "uniform_box"]
+__all__ = ["box", "box_from_uniform", "sign_direction", "uniform_box"]
 
 
 def sign_direction(pieces: list[Piece], egrad: Xi) -> Xi:
@@ -46,10 +46,16 @@ def uniform_box(pieces: list[Piece], generator: torch.Generator | None, rho: flo
     One draw over all components of a piece, then split (the numbers do not depend on how
     the piece is cut into components).
     """
+    return box_from_uniform(
+        pieces, [draw_like(p.geometry.point, generator, torch.rand) for p in pieces], rho
+    )
+
+
+def box_from_uniform(pieces: list[Piece], uniform: list, rho: float) -> Xi:
+    """:func:`uniform_box` from its uniform numbers in ``[0, 1)``, one list per piece."""
     out = []
-    for p in pieces:
+    for p, u in zip(pieces, uniform, strict=True):
         scale = p.geometry.box_scale()
-        u = draw_like(p.geometry.point, generator, torch.rand)
         out.append(
             tuple(
                 (2 * uk - 1) * rho * (scale[k] if scale is not None else 1)

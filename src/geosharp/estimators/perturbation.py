@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -268,8 +269,14 @@ class Perturbation:
         dd, *inner = (0.0 if v is None else float(v) for v in sums)
         return out, dd, inner
 
+    #: Draws the noise of a sharded model's rank, its part of the unsharded draw
+    #: (:class:`~geosharp.estimators.sharded_draws.ShardedDraws`); ``None``: drawn here.
+    draws: Any = None
+
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
+        if self.draws is not None:
+            return self.draws.random(self, generator, scale)
         out = []
         for p in self.pieces:  # each piece's noise made on its device
             point = p.geometry.point
@@ -463,6 +470,8 @@ class Perturbation:
 
     def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
         """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+        if self.draws is not None:  # a sharded model's rank: its part of the unsharded draw
+            return linf.box_from_uniform(self.pieces, self.draws.uniform(self, generator), rho)
         return linf.uniform_box(self.pieces, generator, rho)
 
     # -- memory -------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from geosharp.estimators.sharded import (
     is_sharded,
     restored,
 )
+from geosharp.estimators.sharded_draws import ShardedDraws
 from geosharp.estimators.sharded_objective import objective_class
 from geosharp.estimators.worst import WorstCase
 from geosharp.symmetry import ParameterSpace
@@ -261,7 +262,10 @@ def sharpness(
                 "model; a sharded model measures every batch on every rank, on the rank's rows "
                 "of it: leave distributed unset"
             )
-        shards = ShardedParams(model, in_place=in_place_ok(measure, rho, perturb))
+        in_place = in_place_ok(measure, rho, perturb)
+        if kind == "average" and perturb != "blocks":  # Gaussian noise has no bound |ξ_i| ≤ ρ|w_i|
+            in_place = False
+        shards = ShardedParams(model, in_place=in_place)
         distributed = False  # every rank measures every batch, on its own rows of it
 
     setup = perturbation_of(
@@ -279,6 +283,9 @@ def sharpness(
         cache=cache,
         shards=shards,
     )
+    if shards is not None:  # random draws: each rank its part of the unsharded draw
+        blocks_laid_out = measure == "geodesic" or perturb == "blocks"
+        setup.pert.draws = ShardedDraws(model, shards, key_bias if blocks_laid_out else None)
     space = setup.space
     theta = [setup.base[n] for n in space.param_names]
     device, dtype = theta[0].device, theta[0].dtype

@@ -1,0 +1,438 @@
+r"""The random draws of a sharded model: every rank's part of the unsharded draw (SPEC §10.6).
+
+The average case and random starts draw noise from the batch's generator
+(:meth:`~geosharp.estimators.perturbation.Perturbation.random`,
+:meth:`~geosharp.estimators.perturbation.Perturbation.uniform_box`). One process draws, piece
+by piece, one ``torch.randn`` (or ``torch.rand``) over the piece's coordinates in their order
+(:func:`~geosharp.geometry.draws.draw_like`; a GL(h)-type block one over ``G``, then one over
+``H``, in its work dtype). A rank of a sharded model holds some of those coordinates, so it
+replays the same stream from a generator in the same state, chunk by chunk (:func:`stream`),
+and keeps the numbers at its own coordinates (:class:`ShardedDraws`):
+
+- the element-wise pieces (adaptive, Euclidean, the coordinates outside the blocks) keep the
+  numbers of the rank's slice of every parameter (a parameter's global positions and the
+  rank's slice of them: :class:`~geosharp.estimators.sharded_space._Layout`);
+- a block piece keeps the rows of its factors that the rank holds, in order, at the rows the
+  rank's block gives them (:mod:`~geosharp.estimators.sharded_space`); its padding rows get
+  zeros, so they stay zero through the metric's square roots and the horizontal projection,
+  which sums its ``h × h`` contractions over the ranks;
+- then the piece's geometry turns the standard normals into its noise as one process does
+  (:func:`from_normals`).
+
+Each rank so holds its part of the very numbers one process draws: the values equal the
+unsharded ones to rounding. The replay costs ``O(P)`` time per draw (every rank draws the whole
+stream) and ``O(chunk)`` memory beside the rank's noise.
+
+The stream is drawn on the CPU. CPU ``torch.randn`` fills 16 numbers at a time: a draw of ``n``
+numbers equals consecutive draws of chunks that are multiples of 16, the last one of at least
+16 numbers (checked by ``tests/estimators/test_sharded_draws.py``). With a generator on another
+device (a model on GPUs: the batch's generator is a CUDA one) the stream is drawn on the CPU
+from a generator seeded with that generator's seed, and moved: the noise is the one an
+unsharded run of the model on the CPU draws with the same seed, not that of an unsharded run on
+the GPU (CUDA's generator orders its numbers by the size of the draw).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
+from geosharp.geometry.gl import GLGeometry
+from geosharp.symmetry import ParameterSpace
+from geosharp.symmetry.blocks import GLBlock, TranslationBlock
+from geosharp.symmetry.positions import as_tensor
+
+__all__ = ["ShardedDraws", "from_normals", "normal_draws", "stream"]
+
+#: Numbers drawn at a time by :func:`stream` (a multiple of 16).
+CHUNK = 1 << 18
+
+
+def stream(
+    n: int,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    sampler: Callable = torch.randn,
+    chunk: int = CHUNK,
+) -> Iterator[tuple[int, Tensor]]:
+    """The numbers of ``sampler(n, generator=generator, dtype=dtype)`` (CPU), chunk by chunk.
+
+    Yields ``(start, numbers)``: every chunk but the last holds ``chunk`` numbers (a multiple
+    of 16), the last at least 16 (or all ``n`` when ``n < 16``), which makes them the numbers of
+    one draw of ``n`` and leaves the generator where that draw leaves it.
+    """
+    if chunk % 16 or chunk < 16:
+        raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
+    start = 0
+    while n - start > chunk and n - start - chunk >= 16:
+        yield start, sampler(chunk, generator=generator, dtype=dtype)
+        start += chunk
+    if n > start:
+        yield start, sampler(n - start, generator=generator, dtype=dtype)
+
+
+class _Segment:
+    """A run of a stream whose numbers land at some of the rank's coordinates."""
+
+    length: int
+
+    def place(self, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+        """For the run's numbers ``k0:k1``: which the rank keeps, and where (flat positions)."""
+        raise NotImplementedError
+
+
+class _Rows(_Segment):
+    """Rows of ``width`` numbers, row ``r`` kept at row ``dest[r]`` of the rank (``-1``: not)."""
+
+    def __init__(self, dest: Tensor, width: int, offset: int) -> None:
+        self.dest, self.width, self.offset = dest, width, offset
+        self.length = dest.numel() * width
+
+    def place(self, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+        k = torch.arange(k0, k1)
+        row = self.dest[k // self.width]
+        keep = row >= 0
+        return keep, (row * self.width + k % self.width + self.offset)[keep]
+
+
+class _Slice(_Segment):
+    """A parameter's coordinates (all, or ``positions`` inside it) and the rank's slice of them.
+
+    ``mine``: where the rank's coordinates of the parameter lie in its buffer: ``(offset,
+    None)`` for all of its shard, ``(offset, local)`` for its shard's flat positions ``local``
+    (sorted), ``None`` when the rank holds none of them.
+    """
+
+    def __init__(self, layout: Any, numel: int, positions: Tensor | None, mine: Any) -> None:
+        self.layout, self.positions, self.mine = layout, positions, mine
+        self.length = numel if positions is None else positions.numel()
+
+    def place(self, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+        q = torch.arange(k0, k1) if self.positions is None else self.positions[k0:k1]
+        held, p = self.layout.local(q + self.layout.offset)
+        p = p[held] - self.layout.local_offset
+        if self.mine is None:
+            if p.numel():
+                raise RuntimeError(_MISMATCH)
+            return held, p
+        offset, local = self.mine
+        if local is not None:
+            at = torch.searchsorted(local, p)
+            if p.numel() and not torch.equal(local[at.clamp(max=local.numel() - 1)], p):
+                raise RuntimeError(_MISMATCH)
+            p = at
+        return held, p + offset
+
+
+_MISMATCH = (
+    "the rank's coordinates of a piece differ from the unsharded piece's: the sharded draw "
+    "cannot be laid out (please report this)"
+)
+
+
+class _Draw:
+    """One draw of a stream over ``segments`` into the rank's buffer of ``size`` numbers."""
+
+    def __init__(self, segments: Sequence[_Segment], size: int) -> None:
+        self.segments = [s for s in segments if s.length]
+        self.size = size
+        self.ends: list[int] = []
+        total = 0
+        for s in self.segments:
+            total += s.length
+            self.ends.append(total)
+
+    def replay(
+        self,
+        generator: torch.Generator | None,
+        dtype: torch.dtype,
+        sampler: Callable,
+        chunk: int = CHUNK,
+    ) -> Tensor:
+        """The rank's numbers of the draw (zeros where the rank's coordinates get none)."""
+        out = torch.zeros(self.size, dtype=dtype)
+        n = self.ends[-1] if self.ends else 0
+        for s0, z in stream(n, generator, dtype, sampler, chunk):
+            s1 = s0 + z.numel()
+            i = bisect.bisect_right(self.ends, s0)
+            while i < len(self.segments):
+                seg, end = self.segments[i], self.ends[i]
+                begin = end - seg.length
+                if begin >= s1:
+                    break
+                a, b = max(s0, begin), min(s1, end)
+                keep, at = seg.place(a - begin, b - begin)
+                out[at] = z[a - s0 : b - s0][keep]
+                i += 1
+        return out
+
+
+# -- the geometries' noise from standard normals ------------------------------------------------
+def normal_draws(geometry: Geometry) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+    """The draws of ``geometry.random_tangent``: per draw, the shapes it covers and its dtype.
+
+    An element-wise or Euclidean geometry draws once over all its components
+    (:func:`~geosharp.geometry.draws.draw_like`), a GL(h)-type one once over ``G`` and once
+    over ``H`` in its work dtype, a fixed one never.
+
+    Raises:
+        NotImplementedError: For another geometry (diagonal pairs: never on a sharded model).
+    """
+    if isinstance(geometry, FixedGeometry):
+        return []
+    if isinstance(geometry, (ElementwiseGeometry, EuclideanGeometry)):
+        point = geometry.point
+        return [(tuple(t.shape for t in point), point[0].dtype)] if point else []
+    if isinstance(geometry, GLGeometry):
+        wd = geometry.execution.work_dtype
+        return [((geometry.G.shape,), wd), ((geometry.H.shape,), wd)]
+    raise NotImplementedError(f"random draws of a {type(geometry).__name__} on a sharded model")
+
+
+def from_normals(geometry: Geometry, z: Sequence[Tensor], scale: float) -> tuple[Tensor, ...]:
+    """``geometry.random_tangent(generator, scale)`` from the standard normals it would draw.
+
+    ``z``: one tensor per component (shaped like it), the numbers of :func:`normal_draws`.
+    """
+    if isinstance(geometry, FixedGeometry):
+        return tuple(torch.zeros_like(p) for p in geometry.point)
+    if isinstance(geometry, ElementwiseGeometry):
+        return tuple(scale * zk * geometry._abs(k) for k, zk in enumerate(z))
+    if isinstance(geometry, EuclideanGeometry):
+        return tuple(scale * zk for zk in z)
+    if isinstance(geometry, GLGeometry):
+        sample_G, sample_H = geometry._samplers()
+        xi = geometry.project((scale * z[0] @ sample_G, scale * z[1] @ sample_H))
+        return tuple(t.to(geometry.dtype) for t in xi)
+    raise NotImplementedError(f"random draws of a {type(geometry).__name__} on a sharded model")
+
+
+# -- the rank's part of every piece's draw --------------------------------------------------------
+class ShardedDraws:
+    """Draws a sharded model's noise: each rank its part of the unsharded draw.
+
+    Set as :attr:`Perturbation.draws <geosharp.estimators.perturbation.Perturbation.draws>` of
+    the rank's perturbation (:func:`~geosharp.estimators.harness.perturbation_of`); the layout
+    of the draws is made at the first draw (the average case and random starts only).
+
+    Args:
+        model: The sharded model.
+        shards: Its :class:`~geosharp.estimators.sharded.ShardedParams`.
+        key_bias: As :func:`~geosharp.symmetry.find_symmetries`, when the measure lays out the
+            symmetry blocks (``None``: the element-wise measures, one piece of every parameter).
+    """
+
+    def __init__(self, model: nn.Module, shards: Any, key_bias: str | None) -> None:
+        self.model, self.shards, self.key_bias = model, shards, key_bias
+        self._plans: dict[int, tuple[Any, list]] = {}
+        self._cpu: dict[int, tuple[torch.Generator, torch.Generator]] = {}
+
+    def random(self, pert: Any, generator: torch.Generator | None, scale: float) -> list:
+        """:meth:`Perturbation.random` of the rank: its part of the unsharded noise."""
+        gen = self._generator(generator)
+        out = []
+        for p, draws in zip(pert.pieces, self._plan(pert), strict=True):
+            g = p.norm_geometry
+            z: list[Tensor] = []
+            for (shapes, dtype), draw in zip(normal_draws(g), draws, strict=True):
+                z += _split(draw.replay(gen, dtype, torch.randn), shapes)
+            device = g.point[0].device if g.point else torch.device("cpu")
+            xi = from_normals(g, [t.to(device) for t in z], scale)
+            out.append(tuple(t.to(p.geometry.tangent_dtype) for t in xi))
+        return out
+
+    def uniform(self, pert: Any, generator: torch.Generator | None) -> list[list[Tensor]]:
+        """Every piece's ``draw_like(point, generator, torch.rand)`` of the rank (ℓ∞ starts)."""
+        gen = self._generator(generator)
+        out = []
+        for p, draws in zip(pert.pieces, self._plan(pert), strict=True):
+            point = p.geometry.point
+            if not isinstance(p.geometry, (ElementwiseGeometry, EuclideanGeometry)):
+                raise NotImplementedError("uniform draws of a block piece on a sharded model")
+            if not point:
+                out.append([])
+                continue
+            flat = draws[0].replay(gen, point[0].dtype, torch.rand)
+            shapes = tuple(t.shape for t in point)
+            out.append([t.to(point[0].device) for t in _split(flat, shapes)])
+        return out
+
+    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
+        """The CPU generator the stream is drawn from (see the module's note on devices)."""
+        if generator is None:
+            return torch.default_generator
+        if generator.device.type == "cpu":
+            return generator
+        held = self._cpu.get(id(generator))
+        if held is None or held[0] is not generator:
+            held = (generator, torch.Generator().manual_seed(generator.initial_seed()))
+            self._cpu[id(generator)] = held
+        return held[1]
+
+    def _plan(self, pert: Any) -> list[list[_Draw]]:
+        """Every piece's draws on this rank (made once per perturbation)."""
+        held = self._plans.get(id(pert))
+        if held is None or held[0] is not pert:
+            held = (pert, _plan(self.model, self.shards, self.key_bias, pert))
+            self._plans[id(pert)] = held
+        return held[1]
+
+
+def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    sizes = [s.numel() for s in shapes]
+    return [t.view(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def _plan(model: nn.Module, shards: Any, key_bias: str | None, pert: Any) -> list[list[_Draw]]:
+    """The draws of every piece of the rank's perturbation ``pert``, from the global layout."""
+    from geosharp.estimators.sharded_space import _layouts
+    from geosharp.symmetry import find_symmetries
+
+    if key_bias is None:  # the element-wise measures: the parameters, no blocks
+        space = _params_space(shards)
+        rest_global: list = [(j, None) for j in range(len(shards.names))]
+        rest_rank: list = [(j, None) for j in range(len(shards.names))]
+    else:
+        space = find_symmetries(model, key_bias=key_bias)
+        rest_global, rest_rank = _rest_layout(space), pert.space.rest_layout()
+    layouts = _layouts(space, shards)
+    groups: dict = {}
+    for b in space.blocks:
+        groups.setdefault(b.batch_key(), []).append(b)
+    k = pert.rest_index
+    block_pieces = [p for i, p in enumerate(pert.pieces) if i != k]
+    if len(block_pieces) != len(groups):
+        raise RuntimeError(_MISMATCH)
+    plans: list[list[_Draw]] = []
+    it = iter(groups.values())
+    for i, p in enumerate(pert.pieces):
+        g = p.norm_geometry
+        draws = normal_draws(g)
+        if i == k:
+            plans.append(
+                [_rest_draw(space, layouts, rest_global, rest_rank, shards)] if draws else []
+            )
+            continue
+        blocks = next(it)
+        if not draws:  # held fixed: nothing drawn
+            plans.append([])
+            continue
+        shapes = [s for sh, _ in draws for s in sh]
+        one = len(draws) == 1  # one stream over every field, or one per field
+        fields = _block_fields(blocks, shapes, space, layouts, concatenated=one)
+        if one:
+            plans.append([_Draw([s for f in fields for s in f], sum(s.numel() for s in shapes))])
+        else:
+            plans.append([_Draw(f, s.numel()) for f, s in zip(fields, shapes, strict=True)])
+    return plans
+
+
+def _params_space(shards: Any) -> ParameterSpace:
+    """The whole model's parameters as a space (global shapes, no blocks)."""
+    shapes = tuple(p.shape for p in shards.params)
+    offsets, start = [], 0
+    for s in shapes:
+        offsets.append(start)
+        start += s.numel()
+    return ParameterSpace(shards.names, shapes, tuple(offsets))
+
+
+def _rest_layout(space: ParameterSpace) -> list[tuple[int, Tensor | None]]:
+    """:meth:`ParameterSpace.rest_layout` of the whole model, with no mask of a whole parameter.
+
+    The same list; but ``rest_layout`` marks every parameter a block touches in a mask of its
+    (global) size, all at once, while here the block coordinates are counted per parameter first
+    and only the parameters partly in blocks (rare: e.g. a fused projection with a head left
+    out) get a mask.
+    """
+    sizes = [math.prod(s) for s in space.shapes]
+    counts = torch.zeros(len(sizes), dtype=torch.long)
+    for b in space.blocks:
+        pos = b.positions().reshape(-1).cpu()
+        if pos.numel():
+            counts += torch.bincount(space.owners(pos).long(), minlength=len(sizes))
+    partial = {j for j, (c, n) in enumerate(zip(counts.tolist(), sizes, strict=True)) if 0 < c < n}
+    touched = {j: torch.zeros(sizes[j], dtype=torch.bool) for j in partial}
+    for b in space.blocks if partial else ():
+        pos = b.positions().reshape(-1).cpu().long()
+        owner = space.owners(pos)
+        for j in set(torch.unique(owner).tolist()) & partial:
+            touched[j][pos[owner == j] - space.offsets[j]] = True
+    out: list[tuple[int, Tensor | None]] = []
+    for j, (c, n) in enumerate(zip(counts.tolist(), sizes, strict=True)):
+        if n and not c:
+            out.append((j, None))
+        elif j in partial:
+            out.append((j, torch.nonzero(~touched.pop(j)).reshape(-1)))
+    return out
+
+
+def _rest_draw(
+    space: ParameterSpace, layouts: list, rest_global: list, rest_rank: list, shards: Any
+) -> _Draw:
+    """The draw of the coordinates outside the blocks (or of every parameter)."""
+    mine, at = {}, 0
+    for j, local in rest_rank:
+        if j >= len(shards.names):  # the rank's padding rows: never outside the blocks
+            raise RuntimeError(_MISMATCH)
+        mine[j] = (at, local)
+        at += shards.locals[j].numel() if local is None else local.numel()
+    segments = [
+        _Slice(layouts[j], space.shapes[j].numel(), local, mine.get(j)) for j, local in rest_global
+    ]
+    return _Draw(segments, at)
+
+
+def _block_fields(
+    blocks: list,
+    shapes: Sequence[torch.Size],
+    space: ParameterSpace,
+    layouts: list,
+    concatenated: bool,
+) -> list[list[_Segment]]:
+    """Per field of a group of blocks: its stream's segments (one per block) on this rank.
+
+    ``shapes``: the rank's batched fields, ``(heads, rows here, h)`` (GL-type; the rows held
+    first, in order, then padding rows) or ``(positions here,)`` (key-bias translations).
+    ``concatenated``: the fields' numbers lie one after the other in one buffer (else each
+    field in its own).
+    """
+    from geosharp.estimators.sharded_space import _localize
+
+    cls = type(blocks[0])
+    if len(shapes) != len(cls.index_fields):
+        raise RuntimeError(_MISMATCH)
+    out, offset = [], 0
+    for f, shape in zip(cls.index_fields, shapes, strict=True):
+        segments: list[_Segment] = []
+        head = 0
+        for b in blocks:
+            pos = as_tensor(getattr(b, f))
+            if issubclass(cls, TranslationBlock):
+                held = _localize(pos.reshape(-1), space, layouts)[0]
+                dest = torch.where(held, torch.cumsum(held, 0) - 1, -1)
+                segments.append(_Rows(dest, 1, offset + head))
+                head += int(held.sum())
+                continue
+            if not issubclass(cls, GLBlock) or pos.dim() != 3 or len(shape) != 3:
+                raise NotImplementedError(f"random draws of {cls.__name__} blocks when sharded")
+            heads, rows, width = shape[0], shape[1], shape[2]
+            held = _localize(pos[..., 0].contiguous(), space, layouts)[0]  # rows whole or none
+            r = torch.cumsum(held, 1) - 1
+            if held.numel() and int(held.sum(1).max()) > rows:
+                raise RuntimeError(_MISMATCH)
+            first = torch.arange(head, head + pos.shape[0]).unsqueeze(1) * rows
+            dest = torch.where(held, first + r, -1).reshape(-1)
+            segments.append(_Rows(dest, width, offset))
+            head += pos.shape[0]
+            if head > heads or width != pos.shape[-1]:
+                raise RuntimeError(_MISMATCH)
+        offset += shape.numel() if concatenated else 0
+        out.append(segments)
+    return out
