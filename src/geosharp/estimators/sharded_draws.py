@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -230,7 +231,9 @@ class ShardedDraws:
 
     def __init__(self, model: nn.Module, shards: Any, key_bias: str | None) -> None:
         self.model, self.shards, self.key_bias = model, shards, key_bias
-        self._plans: dict[int, tuple[Any, list]] = {}
+        #: plans by perturbation, each with a weak reference to its perturbation (which holds
+        #: this object: a strong one would keep it, its pieces and factors, in a cycle)
+        self._plans: dict[int, tuple[weakref.ref, list]] = {}
         self._cpu: dict[int, tuple[torch.Generator, torch.Generator]] = {}
 
     def random(self, pert: Any, generator: torch.Generator | None, scale: float) -> list:
@@ -278,8 +281,8 @@ class ShardedDraws:
     def _plan(self, pert: Any) -> list[list[_Draw]]:
         """Every piece's draws on this rank (made once per perturbation)."""
         held = self._plans.get(id(pert))
-        if held is None or held[0] is not pert:
-            held = (pert, _plan(self.model, self.shards, self.key_bias, pert))
+        if held is None or held[0]() is not pert:
+            held = (weakref.ref(pert), _plan(self.model, self.shards, self.key_bias, pert))
             self._plans[id(pert)] = held
         return held[1]
 
