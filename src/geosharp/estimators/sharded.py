@@ -217,12 +217,9 @@ class ShardedParams:
 
         wide = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
         if wide.requires_grad:
-            from torch.distributed.nn.functional import all_reduce
-
-            out = all_reduce(wide, group=self.group)
-        else:
-            out = wide.detach().clone()
-            dist.all_reduce(out, group=self.group)
+            return _RankSum.apply(wide, self.group).to(t.dtype)
+        out = wide.detach().clone()
+        dist.all_reduce(out, group=self.group)
         return out.to(t.dtype)
 
     def describe(self) -> dict[str, Any]:
@@ -462,6 +459,32 @@ def in_place_ok(measure: str, rho: float, perturb: str = "all") -> bool | str:
     if rho > IN_PLACE_RHO:
         return False
     return {"adaptive": True, "geodesic": "rest"}.get(measure, False)
+
+
+class _RankSum(torch.autograd.Function):
+    """``Σ_r t_r`` over the ranks of ``group``, differentiable: its adjoint is the same sum.
+
+    Every rank's output is the sum of every rank's input, so the gradient of a rank's input
+    is the sum over the ranks of the gradients of their outputs (one all-reduce each way; the
+    exact geodesic's integrator differentiates through it).
+    """
+
+    @staticmethod
+    def forward(ctx, t: Tensor, group: Any) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = t.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        import torch.distributed as dist
+
+        out = grad.detach().contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
 
 
 def _storage(t: Tensor) -> int:
