@@ -123,24 +123,27 @@ def test_the_global_rest_layout_is_the_spaces():
     assert partial == 3  # q.weight, q.bias, v.weight
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_simulated_ranks_keep_their_part_of_the_rest_draw(world):
+def test_simulated_ranks_keep_their_part_of_the_rest_draw(world, chunk):
     """The coordinates outside blocks, parameters partly in blocks, sharded along 0 or 1.
 
-    Every simulated rank replays the stream (small chunks) and keeps its coordinates; the
-    reference reads each of them off one draw of the whole stream by its global position.
+    Every simulated rank replays the stream (small chunks: the chunks cut the parameters and
+    their rows anywhere) and keeps its coordinates; the reference reads each of them off one
+    draw of the whole stream by its global position.
     """
     from types import SimpleNamespace
 
     from geosharp.estimators import sharded_draws
     from geosharp.estimators.sharded_space import _Layout
 
-    shapes = [(8, 6), (5,), (3, 4, 2)]
-    dims = [1, 0, 0]
-    offsets = [0, 48, 53]
-    # global rest: param 0 without its rows 1 and 2, param 1 whole, param 2 without its first 5
+    shapes = [(8, 6), (5,), (3, 4, 2), (6, 5), (2, 6, 3)]
+    dims = [1, 0, 0, 1, 1]
+    offsets = [0, 48, 53, 77, 107]
+    # global rest: param 0 without its rows 1 and 2, param 1 whole, param 2 without its first
+    # 5, params 3 and 4 whole
     rest0 = torch.tensor([q for q in range(48) if q // 6 not in (1, 2)])
-    rest_global = [(0, rest0), (1, None), (2, torch.arange(5, 24))]
+    rest_global = [(0, rest0), (1, None), (2, torch.arange(5, 24)), (3, None), (4, None)]
     stream_of = {}  # (param, flat position in it) → position in the unsharded stream
     s = 0
     for j, local in rest_global:
@@ -171,11 +174,36 @@ def test_simulated_ranks_keep_their_part_of_the_rest_draw(world):
             everything = mine.numel() == locals_[j].numel()
             rest_rank.append((j, None if everything else mine))
             where += [stream_of[(j, int(q))] for q in qs[held]]
-        shards = SimpleNamespace(names=("a", "b", "c"), locals=locals_)
+        shards = SimpleNamespace(names=("a", "b", "c", "d", "e"), locals=locals_)
         space = SimpleNamespace(shapes=[torch.Size(t) for t in shapes])
         draw = sharded_draws._rest_draw(space, layouts, rest_global, rest_rank, shards)
         gen = torch.Generator().manual_seed(5)
-        got = draw.replay(gen, torch.float64, torch.randn, chunk=16)
+        got = draw.replay(gen, torch.float64, torch.randn, chunk=chunk)
         assert torch.equal(got, whole[torch.tensor(where, dtype=torch.long)]), rank
         seen.update(where)
     assert seen == set(range(s))  # the ranks hold every coordinate once
+
+
+@pytest.mark.parametrize("chunk", [16, 48])
+def test_rows_of_a_block_land_at_the_ranks_rows(chunk):
+    """A GL-type field: every head's held rows at the rank's rows, in order; padding stays 0."""
+    from geosharp.estimators.sharded_draws import _Draw, _Rows
+
+    heads, n, h, here = 3, 5, 3, 3  # the rank's field: 3 heads × 3 rows (padded) × 3
+    held = torch.tensor(
+        [[1, 0, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 0, 0, 1]], dtype=torch.bool
+    )  # head 0: 2 rows (one padding row), head 1: 3, head 2: 1 (two padding rows)
+    first = torch.arange(heads).unsqueeze(1) * here
+    dest = torch.where(held, first + torch.cumsum(held, 1) - 1, -1).reshape(-1)
+    offset = 7  # the field after another one in the rank's buffer
+    draw = _Draw([_Rows(dest, h, offset, heads * here)], offset + heads * here * h)
+    got = draw.replay(torch.Generator().manual_seed(2), torch.float64, torch.randn, chunk=chunk)
+    whole = torch.randn(
+        heads, n, h, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    want = torch.zeros(heads, here, h, dtype=torch.float64)
+    for b in range(heads):
+        rows = whole[b][held[b]]
+        want[b, : rows.shape[0]] = rows
+    assert torch.equal(got[:offset], torch.zeros(offset, dtype=torch.float64))
+    assert torch.equal(got[offset:].view(heads, here, h), want)

@@ -87,12 +87,21 @@ class _Segment:
         """For the run's numbers ``k0:k1``: which the rank keeps, and where (flat positions)."""
         raise NotImplementedError
 
+    def scatter(self, out: Tensor, z: Tensor, k0: int) -> None:
+        """Write the run's numbers ``k0:k0 + len(z)`` (``z``) that the rank keeps into ``out``."""
+        if z.numel():
+            keep, at = self.place(k0, k0 + z.numel())
+            out[at] = z[keep]
+
 
 class _Rows(_Segment):
-    """Rows of ``width`` numbers, row ``r`` kept at row ``dest[r]`` of the rank (``-1``: not)."""
+    """Rows of ``width`` numbers, row ``r`` kept at row ``dest[r]`` of the rank (``-1``: not).
 
-    def __init__(self, dest: Tensor, width: int, offset: int) -> None:
-        self.dest, self.width, self.offset = dest, width, offset
+    The rank's rows are ``rows`` rows of ``width`` numbers from ``offset`` in its buffer.
+    """
+
+    def __init__(self, dest: Tensor, width: int, offset: int, rows: int) -> None:
+        self.dest, self.width, self.offset, self.rows = dest, width, offset, rows
         self.length = dest.numel() * width
 
     def place(self, k0: int, k1: int) -> tuple[Tensor, Tensor]:
@@ -100,6 +109,19 @@ class _Rows(_Segment):
         row = self.dest[k // self.width]
         keep = row >= 0
         return keep, (row * self.width + k % self.width + self.offset)[keep]
+
+    def scatter(self, out: Tensor, z: Tensor, k0: int) -> None:
+        """Whole rows row by row (one index per row); the ends' partial rows as :meth:`place`."""
+        w, k1 = self.width, k0 + z.numel()
+        fa, fb = -(-k0 // w), k1 // w  # the rows entirely in k0:k1
+        if fb <= fa:
+            return super().scatter(out, z, k0)
+        super().scatter(out, z[: fa * w - k0], k0)
+        super().scatter(out, z[fb * w - k0 :], fb * w)
+        rows = self.dest[fa:fb]
+        keep = rows >= 0
+        mine = out[self.offset : self.offset + self.rows * w].view(self.rows, w)
+        mine[rows[keep]] = z[fa * w - k0 : fb * w - k0].view(-1, w)[keep]
 
 
 class _Slice(_Segment):
@@ -113,6 +135,36 @@ class _Slice(_Segment):
     def __init__(self, layout: Any, numel: int, positions: Tensor | None, mine: Any) -> None:
         self.layout, self.positions, self.mine = layout, positions, mine
         self.length = numel if positions is None else positions.numel()
+        shape = layout.shape
+        #: the parameter as ``(outer, size, inner)``, of which the rank holds
+        #: ``[:, start:start + length, :]``: one run of ``length·inner`` numbers per outer index
+        self.inner = math.prod(shape[layout.dim + 1 :])
+        self.size = shape[layout.dim] if shape else 1
+        #: every number of the rank's slice lands in its buffer, in order (the common case)
+        self.whole = positions is None and mine is not None and mine[1] is None
+
+    def scatter(self, out: Tensor, z: Tensor, k0: int) -> None:
+        """The rank's runs as slices (whole parameters), else as :meth:`place`."""
+        if not self.whole:
+            return super().scatter(out, z, k0)
+        L, inner, size = self.layout, self.inner, self.size
+        R, first, run = size * inner, L.start * inner, L.length * inner
+        if not run:
+            return
+        base, k1 = self.mine[0], k0 + z.numel()
+        fa, fb = -(-k0 // R), k1 // R  # the outer indices entirely in k0:k1
+        if fb > fa:
+            rows = z[fa * R - k0 : fb * R - k0].view(fb - fa, size, inner)
+            out[base + fa * run : base + fb * run] = rows[:, L.start : L.start + L.length].reshape(
+                -1
+            )
+        for o in {k0 // R, (k1 - 1) // R}:  # the outer indices cut by the chunk's ends
+            if fa <= o < fb:
+                continue
+            lo, hi = max(k0, o * R + first), min(k1, o * R + first + run)
+            if hi > lo:
+                at = base + o * run + lo - o * R - first
+                out[at : at + hi - lo] = z[lo - k0 : hi - k0]
 
     def place(self, k0: int, k1: int) -> tuple[Tensor, Tensor]:
         q = torch.arange(k0, k1) if self.positions is None else self.positions[k0:k1]
@@ -168,8 +220,7 @@ class _Draw:
                 if begin >= s1:
                     break
                 a, b = max(s0, begin), min(s1, end)
-                keep, at = seg.place(a - begin, b - begin)
-                out[at] = z[a - s0 : b - s0][keep]
+                seg.scatter(out, z[a - s0 : b - s0], a - begin)
                 i += 1
         return out
 
@@ -420,8 +471,11 @@ def _block_fields(
             if issubclass(cls, TranslationBlock):
                 held = _localize(pos.reshape(-1), space, layouts)[0]
                 dest = torch.where(held, torch.cumsum(held, 0) - 1, -1)
-                segments.append(_Rows(dest, 1, offset + head))
-                head += int(held.sum())
+                count = int(held.sum())
+                segments.append(_Rows(dest, 1, offset + head, count))
+                head += count
+                if head > shape.numel():
+                    raise RuntimeError(_MISMATCH)
                 continue
             if not issubclass(cls, GLBlock) or pos.dim() != 3 or len(shape) != 3:
                 raise NotImplementedError(f"random draws of {cls.__name__} blocks when sharded")
@@ -432,7 +486,7 @@ def _block_fields(
                 raise RuntimeError(_MISMATCH)
             first = torch.arange(head, head + pos.shape[0]).unsqueeze(1) * rows
             dest = torch.where(held, first + r, -1).reshape(-1)
-            segments.append(_Rows(dest, width, offset))
+            segments.append(_Rows(dest, width, offset, heads * rows))
             head += pos.shape[0]
             if head > heads or width != pos.shape[-1]:
                 raise RuntimeError(_MISMATCH)
