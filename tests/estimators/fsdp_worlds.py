@@ -67,6 +67,21 @@ RANDOM_CASES = {
     "bert-default/float64/0.05": ("geodesic-inv-average", "geodesic-inv-restarts"),
 }
 RANDOM_STEPS = 2
+#: label → the exact (RK4) geodesic: every stage's ``h × h`` contractions summed over the ranks,
+#: its gradient through those sums (SPEC §10.6); 4 RK4 steps (every stage's collectives are
+#: what is tested, not the integrator's accuracy)
+EXACT = {
+    "geodesic-mix-exact": {"measure": "geodesic", "metric": "mix", "order": "exact"},
+    "geodesic-inv-exact-blocks": {"measure": "geodesic", "order": "exact", "perturb": "blocks"},
+}
+EXACT = {m: {**kw, "exact_steps": 4} for m, kw in EXACT.items()}
+#: case key → the exact measures it is measured with too (llama-gqa: rotary blocks)
+EXACT_CASES = {
+    "bert/float64/0.05": tuple(EXACT),
+    "bert-default/float64/0.05": ("geodesic-mix-exact",),
+    "llama-gqa/float64/0.05": tuple(EXACT),
+    "llama-gqa-lora/float64/0.05": ("geodesic-mix-exact",),
+}
 #: measured unsharded only: the float32 value on the same weights as the bfloat16 case
 REFERENCE_ONLY = [("bert", "float32", 0.5)]
 ROWS = 8  # rows of every batch: split evenly over 1, 2 or 4 ranks
@@ -182,11 +197,13 @@ def measure_all(model: torch.nn.Module, data: list, rho: float) -> dict[str, dic
     return out
 
 
-def measure_random(model: torch.nn.Module, data: list, rho: float, labels: tuple) -> dict:
-    """Per random measure of ``labels``: the value, the losses and the base point's kind."""
+def measure_random(
+    model: torch.nn.Module, data: list, rho: float, labels: tuple, table: dict = RANDOM
+) -> dict:
+    """Per measure of ``labels`` (in ``table``): the value, the losses and the base point's kind."""
     out = {}
     for m in labels:
-        kw = RANDOM[m]
+        kw = table[m]
         r = rho / 10 if kw.get("norm") == "linf" else rho
         res = gs.sharpness(model, ce, data, rho=r, steps=RANDOM_STEPS, progress=False, **kw)
         out[m] = {
@@ -231,11 +248,12 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
             values = measure_all(model, mine, rho)
             k = key(name, dt, rho)
             random = measure_random(model, mine, rho, RANDOM_CASES.get(k, ()))
+            exact = measure_random(model, mine, rho, EXACT_CASES.get(k, ()), EXACT)
             same = all(
                 torch.equal(a, p._local_tensor)
                 for a, p in zip(before, model.parameters(), strict=True)
             )
-            out[k] = {"values": values, "random": random, "shards_identical": same}
+            out[k] = {"values": values, "random": random, "exact": exact, "shards_identical": same}
             del model
         queue.put((rank, out))
         dist.destroy_process_group()
@@ -252,12 +270,13 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
     def on(data: list) -> list:
         return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
 
-    ref, random = {}, {}
+    ref, random, exact = {}, {}, {}
     for name, dt, rho in CASES + REFERENCE_ONLY:
         model, k = build(name, getattr(torch, dt)).to(dev), key(name, dt, rho)
         ref[k] = measure_all(model, on(batches()), rho)
         random[k] = measure_random(model, on(batches()), rho, RANDOM_CASES.get(k, ()))
-    result = {"reference": ref, "random": random, "worlds": {}}
+        exact[k] = measure_random(model, on(batches()), rho, EXACT_CASES.get(k, ()), EXACT)
+    result = {"reference": ref, "random": random, "exact": exact, "worlds": {}}
     ctx = mp.get_context("spawn")
     for world in worlds:
         queue = ctx.Queue()

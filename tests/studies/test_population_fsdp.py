@@ -169,7 +169,7 @@ def test_fsdp_study_without_torchrun_is_refused(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("command", "args", "says"),
     [
-        ("study", ["--measures", "geodesic-inv-exact"], "the exact (RK4) geodesic on sharded"),
+        ("study", ["--measures", "relative-flatness"], "relative flatness of a sharded model"),
         ("study", ["--curvature"], "--fsdp with --curvature: the curvature measures"),
         ("study", ["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
         ("study", ["--device", "cuda:1"], "use --device auto, cuda or cpu"),

@@ -27,12 +27,13 @@ takes the same step decisions and gets the same result. When the call ends the m
 hold their values again, bit for bit: subtracted exactly (:meth:`ShardedParams.shift`, adaptive
 sharpness at ``ρ ≤ 0.4``), or written back from a copy of the base point.
 
-What is supported: worst case from ``ξ = 0`` with the element-wise measures (adaptive and
-Euclidean, ℓ2 or ℓ∞ balls) and with geodesic sharpness and the attention-only measures at order
-1 or 2: their symmetry blocks are laid out on the rank's rows
-(:mod:`~geosharp.estimators.sharded_space`, SPEC §10.6) and their geometry sums its ``h × h``
-contractions over the ranks (:meth:`ShardedParams.row_sum`). The rest (the exact geodesic, the
-average case, random starts) is refused in one line before any work (:func:`check_supported`).
+Every sharpness measure is measured so: the element-wise ones (adaptive and Euclidean, ℓ2 or
+ℓ∞ balls), geodesic sharpness and the attention-only measures at order 1, 2 or exact (their
+symmetry blocks laid out on the rank's rows, :mod:`~geosharp.estimators.sharded_space`, SPEC
+§10.6, their geometry summing its ``h × h`` contractions over the ranks,
+:meth:`ShardedParams.row_sum`, differentiably for the exact geodesic's integrator), worst case
+from ``ξ = 0`` or random starts and average case (every rank draws its part of the noise one
+process would draw, :mod:`~geosharp.estimators.sharded_draws`).
 """
 
 from __future__ import annotations
@@ -97,8 +98,7 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
         raise NotImplementedError(
             f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
             f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness and "
-            "gs.measure do, with the worst-case adaptive, euclidean and geodesic measures "
-            "(docs/cluster.md)"
+            "gs.measure do, with every sharpness measure (docs/cluster.md)"
         )
 
 
@@ -446,17 +446,19 @@ def _negative_zeros(t: Tensor) -> Tensor:
 IN_PLACE_RHO = 0.4
 
 
-def in_place_ok(measure: str, rho: float, perturb: str = "all") -> bool | str:
+def in_place_ok(measure: str, rho: float, perturb: str = "all", kind: str = "worst") -> bool | str:
     """Whether ``θ′`` can be added into the shards and subtracted exactly, with no copy.
 
     ``True`` for adaptive sharpness at ``ρ ≤ 0.4``; ``"rest"`` for geodesic sharpness there
     (its coordinates outside the blocks move in the adaptive ball: in place; the parameters
-    holding block coordinates are copied) and for the attention-only measures at any radius
-    (the coordinates outside the blocks do not move); else ``False`` (a copy of the shards).
+    holding block coordinates are written over) and for the attention-only measures at any
+    radius (the coordinates outside the blocks do not move); else ``False`` (a copy of the
+    shards), also for the average case of a measure that moves the coordinates outside the
+    blocks (Gaussian noise has no bound ``|ξ_i| ≤ ρ|w_i|``).
     """
     if perturb == "blocks":
         return "rest"
-    if rho > IN_PLACE_RHO:
+    if rho > IN_PLACE_RHO or kind == "average":
         return False
     return {"adaptive": True, "geodesic": "rest"}.get(measure, False)
 
@@ -490,52 +492,3 @@ class _RankSum(torch.autograd.Function):
 def _storage(t: Tensor) -> int:
     """The address of ``t``'s storage (views of one buffer share it)."""
     return t.untyped_storage().data_ptr()
-
-
-def unsupported(
-    measure: str | None,
-    perturb: str | None,
-    kind: str | None,
-    restarts: int = 1,
-    random_init: bool = False,
-    order: int | str | None = 2,
-) -> str | None:
-    """Why a sharded model cannot be measured so yet, in one phrase (``None``: it can).
-
-    The one list of what the sharded path lacks, for ``gs.sharpness`` (:func:`check_supported`)
-    and ``gs.measure`` (:func:`geosharp.measuring.sharded.refusal`).
-    """
-    if order == "exact" and (measure == "geodesic" or perturb == "blocks"):
-        return "the exact (RK4) geodesic on sharded rows is not implemented yet (use order 1 or 2)"
-    # the average case and random starts: every rank draws its part of the unsharded noise
-    # (geosharp.estimators.sharded_draws)
-    return None
-
-
-def check_supported(
-    measure: str,
-    perturb: str,
-    kind: str,
-    restarts: int,
-    random_init: bool,
-    order: int | str = 2,
-) -> None:
-    """Refuse, in one line, what a sharded model cannot be measured with yet (:func:`unsupported`).
-
-    Raises:
-        NotImplementedError: For the exact (RK4) geodesic, the average case, or random starts.
-    """
-    why = unsupported(measure, perturb, kind, restarts, random_init, order)
-    if why is not None:
-        raise NotImplementedError(
-            f"a sharded (FSDP2) model with measure={measure!r}, perturb={perturb!r}, "
-            f"kind={kind!r}, order={order!r}, restarts={restarts}, random_init={random_init}: "
-            f"{why}; {SUPPORTED_PHRASE} are measured"
-        )
-
-
-#: What a sharded model is measured with, for the refusals.
-SUPPORTED_PHRASE = (
-    "worst-case (from ξ = 0 or random starts) and average-case sharpness (adaptive, euclidean, "
-    "geodesic and attention-only at order 1 or 2)"
-)

@@ -44,7 +44,6 @@ from geosharp.estimators.harness import (
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
 from geosharp.estimators.sharded import (
     ShardedParams,
-    check_supported,
     in_place_ok,
     is_sharded,
     restored,
@@ -253,7 +252,6 @@ def sharpness(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     shards = None
     if is_sharded(model):
-        check_supported(measure, perturb, kind, restarts, random_init, order)
         if space is not None:
             raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
         if distributed:
@@ -262,10 +260,7 @@ def sharpness(
                 "model; a sharded model measures every batch on every rank, on the rank's rows "
                 "of it: leave distributed unset"
             )
-        in_place = in_place_ok(measure, rho, perturb)
-        if kind == "average" and perturb != "blocks":  # Gaussian noise has no bound |ξ_i| ≤ ρ|w_i|
-            in_place = False
-        shards = ShardedParams(model, in_place=in_place)
+        shards = ShardedParams(model, in_place=in_place_ok(measure, rho, perturb, kind))
         distributed = False  # every rank measures every batch, on its own rows of it
 
     setup = perturbation_of(

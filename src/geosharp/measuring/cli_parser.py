@@ -294,10 +294,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="under torchrun (one process per rank: torchrun --standalone --nproc-per-node N "
         "-m geosharp measure ... --fsdp), shard the model with FSDP2's fully_shard (every "
         "transformer layer and the root; nccl on GPUs, gloo on CPUs) and split the rows of "
-        "every batch evenly over the ranks; rank 0 prints and writes the results. Worst-case "
-        "measures from xi = 0 (adaptive, euclidean, geodesic inv/mix order 1 or 2, -blocks); "
-        "what the sharded path cannot measure yet (the exact geodesic, curvature, ...) is "
-        "refused in one line (docs/cluster.md)",
+        "every batch evenly over the ranks; rank 0 prints and writes the results. Every "
+        "sharpness measure; the curvature measures and relative flatness are refused in one "
+        "line (docs/cluster.md)",
     )
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
     m.add_argument(

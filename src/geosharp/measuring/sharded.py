@@ -1,18 +1,19 @@
-r"""``gs.measure`` of a model sharded by FSDP2: the worst-case measures, shard by shard.
+r"""``gs.measure`` of a model sharded by FSDP2: the sharpness measures, shard by shard.
 
 A model whose trainable parameters are ``DTensor``\ s sharded by
 ``torch.distributed.fsdp.fully_shard`` is measured by :func:`geosharp.sharpness`'s sharded path
 (:mod:`geosharp.estimators.sharded`): every rank passes its own rows of every batch, and every
-rank gets the same values. The worst-case measures from ``ξ = 0`` are measured: the element-wise
-ones (adaptive, Euclidean; ℓ2 or ℓ∞), and geodesic sharpness (metric inv or mix, order 1 or 2)
-and the attention-only measures (``-blocks``), whose symmetry blocks are laid out on each rank's
+rank gets the same values. Every sharpness measure is measured: the element-wise ones
+(adaptive, Euclidean; ℓ2 or ℓ∞), geodesic sharpness (metric inv or mix, order 1, 2 or exact) and
+the attention-only measures (``-blocks``), whose symmetry blocks are laid out on each rank's
 rows and whose ``h × h`` contractions are summed over the ranks (SPEC §10.6; the rows of a block
-must not be split across ranks: :func:`geosharp.shard_placement`). What
+must not be split across ranks: :func:`geosharp.shard_placement`), worst case and average case
+(every rank draws its part of the noise one process would draw). What
 :func:`~geosharp.measuring.core.measure` does around the measurements runs here without
 gathering the weights whole:
 
-- **refused before any work** (:func:`check_plan`), one line each: the exact (RK4) geodesic, the
-  average case (noise drawn by global position), the curvature measures and relative flatness;
+- **refused before any work** (:func:`check_plan`), one line each: the curvature measures and
+  relative flatness;
 - **checked, collectively**: every trainable parameter is a sharded ``DTensor`` on one mesh
   (:class:`~geosharp.estimators.sharded.ShardedParams`), no weight's ``1/w²`` overflows (counted
   on the shards and summed over the ranks: a sharded model is not copied, so it is refused
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from geosharp.estimators.sharded import ShardedParams, unsupported
+from geosharp.estimators.sharded import ShardedParams
 from geosharp.measures import Measure
 from geosharp.measuring.checks import batch_loss, check_finite_loss, count_unrepresentable
 from geosharp.measuring.errors import MeasureError
@@ -74,23 +75,18 @@ SKIPPED = {
 
 #: The measures a sharded model is measured with, as ``geosharp measure --measures`` reads them.
 SUPPORTED = (
-    "adaptive-l2, adaptive-linf, euclidean-l2, euclidean-linf, geodesic-inv|mix-o1|o2 and the "
-    "attention-only -blocks measures (worst case)"
+    "every sharpness measure (adaptive, euclidean, geodesic inv|mix at order 1, 2 or exact, "
+    "the attention-only -blocks measures; worst and average case)"
 )
 
 
 def refusal(spec: Measure) -> str | None:
     """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can)."""
-    kw = spec.kwargs()
     if spec.family == "curvature":
         why = "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
     elif spec.family == "relative flatness":
         why = "relative flatness of a sharded model is not implemented yet"
-    else:  # sharpness: what gs.sharpness's sharded path refuses
-        why = unsupported(
-            kw.get("measure"), kw.get("perturb"), kw.get("kind"), order=kw.get("order", 1)
-        )
-    if why is None:
+    else:  # sharpness: gs.sharpness measures every one on a sharded model
         return None
     return (
         f"{spec.name} on a sharded (FSDP2) model: {why}; a sharded model is measured with "

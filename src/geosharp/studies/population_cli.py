@@ -45,8 +45,8 @@ sharded models (--fsdp, one process per rank under torchrun; docs/cluster.md):
   every rank loads each model, shards it with FSDP2 as geosharp measure --fsdp does and
   measures its rows of every batch; rank 0 alone writes OUT (a killed run resumes with the
   same command, with or without --fsdp: the configuration is the same). Refused in one line
-  before any work: what geosharp measure --fsdp refuses (the exact geodesic, ...),
-  --curvature, and symmetry-test.
+  before any work: what geosharp measure --fsdp refuses (the curvature measures,
+  relative flatness, ...), --curvature, and symmetry-test.
 """
 
 
@@ -121,10 +121,8 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
         help="under torchrun (torchrun --standalone --nproc-per-node N -m geosharp study "
         "MANIFEST ... --fsdp): shard every model with FSDP2's fully_shard as geosharp measure "
         "--fsdp does (nccl on GPUs, gloo on CPUs), split the rows of every batch evenly over "
-        "the ranks; rank 0 alone writes OUT. Worst-case measures from xi = 0 (adaptive, "
-        "euclidean, geodesic inv/mix order 1 or 2, -blocks); what the sharded path cannot "
-        "measure yet (the exact geodesic, --curvature, ...) is refused in one line "
-        "(docs/cluster.md)",
+        "the ranks; rank 0 alone writes OUT. Every sharpness measure; the curvature measures "
+        "(and --curvature) and relative flatness are refused in one line (docs/cluster.md)",
     )
     if command == "symmetry-test":
         p.description = (
