@@ -44,7 +44,7 @@ class CheckedModel:
         batches: The batches, on the model's device.
         loss_fn: The loss, resolved to a callable.
         loss_name: Its name (``"auto: cross-entropy"``, …).
-        space: The symmetry blocks found (and proven on batch 0 with ``check``).
+        space: The symmetry blocks found and proven on batch 0 (or the space given).
         summary: ``space.summary()``.
         adaptive_note: Which coordinates use the adaptive geometry.
         clean_losses: The loss of every batch at the model's weights (all finite).
@@ -80,6 +80,10 @@ def prepare_measurement(
     every batch checked finite, and the self-check (a random re-parametrization of every
     block must leave the outputs unchanged). A population study runs it for every model.
 
+    ``check=False`` (``--no-check``) skips the self-check alone: the blocks are still proven
+    on batch 0 (a claim that fails is dropped, as with ``check``), so the same blocks are
+    measured and the values are those of a checked run.
+
     Raises:
         MeasureError: If the loss is unknown, there are no batches or trainable parameters, a
             clean loss is not finite, or the self-check fails.
@@ -95,7 +99,10 @@ def prepare_measurement(
         else:
             warnings.warn(tiny, MeasureWarning, stacklevel=2)
     inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
-    space = _symmetry_space(model, space, inputs0 if check else None, say)
+    # The proof runs with or without ``check``: it decides which blocks are measured (a block
+    # that fails it is dropped, never refused), so ``check=False`` (--no-check) measures the
+    # same blocks and values; ``check`` is the self-check alone (refuse when it fails).
+    space = _symmetry_space(model, space, inputs0, say)
     summary, note = space.summary(), adaptive_note(space)
     say(summary)
     say(note)
