@@ -187,6 +187,10 @@ class _Assembly:
         self.index: dict[torch.device, Tensor] | None = None
         #: Per symmetry piece, per component: where it lies in the parameters (no index).
         self.plan: list[list[_Factor]] | None = None
+        #: Tensors to write the gathered parameters into instead of fresh ones, by parameter
+        #: position (a sharded model's own shards, :meth:`~geosharp.estimators.perturbation.
+        #: Perturbation.assembled_into`); used where their shape and dtype fit and a plan holds
+        self.targets: dict[int, Tensor] | None = None
         if not self.gathered:
             return
         on = [
@@ -334,10 +338,7 @@ class _Assembly:
         ``inputs``: the block components in piece order, then the mixed rest components. Each
         parameter is made on its own device (:attr:`devices`).
         """
-        bufs = {
-            j: torch.empty(self.shapes[j], dtype=dtype, device=self.devices[j])
-            for j in self.gathered
-        }
+        bufs = {j: self._buffer(j, dtype) for j in self.gathered}
         it = iter(inputs)
         for factors in self.plan:
             for factor in factors:
@@ -347,6 +348,13 @@ class _Assembly:
         for j, local in self.mixed_local:
             bufs[j].view(-1).index_put_((local.to(self.devices[j]),), next(it).reshape(-1))
         return bufs
+
+    def _buffer(self, j: int, dtype: torch.dtype) -> Tensor:
+        """Where parameter ``j`` is written: its :attr:`targets` tensor if it fits, else anew."""
+        t = None if self.targets is None else self.targets.get(j)
+        if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(self.shapes[j]):
+            return t
+        return torch.empty(self.shapes[j], dtype=dtype, device=self.devices[j])
 
     def _read(
         self, factor: _Factor, grads: Sequence[Tensor], shape: torch.Size, device: torch.device
@@ -425,7 +433,13 @@ class _WriteParts(torch.autograd.Function):
         ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
         ctx.out_dtype = dtype
         bufs = assembly._write(inputs, dtype)
-        return tuple(bufs[j] for j in assembly.gathered)
+        # a target (a tensor of the caller's, written in place) leaves as a view of it: the
+        # output carries the graph, the caller's tensor stays a plain one
+        targets = assembly.targets or {}
+        return tuple(
+            bufs[j].view_as(bufs[j]) if bufs[j] is targets.get(j) else bufs[j]
+            for j in assembly.gathered
+        )
 
     @staticmethod
     def backward(ctx, *grads_out):

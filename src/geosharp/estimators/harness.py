@@ -435,7 +435,12 @@ def perturbation_of(
         pert = build()
         pert.reduce = shards.sum
         if shards.in_place == "rest":  # the block parameters' base point: the pieces' copies
-            shards.base_source = pert.base_params
+
+            def base_source(targets: dict) -> dict:
+                with pert.assembled_into(targets):
+                    return pert.base_params()
+
+            shards.base_source = base_source
         return Setup(space, base, pert, False)
     if not cache:
         return Setup(space, base, build(), False)

@@ -304,6 +304,21 @@ class Perturbation:
         """Flat perturbed parameters ``θ′``, each piece moved along its geodesic."""
         return self.space.flatten(self.endpoint_params(xi))
 
+    @contextlib.contextmanager
+    def assembled_into(self, targets: Mapping[int, Tensor] | None) -> Iterator[None]:
+        """Within: the parameters with block coordinates are written into ``targets``.
+
+        ``targets`` maps parameter positions to tensors of their shape (a sharded model's own
+        shards): :meth:`endpoint_params` and :meth:`base_params` write those parameters into
+        them (when their dtype fits and the blocks' layout is a view of the parameters) and
+        return views of them, instead of making fresh tensors that the caller would copy.
+        """
+        saved, self._assembly.targets = self._assembly.targets, dict(targets or {}) or None
+        try:
+            yield
+        finally:
+            self._assembly.targets = saved
+
     def base_params(self) -> dict[str, Tensor]:
         """The base point by name, assembled from the pieces' base points (exact copies).
 

@@ -183,10 +183,11 @@ class ShardedParams:
         self._negative_zeros = [_negative_zeros(t) for t in self.locals] if in_place else []
         #: the zero rows padding the rank's block heads (:func:`block_space`), by name
         self.padding: dict[str, Tensor] = {}
-        #: ``"rest"``: the base point of the parameters holding block coordinates, by name,
-        #: assembled from the perturbation's pieces (set by the call once the perturbation is
-        #: built, :meth:`~geosharp.estimators.perturbation.Perturbation.base_params`): their
-        #: block base points and rest values are copies already, so these shards are not copied
+        #: ``"rest"``: ``fn(targets)``, the base point of the parameters holding block
+        #: coordinates, by name, assembled from the perturbation's pieces into ``targets``
+        #: (:meth:`writable`) where it can (set by the call once the perturbation is built,
+        #: :meth:`~geosharp.estimators.perturbation.Perturbation.base_params`): their block
+        #: base points and rest values are copies already, so these shards are not copied
         self.base_source: Any = None
 
     def block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
@@ -251,15 +252,27 @@ class ShardedParams:
         for m in self.modules:
             m.reshard()
 
+    def writable(self) -> dict[int, Tensor]:
+        """The shards that θ′ is written over, by position, ready to be written into.
+
+        Every gathered parameter is freed first (:meth:`reshard`), so that the next forward
+        gathers what is written (the perturbation's assembly writes into these directly,
+        :meth:`~geosharp.estimators.perturbation.Perturbation.assembled_into`).
+        """
+        self.reshard()
+        pairs = enumerate(zip(self.names, self.locals, strict=True))
+        return {j: t for j, (n, t) in pairs if n in self.copied}
+
     def write(self, tensors: Mapping[str, Tensor]) -> None:
         """Copy the rank's shard of every parameter whose base point is a copy into the model.
 
-        The others (in place, :meth:`shift`) are left as they are.
+        The others (in place, :meth:`shift`) are left as they are, and so are the tensors that
+        are the shards' own memory already (written there by the assembly).
         """
         self.reshard()
         with torch.no_grad():
             for n, local in zip(self.names, self.locals, strict=True):
-                if n in self.copied:
+                if n in self.copied and not _same_memory(tensors[n], local):
                     local.copy_(tensors[n])
 
     def shift(self, xi: Sequence[Tensor], which: Sequence[int] | None = None) -> None:
@@ -311,7 +324,7 @@ class ShardedParams:
                     "the perturbation was not built (please report this)"
                 )
             with torch.no_grad():
-                self.write(self.base_source())
+                self.write(self.base_source(self.writable()))
         else:
             self.write(self.base)
 
@@ -487,6 +500,11 @@ class _RankSum(torch.autograd.Function):
         out = grad.detach().contiguous().clone()
         dist.all_reduce(out, group=ctx.group)
         return out, None
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b``'s memory itself (e.g. a view of it in its own shape)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _storage(t: Tensor) -> int:

@@ -54,12 +54,13 @@ def objective_class(shards: ShardedParams) -> type:
             pert, grad = self.pert, None
             with self._applied(xi) as moved:
                 if need_grad is False:
-                    with torch.no_grad():
+                    with torch.no_grad(), pert.assembled_into(shards.writable()):
                         shards.write(pert.endpoint_params(moved, applied=True))
                         return shards.mean_loss(self._loss()), None
                 leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
                 with torch.enable_grad():
-                    ends = pert.endpoint_params(leaves, applied=True)
+                    with pert.assembled_into(shards.writable()):  # θ′ written into the shards
+                        ends = pert.endpoint_params(leaves, applied=True)
                     shards.write(ends)
                     loss = self._loss()
                     value = shards.mean_loss(loss)
