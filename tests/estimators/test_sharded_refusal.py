@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     import warnings
     import geosharp as gs
+    import geosharp.estimators.diagnostics as diag
     from geosharp.errors import MeasureError
 
     warnings.simplefilter("ignore")  # geodesic without blocks: "is adaptive sharpness here"
@@ -49,6 +50,9 @@ SCRIPT = textwrap.dedent(
                 model, ce, batches, measure="adaptive", restarts=2, random_init=True, steps=1
             ),
             "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
+            "curvature-diagnostics": lambda: diag.ascent_diagnostics(model, ce, batches, steps=1),
+            "curvature-balance": lambda: diag.balance(model),
+            "curvature-relative-flatness": lambda: gs.relative_flatness(model, ce, batches),
             "measure": lambda: gs.measure(model, batches, measures=["adaptive"], rhos=[0.1]),
             "measure-geodesic": lambda: gs.measure(
                 model, batches, measures=["geodesic-inv-o2"], rhos=[0.1], steps=1
@@ -91,6 +95,9 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["average", "MEASURED"],  # each rank draws its part of the unsharded noise
         ["restarts", "MEASURED"],
         ["curvature", "REFUSED"],
+        ["curvature-diagnostics", "REFUSED"],
+        ["curvature-balance", "REFUSED"],
+        ["curvature-relative-flatness", "REFUSED"],
         ["measure", "MEASURED"],
         ["measure-geodesic", "MEASURED"],
         ["measure-exact", "MEASURED"],
@@ -101,7 +108,11 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
     assert "sharded DTensors ('0.weight' and 3 more" in curvature
     assert "gs.curvature does not measure sharded models yet" in curvature
     assert "docs/cluster.md" in curvature
-    m_curvature = lines[10]
+    diag = "geosharp.estimators.diagnostics"
+    entries = (f"{diag}.ascent_diagnostics", f"{diag}.balance", "gs.relative_flatness")
+    for ln, entry in zip(lines[6:9], entries, strict=True):
+        assert f"{entry} does not measure sharded models yet" in ln
+    m_curvature = lines[13]
     assert "the curvature measures (gs.curvature)" in m_curvature
     assert "a sharded model is measured with every sharpness measure" in m_curvature
     assert "geodesic inv|mix at order 1, 2 or exact" in m_curvature

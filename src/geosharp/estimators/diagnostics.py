@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from geosharp.estimators.harness import clean_start, objectives, perturbation_kwargs
 from geosharp.estimators.orbit import log_scale, orbit_min_norm_sq
 from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.sharded import check_unsharded
 from geosharp.estimators.worst import ascent_from_zero
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import GLBlock, RotaryBlock
@@ -148,6 +149,8 @@ def balance(
     Raises:
         ValueError: If neither a model nor ``space`` and ``theta`` are given.
     """
+    if model is not None:
+        check_unsharded(model, "geosharp.estimators.diagnostics.balance")
     if space is None:
         if model is None:
             raise ValueError("pass a model, or space and theta")
@@ -356,6 +359,7 @@ def ascent_diagnostics(
     Raises:
         ValueError: On ``perturb="blocks"`` with the Euclidean measure, or without blocks.
     """
+    check_unsharded(model, "geosharp.estimators.diagnostics.ascent_diagnostics")
     space = space if space is not None else find_symmetries(model, key_bias=key_bias)
     theta0 = space.flatten(dict(model.named_parameters())).detach()
     device = theta0.device

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp.estimators.sharded import check_unsharded
 from geosharp.estimators.sharpness import SharpnessResult
 from geosharp.symmetry.verify import eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
@@ -74,6 +75,7 @@ def relative_flatness(
         >>> res.settings["layer"], res.value > 0
         ('2', True)
     """
+    check_unsharded(model, "gs.relative_flatness")
     t0 = time.perf_counter()
     layer = layer if layer is not None else _last_linear(model)
     module = dict(model.named_modules()).get(layer)
