@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import geosharp as gs
+from geosharp.errors import MeasureError
 
 from ..test_measure import SENTENCES, save_tiny_bert, write_csv
 from .conftest import CORPUS, make_tokenizer
@@ -119,3 +120,19 @@ def test_study_no_check_measures_what_the_checked_study_measures(tmp_path, capsy
             )
     assert len(results["checked"]) == 3
     assert results["unchecked"] == results["checked"]
+
+
+@pytest.mark.parametrize(
+    ("batch", "says"),
+    [
+        (torch.randn(3, 8), "batch 1 must be a pair (inputs, targets), got Tensor"),
+        ((torch.randn(3, 8),), "batch 1 must be a pair (inputs, targets), got tuple of 1"),
+    ],
+)
+def test_a_batch_that_is_not_a_pair_is_named_before_the_symmetry_search(batch, says):
+    """Not "the symmetry finder could not run the model": the batch and what it should be."""
+    model = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    good = (torch.randn(3, 4, 8), torch.randn(3, 4, 8))
+    with pytest.raises(MeasureError) as err:
+        gs.measure(model, [good, batch], measures=["adaptive"], rhos=[0.1])
+    assert str(err.value) == says

@@ -98,7 +98,7 @@ def prepare_measurement(
             warn(tiny)
         else:
             warnings.warn(tiny, MeasureWarning, stacklevel=2)
-    inputs0 = batches[0][0] if isinstance(batches[0], (tuple, list)) else None
+    inputs0 = batches[0][0]
     # The proof runs with or without ``check``: it decides which blocks are measured (a block
     # that fails it is dropped, never refused), so ``check=False`` (--no-check) measures the
     # same blocks and values; ``check`` is the self-check alone (refuse when it fails).
@@ -121,10 +121,16 @@ def _prepare_batches(
     batches = list(batches)
     if not batches:
         raise MeasureError("there are no batches: the data set is empty")
+    for b, batch in enumerate(batches):  # before the symmetry search runs the model on one
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise MeasureError(
+                f"batch {b} must be a pair (inputs, targets), got {type(batch).__name__}"
+                + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            )
     device = next(iter(model.parameters())).device
-    batches = [_to_device(b, device) if isinstance(b, (tuple, list)) else b for b in batches]
+    batches = [_to_device(b, device) for b in batches]
     unwrapped = getattr(loss_fn, "__wrapped__", loss_fn)  # geosharp measure --fsdp's weighing
-    if unwrapped is default_loss and isinstance(batches[0], (tuple, list)):
+    if unwrapped is default_loss:
         floating = isinstance(batches[0][1], Tensor) and batches[0][1].is_floating_point()
         loss_name = "auto: squared error" if floating else "auto: cross-entropy"
     return batches, loss_name
