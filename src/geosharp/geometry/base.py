@@ -179,6 +179,17 @@ class Geometry(ABC):
         """
         return self.geodesic(xi, order=order, steps=steps)
 
+    def endpoint_trouble(
+        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
+    ) -> str | None:
+        """After a non-finite loss: one line on why this block's endpoint is at fault, or ``None``.
+
+        Not on the path of a measurement (it may integrate again); ``None`` here, where nothing
+        specific is known. :class:`~geosharp.geometry.gl.GLGeometry` tells a too coarse RK4 of
+        ``order="exact"`` from a geodesic that leaves the region where its metric is defined.
+        """
+        return None
+
     def _rk4(self, xi: Tangent, steps: int, point: Point | None = None) -> Point:
         """Integrate ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(point, ξ)`` to ``t = 1`` with classic RK4.
 

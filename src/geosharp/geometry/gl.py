@@ -59,6 +59,7 @@ from geosharp.geometry._validate import (
     check_tensor,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+from geosharp.geometry.gl_diagnose import exact_geodesic_trouble
 from geosharp.geometry.gl_execution import GLExecution, by_head
 from geosharp.geometry.gl_factors import (
     GLFactors,
@@ -423,6 +424,20 @@ class GLGeometry(Geometry):
         else:
             out = self._rk4((xG, xH), check_steps(steps), point=self._point())
         return tuple(t.to(self.dtype) for t in out)
+
+    def endpoint_trouble(
+        self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS
+    ) -> str | None:
+        """Why the exact geodesic is not finite, or ``None`` (order 1 and 2: ``None``).
+
+        :func:`~geosharp.geometry.gl_diagnose.exact_geodesic_trouble`: a step too coarse for the
+        heads' relative speed (raise ``exact_steps``), or a Gram matrix of the moving point
+        becoming singular (order 2, a smaller ρ, ``eps > 0``). Integrates again: for after a
+        failure only.
+        """
+        if check_order(order) != "exact":
+            return None
+        return exact_geodesic_trouble(self, xi, check_steps(steps))
 
     # -- sampling -------------------------------------------------------------------------------
     def random_tangent(
