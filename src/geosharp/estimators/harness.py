@@ -209,11 +209,7 @@ class Objective:
             self.counter["backward"] += 1
         value = float(loss)
         if check and not math.isfinite(value):
-            raise FloatingPointError(
-                f"the loss became {value} at a perturbation of norm {self.pert.norm(xi):.3g}: "
-                "the model or its geometry is numerically unstable there; try a smaller rho, "
-                "or eps > 0 for near-singular symmetry blocks"
-            )
+            raise nonfinite_loss(self.pert, xi, value)
         return value, grad
 
     def clean(self, need_grad: bool = False) -> tuple[float, Xi | None]:
@@ -346,6 +342,24 @@ def perturbation_kwargs(measure: str, metric: str, order: int | str, perturb: st
     if perturb == "blocks" and measure == "adaptive":
         return {"measure": "geodesic", "metric": "adaptive", "order": 1}
     return {"measure": measure, "metric": metric, "order": order}
+
+
+def nonfinite_loss(pert: Perturbation, xi: Xi, value: float) -> FloatingPointError:
+    """The error of a loss that became ``value`` (not finite) at ``ξ``, in one line.
+
+    A block whose endpoint is at fault says why (:meth:`~geosharp.geometry.Geometry.
+    endpoint_trouble`: too few RK4 steps of the exact geodesic for how fast it moves, or a
+    geodesic that leaves the region where its metric is defined); else the generic advice.
+    """
+    where = f"the loss became {value} at a perturbation of norm {pert.norm(xi):.3g}"
+    for p, x in zip(pert.pieces, xi, strict=True):
+        why = p.geometry.endpoint_trouble(x, p.order, pert.exact_steps)
+        if why is not None:
+            return FloatingPointError(f"{where}: {why}")
+    return FloatingPointError(
+        f"{where}: the model or its geometry is numerically unstable there; try a smaller rho, "
+        "or eps > 0 for near-singular symmetry blocks"
+    )
 
 
 class Setup(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from geosharp.estimators.harness import Objective
+from geosharp.estimators.harness import Objective, nonfinite_loss
 from geosharp.estimators.perturbation import Xi
 from geosharp.estimators.sharded import ShardedParams
 from geosharp.symmetry.verify import model_arguments
@@ -42,11 +42,8 @@ def objective_class(shards: ShardedParams) -> type:
             value, grad = loss_at(xi, need_grad)
             if grad is not None:
                 self.counter["backward"] += 1
-            if check and not math.isfinite(value):
-                raise FloatingPointError(
-                    f"the loss became {value} at a perturbation of norm "
-                    f"{self.pert.norm(xi):.3g}: try a smaller rho"
-                )
+            if check and not math.isfinite(value):  # every rank alike (the mean over ranks)
+                raise nonfinite_loss(self.pert, xi, value)
             return value, grad
 
         def _written(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:

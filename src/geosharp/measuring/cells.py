@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.checks import loss_eps, row_warnings
 from geosharp.measuring.estimate import RunEstimate, estimate_run
@@ -86,6 +87,7 @@ def _measure_cells(
     warn: Callable[..., None],
     low_memory: bool = False,
     buffer_budget: float | None = BUFFER_BUDGET,
+    exact_steps: int = DEFAULT_RK4_STEPS,
 ) -> list[MeasureRow]:
     """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
     n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
@@ -101,6 +103,8 @@ def _measure_cells(
                 extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
                 if buffer_budget != BUFFER_BUDGET:
                     extra["buffer_budget"] = buffer_budget
+                if exact_steps != DEFAULT_RK4_STEPS:
+                    extra["exact_steps"] = exact_steps
                 row = _measure_one(
                     model,
                     loss_fn,
@@ -148,6 +152,7 @@ def _measure_one(
     curv: Mapping[str, Any],
     low_memory: bool = False,
     buffer_budget: float | None = BUFFER_BUDGET,
+    exact_steps: int = DEFAULT_RK4_STEPS,
 ) -> MeasureRow:
     t0 = time.perf_counter()
     settings = {
@@ -158,6 +163,7 @@ def _measure_one(
         "progress": progress,
         "low_memory": low_memory,
         "buffer_budget": buffer_budget,
+        "exact_steps": exact_steps,
         **curv,
     }
     try:

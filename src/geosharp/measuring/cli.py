@@ -114,6 +114,7 @@ def _execute(args: argparse.Namespace) -> int:
         check=not args.no_check,
         low_memory=args.low_memory,
         buffer_budget=args.buffer_budget,
+        exact_steps=args.exact_steps,
         progress=False if args.no_progress else None,
         log=say,
         warn=warn,

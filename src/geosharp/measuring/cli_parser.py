@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measuring.core import (
     DEFAULT_CURVATURE_ITERS,
     DEFAULT_CURVATURE_PROBES,
@@ -256,6 +257,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "forward+backward to keep its best iterate's direction for restarts (default "
         f"{BUFFER_BUDGET}; 'none': always kept, the fewest passes, e.g. on a GPU with "
         "memory to spare; the values do not change)",
+    )
+    m.add_argument(
+        "--exact-steps",
+        type=int,
+        default=DEFAULT_RK4_STEPS,
+        metavar="N",
+        help=f"RK4 steps of the exact geodesic (the -exact measures; default {DEFAULT_RK4_STEPS}). "
+        "A head that the perturbation moves k times its size needs about 2k; a loss that "
+        "becomes NaN says how many",
     )
     m.add_argument(
         "--iters",

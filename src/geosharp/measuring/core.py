@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
 from geosharp.estimators.sharded import is_sharded
+from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
@@ -99,6 +100,7 @@ def measure(
     space: ParameterSpace | None = None,
     low_memory: bool = False,
     buffer_budget: float | None = BUFFER_BUDGET,
+    exact_steps: int = DEFAULT_RK4_STEPS,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
@@ -145,6 +147,8 @@ def measure(
             parameter-sized buffer fewer, a few extra passes, float32 block geometry).
         buffer_budget: :func:`geosharp.sharpness`'s ``buffer_budget`` (``None``: the best
             iterate's direction kept always, the fewest passes).
+        exact_steps: RK4 steps of the exact geodesic (``-exact`` measures); a head that moves
+            ``κ`` times its size needs about ``2κ`` (a loss that becomes NaN says how many).
         progress: Progress bars (default: when stderr is a terminal).
         log: Called with each informational message (summary, check) as it happens.
         warn: Called with each warning (default: :func:`warnings.warn` with
@@ -185,6 +189,8 @@ def measure(
             warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
 
     specs, rhos, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
+    if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 1:
+        raise MeasureError(f"exact_steps must be a positive integer, got {exact_steps!r}")
     if sharded:
         check_plan(specs, space)  # the measures a sharded model supports (measuring.sharded)
     if progress is None:
@@ -202,6 +208,8 @@ def measure(
     extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
     if buffer_budget != BUFFER_BUDGET:
         extra["buffer_budget"] = buffer_budget
+    if exact_steps != DEFAULT_RK4_STEPS:
+        extra["exact_steps"] = exact_steps
     estimate = None
     if sharded:
         say(f"time estimate: {SKIPPED['time_estimate']}")
@@ -227,6 +235,7 @@ def measure(
         _warn,
         low_memory=low_memory,
         buffer_budget=buffer_budget,
+        exact_steps=exact_steps,
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -238,6 +247,7 @@ def measure(
         "check": check,
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
+        **({"exact_steps": exact_steps} if any(_exact(s) for s in specs) else {}),
         **({"curvature": curv} if any(s.family == "curvature" for s in specs) else {}),
         **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
         **(
@@ -330,3 +340,8 @@ def _n_samples(batches: Sequence[tuple[Any, Any]]) -> int | None:
             return None
         total += targets.shape[0]
     return total
+
+
+def _exact(spec: Measure) -> bool:
+    """Whether ``spec`` follows the exact (RK4) geodesic."""
+    return spec.family == "sharpness" and spec.kwargs().get("order") == "exact"
