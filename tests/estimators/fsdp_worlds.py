@@ -211,6 +211,7 @@ def measure_random(
             "clean": res.clean_losses,
             "perturbed": res.perturbed_losses,
             "sharded": res.settings["sharded"],
+            "kappa": res.settings["max_relative_speed"],
         }
     return out
 

@@ -222,6 +222,8 @@ def test_sharded_exact_geodesic_equals_the_unsharded_one(worlds, world):
                 assert g["sharded"]["base_point"] == "in place outside the blocks"
                 assert w["value"] > 0 and math.isfinite(w["value"])
                 assert _rel(g["value"], w["value"]) <= 1e-10, (world, key, m)
+                # the RK4 guard's relative speed: the same on every rank as unsharded
+                assert w["kappa"] > 0 and _rel(g["kappa"], w["kappa"]) <= 1e-9, (world, key, m)
                 for part in ("clean", "perturbed"):
                     for a, b in zip(g[part], w[part], strict=True):
                         assert _rel(a, b) <= 1e-10, (world, key, m, part)

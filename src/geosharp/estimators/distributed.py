@@ -335,6 +335,16 @@ class BatchSplit:
         self._time_s = sum(p["time_s"] for p in everyone)
         return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], all_traces
 
+    def largest(self, x: float | None) -> float | None:
+        """The largest ``x`` over ranks (``None``s left out; ``None`` if every rank has ``None``).
+
+        Without a process group ``x`` itself. Every rank must call it, after :meth:`gather`.
+        """
+        if not self.active:
+            return x
+        seen = [v for v in self._all_gather(x) if v is not None]
+        return max(seen) if seen else None
+
     def _exchange(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         self._gathered = True
         everyone = self._all_gather(payload)

@@ -50,7 +50,7 @@ from geosharp.estimators.sharded import (
 )
 from geosharp.estimators.sharded_draws import ShardedDraws
 from geosharp.estimators.sharded_objective import objective_class
-from geosharp.estimators.worst import WorstCase
+from geosharp.estimators.worst import ExactStepsWarning, WorstCase, exact_steps_warning
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import eval_mode
 
@@ -69,7 +69,10 @@ class SharpnessResult:
         clean_losses: ``L_S(w)`` of every batch.
         perturbed_losses: ``L_S(w′)`` of every batch (best found, or mean over samples).
         measure: Name of the measure, e.g. ``"geodesic-inv-o2 worst l2"``.
-        settings: Every setting of the call (ρ, steps, metric, order, ε, seed, ...).
+        settings: Every setting of the call (ρ, steps, metric, order, ε, seed, ...), and
+            ``max_relative_speed``: with ``order="exact"`` (worst case) the largest relative
+            speed ``κ`` of a GL(h) head at the reported perturbation of any batch (RK4 needs
+            about ``2κ`` ``exact_steps``), else ``None``.
         time_s: Wall time in seconds.
         n_forward: Forward passes of the model (clean losses included).
         n_backward: Backward passes of the model.
@@ -191,7 +194,11 @@ def sharpness(
         restarts: Auto-PGD runs per batch; restarts after the first start at random points.
         random_init: Start the first run at a random point of the sphere as well.
         corrected_norm: ``False``: the paper's "no corrected norm" ablation.
-        exact_steps: RK4 steps for ``order="exact"``.
+        exact_steps: RK4 steps for ``order="exact"``. A head that the reported (worst-case)
+            perturbation moves ``κ`` times its size needs about ``2κ``: fewer give a
+            :class:`~geosharp.estimators.worst.ExactStepsWarning` (a
+            :class:`~geosharp.errors.MeasureWarning`: the value may be inaccurate; ``κ`` is
+            ``settings["max_relative_speed"]``).
         space: A precomputed :func:`geosharp.find_symmetries` result (default: found here).
         key_bias: How the symmetry finder treats attention key biases when ``space`` is not
             given: ``"quotient"`` (default) holds them fixed in geodesic measures (the softmax
@@ -313,6 +320,8 @@ def sharpness(
             [v.trace for v in values if v.trace is not None],
             counter,
         )
+        speeds = [k for v in values if (k := getattr(v, "relative_speed", None)) is not None]
+        kappa = split.largest(max(speeds) if speeds else None)
     bar.close()
     if not per_batch:
         raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
@@ -335,6 +344,7 @@ def sharpness(
         "buffer_budget": buffer_budget,
         "cached_base_point": setup.cached,
         "exact_steps": exact_steps if order == "exact" else None,
+        "max_relative_speed": kappa,
         "n_params": space.numel() if shards is None else shards.numel,
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
         "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
@@ -344,6 +354,9 @@ def sharpness(
         "device": str(device),
         "sharded": None if shards is None else shards.describe(),
     }
+    trouble = exact_steps_warning(f"{name} at rho={rho:g}", kappa, exact_steps)
+    if trouble is not None:
+        warnings.warn(trouble, ExactStepsWarning, stacklevel=2)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,

@@ -8,6 +8,11 @@ in the ball of the perturbation's metric (``norm="l2"``) or the box ``|δ_i| ≤
 (``norm="linf"``). The first run starts at ``ξ = 0`` from the clean gradient, on the embedding
 rows the batch reaches (:mod:`geosharp.estimators.rows`); further runs start at random points
 drawn from the batch's generator. The value is never below ``0``: ``ξ = 0`` is in the ball.
+
+With ``order="exact"`` the batch also reports the largest relative speed ``κ`` of a GL(h) head
+at the best perturbation found (:func:`exact_relative_speed`, once per batch after the ascent):
+fixed-step RK4 needs about ``2κ`` steps (:mod:`geosharp.geometry.gl_diagnose`), and
+:func:`exact_steps_warning` says when ``exact_steps`` is fewer.
 """
 
 from __future__ import annotations
@@ -17,10 +22,36 @@ from dataclasses import dataclass
 
 import torch
 
+from geosharp.errors import MeasureWarning
 from geosharp.estimators.apgd import BUFFER_BUDGET, AscentResult, autopgd, best_direction_rule
 from geosharp.estimators.harness import BatchValue, Objective, clean_start
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
+from geosharp.geometry.gl import GLGeometry
+from geosharp.geometry.gl_diagnose import relative_speed
+
+#: A measured inaccuracy the warning quotes (:mod:`geosharp.geometry.gl_diagnose`'s tiny BERT,
+#: weights of standard deviation 0.02: a head's 10-step RK4 endpoint, still finite).
+_MEASURED = "on a tiny BERT a head at κ ≈ 11 was 3.2 % off with 10 steps"
+
+
+class ExactStepsWarning(MeasureWarning):
+    """Fewer RK4 steps of the exact geodesic than ``2κ``: the value may be inaccurate.
+
+    ``κ``: the relative speed of the fastest head (:func:`exact_steps_warning`).
+    """
+
+
+@dataclass
+class WorstValue(BatchValue):
+    """A worst-case :class:`~geosharp.estimators.harness.BatchValue` with the RK4 guard's number.
+
+    Attributes:
+        relative_speed: The largest ``κ`` of a head integrated by exact RK4 at the best
+            perturbation found (:func:`exact_relative_speed`); ``None`` without such heads.
+    """
+
+    relative_speed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,10 +87,11 @@ class WorstCase:
         zero_start = not self.random_init
         clean, grad, rows = clean_start(f, zero_start)
         start, grad = [clean, grad], None  # emptied by the first run: no reference kept here
-        best, trace = -math.inf, []
+        best, trace, kappa = -math.inf, [], None
         for r in range(self.restarts):
+            pert = f.pert
             if r == 0 and zero_start:
-                res = ascent_from_zero(
+                pert, res = ascent_from_zero(
                     f,
                     rows,
                     start,
@@ -68,7 +100,7 @@ class WorstCase:
                     self.norm,
                     self.low_memory,
                     self.buffer_budget,
-                )[1]
+                )
             else:
                 res = autopgd(
                     f.pert,
@@ -83,8 +115,11 @@ class WorstCase:
                 )
             if res.best_loss > best:
                 best, trace = res.best_loss, res.trace
-            res = None  # its best iterate would live on through the next run
-        return BatchValue(clean, max(best, clean), trace, dict(f.counter))
+                kappa = exact_relative_speed(pert, res.best_xi)  # after the ascent, not in it
+            res = pert = None  # its best iterate would live on through the next run
+        if best <= clean:  # the value reported is ξ = 0's
+            kappa = None if kappa is None else 0.0
+        return WorstValue(clean, max(best, clean), trace, dict(f.counter), kappa)
 
 
 def ascent_from_zero(
@@ -130,3 +165,37 @@ def random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str
     xi = pert.project(pert.random(gen, 1.0))
     n = pert.norm(xi)
     return [tuple(t * (rho / n) for t in x) for x in xi] if n > 0 else xi
+
+
+def exact_relative_speed(pert: Perturbation, xi: Xi) -> float | None:
+    """The largest relative speed ``κ`` at ``ξ`` of a head whose geodesic is exact RK4.
+
+    Over every GL(h) piece with ``order="exact"``
+    (:func:`~geosharp.geometry.gl_diagnose.relative_speed`: two ``h × h`` contractions from the
+    base-point factors, no forward or backward); ``None`` when there is none. With the rows
+    split over ranks the contractions are collective and every rank gets the same ``κ``.
+    """
+    speeds = []
+    for p, x in zip(pert.pieces, xi, strict=True):
+        if p.order == "exact" and isinstance(p.geometry, GLGeometry):
+            k = relative_speed(p.geometry, x)
+            speeds.append(float(k.amax()) if k.numel() else 0.0)
+    return max(speeds) if speeds else None
+
+
+def exact_steps_warning(what: str, kappa: float | None, steps: int | None) -> str | None:
+    """The warning of a value whose exact geodesic had fewer RK4 steps than ``2κ``, or ``None``.
+
+    Args:
+        what: The measure and its radius, e.g. ``"geodesic-mix-oexact worst l2 at rho=0.3"``.
+        kappa: The largest relative speed over the batches (``None``: no exact RK4 heads).
+        steps: The RK4 steps used (``exact_steps``).
+    """
+    if kappa is None or steps is None or not 2.0 * kappa > steps:
+        return None
+    need = math.ceil(2.0 * kappa)
+    return (
+        f"{what}: the exact geodesic moved a head κ ≈ {kappa:.3g} times its size with "
+        f"{steps} RK4 steps; RK4 needs about 2κ = {need}: the value may be inaccurate "
+        f"({_MEASURED}); use exact_steps >= {need}"
+    )

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.estimators.worst import ExactStepsWarning
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.checks import loss_eps, row_warnings
@@ -120,7 +121,7 @@ def _measure_cells(
                     **extra,
                 )
                 rows.append(row)
-                for msg in row_warnings(row, spec, steps, eps_loss):
+                for msg in row_warnings(row, spec, steps, eps_loss, exact_steps):
                     warn(msg, stacklevel=4)
                 done = len(rows)
                 left = sum(r.time_s for r in rows) / done * (n_cells - done)
@@ -167,7 +168,9 @@ def _measure_one(
         **curv,
     }
     try:
-        res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
+        with warnings.catch_warnings():  # row_warnings says it, through the report's warn
+            warnings.simplefilter("ignore", ExactStepsWarning)
+            res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
         return MeasureRow(
             measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)

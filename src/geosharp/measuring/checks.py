@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.checks import InvarianceReport, check_invariance
+from geosharp.estimators.worst import exact_steps_warning
+from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.losses import IGNORE_INDEX, _logits, uses_cross_entropy
@@ -331,22 +333,37 @@ def _at(rho: float | None) -> str:
     return "" if rho is None else f" at rho={rho_text(rho)}"
 
 
-def row_warnings(row: MeasureRow, spec: Measure, steps: int, loss_eps: float) -> list[str]:
-    """What a user should know about one measured row: it failed, or its ascent is suspect.
+def row_warnings(
+    row: MeasureRow,
+    spec: Measure,
+    steps: int,
+    loss_eps: float,
+    exact_steps: int = DEFAULT_RK4_STEPS,
+) -> list[str]:
+    """What a user should know about one measured row: it failed, or its value is suspect.
 
     Args:
         row: The row.
         spec: Its measure.
         steps: The Auto-PGD steps per batch.
         loss_eps: Machine epsilon of the loss's dtype (:func:`still_rising`).
+        exact_steps: The RK4 steps of the exact geodesic (``-exact`` measures).
 
     Returns:
-        At most one warning: the failure, the ascent still rising on most batches (the value
-        is a lower bound), or a worst case of exactly 0 that never raised the loss.
+        The failure alone; or at most one of: the ascent still rising on most batches (the
+        value is a lower bound), a worst case of exactly 0 that never raised the loss; then,
+        for an ``-exact`` measure, fewer RK4 steps than ``2κ`` of its fastest head
+        (:func:`~geosharp.estimators.worst.exact_steps_warning`: the value may be inaccurate).
     """
-    rising = sum(still_rising(t, loss_eps) for t in row.traces)
     if row.error is not None:
         return [f"{row.measure}{_at(row.rho)} failed: {row.error}"]
+    rk4 = exact_steps_warning(f"{row.measure}{_at(row.rho)}", row.max_relative_speed, exact_steps)
+    return _ascent_warnings(row, spec, steps, loss_eps) + ([] if rk4 is None else [rk4])
+
+
+def _ascent_warnings(row: MeasureRow, spec: Measure, steps: int, loss_eps: float) -> list[str]:
+    """The ascent still rising on most batches, or a worst case of 0 that never rose; or none."""
+    rising = sum(still_rising(t, loss_eps) for t in row.traces)
     if 2 * rising > len(row.traces) > 0:
         return [
             f"{row.measure}{_at(row.rho)}: on {rising} of {len(row.traces)} "

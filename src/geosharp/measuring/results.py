@@ -44,6 +44,9 @@ class MeasureRow:
         stderr: Curvature trace only: the Hutchinson standard error of :attr:`value` (``0``
             for the exact trace; ``None`` for every other measure).
         n_hvp: Curvature only: Hessian-vector products (double-backward passes).
+        max_relative_speed: ``-exact`` worst-case measures only: the largest relative speed
+            ``κ`` of a GL(h) head at a reported perturbation (RK4 needs about ``2κ`` steps;
+            :attr:`geosharp.SharpnessResult.settings`); ``None`` otherwise.
     """
 
     measure: str
@@ -59,6 +62,7 @@ class MeasureRow:
     error: str | None = None
     stderr: float | None = None
     n_hvp: int = 0
+    max_relative_speed: float | None = None
 
     @property
     def std(self) -> float | None:
@@ -94,6 +98,7 @@ class MeasureRow:
             time_s=res.time_s,
             n_forward=res.n_forward,
             n_backward=res.n_backward,
+            max_relative_speed=res.settings.get("max_relative_speed"),
         )
 
     @classmethod
@@ -134,6 +139,7 @@ class MeasureRow:
             "n_backward": self.n_backward,
             "n_hvp": self.n_hvp,
             "stderr": self.stderr,
+            "max_relative_speed": self.max_relative_speed,
             "error": self.error,
             "per_batch": self.per_batch,
             "clean_losses": self.clean_losses,
@@ -155,6 +161,7 @@ _CSV_FIELDS = (
     "n_backward",
     "n_hvp",
     "stderr",
+    "max_relative_speed",
     "error",
     "per_batch",
     "steps",
