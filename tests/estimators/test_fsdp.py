@@ -132,27 +132,15 @@ def test_sharded_random_measures_draw_the_unsharded_noise(worlds, world):
         "geodesic-inv-restarts",
         "adaptive-linf-restarts",
     }
-    for rank, out in worlds["worlds"][world].items():
-        assert isinstance(out, dict), f"rank {rank} failed:\n{out}"
-        for key, by_measure in want.items():
-            if key not in out:  # measured unsharded only
-                continue
-            got = out[key]["random"]
-            assert set(got) == set(by_measure), (world, rank, key)
-            assert out[key]["shards_identical"], (world, rank, key)  # after every call
-            for m, w in by_measure.items():
-                g = got[m]
-                assert w["sharded"] is None
-                assert g["sharded"] == {
-                    "world": int(world),
-                    "shard_dims": [0] if key.startswith("bert-default") else [0, 1],
-                    "base_point": RANDOM_BASE[m],
-                }
-                assert w["value"] != 0 and math.isfinite(w["value"])
-                assert _rel(g["value"], w["value"]) <= 1e-10, (world, key, m)
-                for part in ("clean", "perturbed"):
-                    for a, b in zip(g[part], w[part], strict=True):
-                        assert _rel(a, b) <= 1e-10, (world, key, m, part)
+    for key, m, g, w in _pairs(worlds, world, "random"):
+        assert w["sharded"] is None
+        assert g["sharded"] == {
+            "world": int(world),
+            "shard_dims": [0] if key.startswith("bert-default") else [0, 1],
+            "base_point": RANDOM_BASE[m],
+        }
+        assert w["value"] != 0 and math.isfinite(w["value"])
+        _assert_equal(g, w, (world, key, m))
     measured = {k for k, v in want.items() if v}
     assert measured == {
         "bert/float64/0.05",
@@ -209,21 +197,35 @@ def test_sharded_exact_geodesic_equals_the_unsharded_one(worlds, world):
         "llama-gqa/float64/0.05",
         "llama-gqa-lora/float64/0.05",
     }
+    for key, m, g, w in _pairs(worlds, world, "exact"):
+        assert g["sharded"]["base_point"] == "in place outside the blocks"
+        assert w["value"] > 0 and math.isfinite(w["value"])
+        _assert_equal(g, w, (world, key, m))
+        # the RK4 guard's relative speed: the same on every rank as unsharded
+        assert w["kappa"] > 0 and _rel(g["kappa"], w["kappa"]) <= 1e-9, (world, key, m)
+
+
+def _pairs(worlds: dict, world: str, part: str):
+    """``(case, measure, sharded, unsharded)`` of ``part`` on every rank of ``world``.
+
+    Every rank measured every case it was given, and its shards came back bit-identical.
+    """
+    want = worlds[part]
     for rank, out in worlds["worlds"][world].items():
         assert isinstance(out, dict), f"rank {rank} failed:\n{out}"
         for key, by_measure in want.items():
             if key not in out:  # measured unsharded only
                 continue
-            got = out[key]["exact"]
+            got = out[key][part]
             assert set(got) == set(by_measure), (world, rank, key)
-            assert out[key]["shards_identical"], (world, rank, key)
+            assert out[key]["shards_identical"], (world, rank, key)  # after every call
             for m, w in by_measure.items():
-                g = got[m]
-                assert g["sharded"]["base_point"] == "in place outside the blocks"
-                assert w["value"] > 0 and math.isfinite(w["value"])
-                assert _rel(g["value"], w["value"]) <= 1e-10, (world, key, m)
-                # the RK4 guard's relative speed: the same on every rank as unsharded
-                assert w["kappa"] > 0 and _rel(g["kappa"], w["kappa"]) <= 1e-9, (world, key, m)
-                for part in ("clean", "perturbed"):
-                    for a, b in zip(g[part], w[part], strict=True):
-                        assert _rel(a, b) <= 1e-10, (world, key, m, part)
+                yield key, m, got[m], w
+
+
+def _assert_equal(g: dict, w: dict, where: tuple) -> None:
+    """The value and every batch's clean and perturbed loss within 1e-10 (float64)."""
+    assert _rel(g["value"], w["value"]) <= 1e-10, where
+    for part in ("clean", "perturbed"):
+        for a, b in zip(g[part], w[part], strict=True):
+            assert _rel(a, b) <= 1e-10, (*where, part)
