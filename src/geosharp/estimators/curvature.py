@@ -87,7 +87,7 @@ from geosharp.estimators.hessian import (
 )
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
 from geosharp.estimators.pieces import _flat_dtype
-from geosharp.estimators.sharded import check_unsharded
+from geosharp.estimators.sharded_check import check_unsharded
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from geosharp.estimators.harness import clean_start, objectives, perturbation_kwargs
 from geosharp.estimators.orbit import log_scale, orbit_min_norm_sq
 from geosharp.estimators.perturbation import Perturbation, Xi
-from geosharp.estimators.sharded import check_unsharded
+from geosharp.estimators.sharded_check import check_unsharded
 from geosharp.estimators.worst import ascent_from_zero
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import GLBlock, RotaryBlock

@@ -42,12 +42,8 @@ from geosharp.estimators.harness import (
     perturbation_of,
 )
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
-from geosharp.estimators.sharded import (
-    ShardedParams,
-    in_place_ok,
-    is_sharded,
-    restored,
-)
+from geosharp.estimators.sharded import ShardedParams, in_place_ok, restored
+from geosharp.estimators.sharded_check import is_sharded
 from geosharp.estimators.sharded_draws import ShardedDraws
 from geosharp.estimators.sharded_objective import objective_class
 from geosharp.estimators.worst import ExactStepsWarning, WorstCase, exact_steps_warning

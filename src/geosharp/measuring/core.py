@@ -41,7 +41,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.sharded import is_sharded
+from geosharp.estimators.sharded_check import is_sharded
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.cells import _estimate, _measure_cells
