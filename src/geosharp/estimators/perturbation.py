@@ -41,16 +41,8 @@ from torch import Tensor
 
 from geosharp.estimators import linf, memory, rows
 from geosharp.estimators.assembly import _Assembly
-from geosharp.estimators.pieces import (
-    Piece,
-    Xi,
-    _base_params,
-    _block_pieces,
-    _group_blocks,
-    _rest_positions,
-)
+from geosharp.estimators.pieces import Piece, Xi, _base_params, build_pieces
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry
 from geosharp.geometry.draws import generator_for
 from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry import ParameterSpace
@@ -137,57 +129,24 @@ class Perturbation:
         #: The device of every parameter: each piece, index and buffer is made on the device
         #: of the parameters it serves (a model split across devices, ``device_map="auto"``).
         devices = [params[n].device for n in names]
-        self.pieces: list[Piece] = []
-        self._rest_piece: int | None = None
-        if measure in ("adaptive", "euclidean"):
-            comps = tuple(params[n] for n in names)
-            cls_ = ElementwiseGeometry if measure == "adaptive" else EuclideanGeometry
-            g = cls_(comps, name="all parameters")
-            index = _rest_positions(space, [(j, None) for j in range(len(names))], devices)
-            self.pieces.append(Piece(f"all parameters ({measure})", index, g, g, 1))
-            self._rest_piece = 0
-            self._layout = [(j, None) for j in range(len(names))]
-            self._assembly = _Assembly(space, self.pieces, 0, self._layout, devices)
-            return
-        # one batched geometry per batch key and device, its base point read from its own
-        # parameters on their device (no concatenation of θ₀)
-        groups = _group_blocks(space, devices)
-        self.pieces += _block_pieces(
+        built = build_pieces(
             space,
-            [params[n] for n in names],
-            groups,
+            params,
+            devices,
+            measure=measure,
             metric=metric,
             order=order,
             eps=eps,
             corrected_norm=corrected_norm,
+            perturb=perturb,
             work_dtype=work_dtype,
             row_sum=row_sum,
         )
-        self._layout = space.rest_layout()
-        if self._layout:
-            comps = tuple(
-                params[names[j]]
-                if local is None
-                else params[names[j]].reshape(-1)[local.to(devices[j])]
-                for j, local in self._layout
-            )
-            index = _rest_positions(space, self._layout, devices)
-            if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
-                label = "other parameters (held fixed)"
-                g = FixedGeometry(comps, name=label)
-            else:
-                label = "other parameters (adaptive)"
-                g = ElementwiseGeometry(comps, name="other parameters")
-            self._rest_piece = len(self.pieces)
-            self.pieces.append(Piece(label, index, g, g, 1))
-        covered = space.block_numel + space.adaptive_numel
-        if covered != space.numel():
-            raise ValueError(
-                f"the symmetry blocks and the rest cover {covered} coordinates of "
-                f"{space.numel()}: the ParameterSpace is inconsistent"
-            )
+        self.pieces: list[Piece] = built.pieces
+        self._rest_piece: int | None = built.rest
+        self._layout = built.layout
         self._assembly = _Assembly(
-            space, self.pieces, self._rest_piece, self._layout, devices, [b for _, b in groups]
+            space, self.pieces, self._rest_piece, self._layout, devices, built.groups
         )
 
     # -- tangent-vector arithmetic -------------------------------------------------------------

@@ -15,18 +15,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from geosharp.geometry import ElementwiseGeometry, Geometry
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
 
-__all__ = ["Piece", "Xi"]
+__all__ = ["Built", "Piece", "Xi", "build_pieces"]
 
 #: A perturbation: one tangent tuple per piece.
 Xi = list[Tangent]
@@ -255,3 +256,84 @@ def _block_pieces(
         name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
         pieces.append(Piece(name, _block_positions(cls, blocks, at), geom, norm_geom, piece_order))
     return pieces
+
+
+class Built(NamedTuple):
+    """The pieces of a perturbation (:func:`build_pieces`)."""
+
+    pieces: list[Piece]
+    rest: int | None  #: the position of the piece of the coordinates in no block
+    layout: list[tuple[int, Tensor | None]]  #: the rest piece's components (rest_layout)
+    groups: list[list[SymmetryBlock]] | None  #: each block piece's blocks (None: no blocks)
+
+
+def build_pieces(
+    space: ParameterSpace,
+    params: Mapping[str, Tensor],
+    devices: Sequence[torch.device],
+    *,
+    measure: str,
+    metric: str,
+    order: int | str,
+    eps: float,
+    corrected_norm: bool,
+    perturb: str,
+    work_dtype: torch.dtype | None,
+    row_sum: RowSum | None,
+) -> Built:
+    """The pieces of a perturbation at the base point ``params`` (by name).
+
+    ``measure="adaptive"`` / ``"euclidean"``: one element-wise piece over every parameter;
+    ``"geodesic"``: one batched geometry per batch key and device (its base point read from its
+    own parameters there, no concatenation of ``θ₀``), then the coordinates in no block (held
+    fixed with ``perturb="blocks"``). See :class:`~geosharp.estimators.perturbation.
+    Perturbation` for the arguments.
+
+    Raises:
+        ValueError: If the blocks and the rest do not cover the space.
+    """
+    names = space.param_names
+    if measure in ("adaptive", "euclidean"):
+        comps = tuple(params[n] for n in names)
+        cls_ = ElementwiseGeometry if measure == "adaptive" else EuclideanGeometry
+        g = cls_(comps, name="all parameters")
+        layout: list[tuple[int, Tensor | None]] = [(j, None) for j in range(len(names))]
+        index = _rest_positions(space, layout, devices)
+        return Built([Piece(f"all parameters ({measure})", index, g, g, 1)], 0, layout, None)
+    groups = _group_blocks(space, devices)
+    pieces = _block_pieces(
+        space,
+        [params[n] for n in names],
+        groups,
+        metric=metric,
+        order=order,
+        eps=eps,
+        corrected_norm=corrected_norm,
+        work_dtype=work_dtype,
+        row_sum=row_sum,
+    )
+    layout = space.rest_layout()
+    rest = None
+    if layout:
+        comps = tuple(
+            params[names[j]]
+            if local is None
+            else params[names[j]].reshape(-1)[local.to(devices[j])]
+            for j, local in layout
+        )
+        index = _rest_positions(space, layout, devices)
+        if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
+            label = "other parameters (held fixed)"
+            geom: Geometry = FixedGeometry(comps, name=label)
+        else:
+            label = "other parameters (adaptive)"
+            geom = ElementwiseGeometry(comps, name="other parameters")
+        rest = len(pieces)
+        pieces.append(Piece(label, index, geom, geom, 1))
+    covered = space.block_numel + space.adaptive_numel
+    if covered != space.numel():
+        raise ValueError(
+            f"the symmetry blocks and the rest cover {covered} coordinates of "
+            f"{space.numel()}: the ParameterSpace is inconsistent"
+        )
+    return Built(pieces, rest, layout, [b for _, b in groups])
