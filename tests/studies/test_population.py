@@ -333,3 +333,23 @@ def test_bad_manifests_are_refused_before_any_model_is_measured(
     assert not (tmp_path / "bad" / "study.sqlite").exists()
     with pytest.raises(MeasureError, match=match):
         run_population(settings(population, manifest=str(path)), tmp_path / "bad2")
+
+
+def test_exact_steps_reach_the_exact_measures_and_keep_old_studies_resumable():
+    """``--exact-steps``: in the exact measures' arguments, in the configuration only if set."""
+    from geosharp.measures import parse_measure
+    from geosharp.studies.population import PopulationSettings, PopulationStudy
+
+    study = PopulationStudy.__new__(PopulationStudy)  # the settings alone, no manifest read
+    study.cfg = PopulationSettings(manifest="m.csv", options={}, exact_steps=40)
+    exact, o2 = parse_measure("geodesic-mix-exact"), parse_measure("geodesic-mix-o2")
+    assert study._run_kwargs(exact)["exact_steps"] == 40
+    assert "exact_steps" not in study._run_kwargs(o2)
+    study.cfg = PopulationSettings(manifest="m.csv", options={})
+    assert "exact_steps" not in study._run_kwargs(exact)
+    assert "exact_steps" not in asdict_config(study)
+
+
+def asdict_config(study) -> dict:
+    study.grids = {}
+    return study.config()

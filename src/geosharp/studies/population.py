@@ -33,6 +33,7 @@ from typing import Any
 
 from geosharp._io import atomic_write_text
 from geosharp.errors import MeasureError
+from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
 from geosharp.studies.manifest import Manifest, ManifestRow, read_manifest
 from geosharp.studies.population_radii import RadiusPlan, parse_rho
@@ -80,6 +81,9 @@ class PopulationSettings:
         base: Base model of PEFT adapters without a ``base`` cell.
         skip_bad: Set aside rows whose model does not load, instead of failing.
         check: Run the self-check on every model.
+        exact_steps: RK4 steps of the exact geodesic (the ``-exact`` measures); recorded in
+            the configuration only when not the default, so that a study measured before it
+            existed resumes.
     """
 
     manifest: str
@@ -96,6 +100,7 @@ class PopulationSettings:
     base: str | None = None
     skip_bad: bool = False
     check: bool = True
+    exact_steps: int = DEFAULT_RK4_STEPS
 
 
 class PopulationStudy(Study):
@@ -220,6 +225,8 @@ class PopulationStudy(Study):
     # -- the Study interface ------------------------------------------------------------------
     def config(self) -> dict[str, Any]:  # noqa: D102
         cfg = asdict(self.cfg)
+        if cfg["exact_steps"] == DEFAULT_RK4_STEPS:  # the identity of a study from before it
+            del cfg["exact_steps"]
         cfg["rho"] = self.cfg.rho.text()
         cfg["grids"] = {k: list(v) for k, v in self.grids.items()}
         cfg["options"] = {k: str(v) for k, v in self.cfg.options.items()}
@@ -240,6 +247,7 @@ class PopulationStudy(Study):
             + "; "
             + "; ".join(f"{k}: " + ", ".join(f"{r:g}" for r in g) for k, g in self.grids.items()),
             "steps": self.cfg.steps,
+            **({"exact_steps": self.cfg.exact_steps} if any(map(_exact, self.measures)) else {}),
             "seed": self.cfg.seed,
             **({"frozen": ", ".join(o.freeze)} if o.freeze else {}),
         }
@@ -294,7 +302,10 @@ class PopulationStudy(Study):
     def _run_kwargs(self, m: Measure) -> dict[str, Any]:
         if m.family != "sharpness":
             return {"seed": self.cfg.seed}
-        return {"steps": self.cfg.steps, "eps": self.cfg.eps, "seed": self.cfg.seed}
+        kw = {"steps": self.cfg.steps, "eps": self.cfg.eps, "seed": self.cfg.seed}
+        if _exact(m) and self.cfg.exact_steps != DEFAULT_RK4_STEPS:
+            kw["exact_steps"] = self.cfg.exact_steps
+        return kw
 
     def prepare(self, row: dict[str, Any], batches: list[tuple[Any, Any]]) -> Prepared:
         """``geosharp measure``'s loading and self-check of one model (its own batches)."""
@@ -406,3 +417,8 @@ def run_population(
 
 def _pilot_of(out: Path) -> str | None:
     return _read_json(out / MANIFEST_FILE).get("rho_rule", {}).get("pilot")
+
+
+def _exact(m: Measure) -> bool:
+    """Whether ``m`` follows the exact (RK4) geodesic."""
+    return m.family == "sharpness" and m.kwargs().get("order") == "exact"

@@ -57,6 +57,7 @@ def is_manifest(name: str) -> bool:
 
 def parser(command: str = "study") -> argparse.ArgumentParser:
     """The options of ``geosharp study MANIFEST`` (or ``geosharp symmetry-test MANIFEST``)."""
+    from geosharp.geometry.base import DEFAULT_RK4_STEPS
     from geosharp.measuring.cli_parser import add_data_arguments
     from geosharp.studies.population import DEFAULT_POPULATION_MEASURES
 
@@ -86,6 +87,14 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
     p.add_argument("--rho", nargs="+", default=None, metavar="R", help="radii: see below")
     p.add_argument("--steps", type=int, default=20, help="Auto-PGD steps per batch (20)")
     p.add_argument("--eps", type=float, default=0.0, help="Gram damping of the blocks (0)")
+    p.add_argument(
+        "--exact-steps",
+        type=int,
+        default=DEFAULT_RK4_STEPS,
+        metavar="N",
+        help=f"RK4 steps of the exact geodesic, the -exact measures ({DEFAULT_RK4_STEPS}); a "
+        "head moved k times its size needs about 2k",
+    )
     p.add_argument(
         "--gap", default=None, choices=("gap", "error", "accuracy", "loss"), help="the gap rule"
     )
@@ -194,6 +203,7 @@ def run(
         base=args.base,
         skip_bad=args.skip_bad,
         check=not args.no_check,
+        exact_steps=args.exact_steps,
     )
     if command == "symmetry-test":
         return args, _symmetry_test(settings, args)
