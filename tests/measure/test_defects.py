@@ -223,3 +223,32 @@ def test_shape_error_names_its_batch():
     regression = [(x, torch.randn(10, 3)), (x, torch.randn(10, 3)), (x, torch.randn(10, 5))]
     with pytest.raises(MeasureError, match=r"^batch 2: the squared error needs"):
         gs.measure(model, regression, "mse", measures=["adaptive"], steps=2)
+
+
+@pytest.mark.parametrize(
+    ("err", "kept"),
+    [
+        (RuntimeError("out of memory on this rank"), False),  # may be this rank's alone
+        (torch.linalg.LinAlgError("singular"), True),  # of matrices summed over the ranks
+        (FloatingPointError("the loss became nan"), True),  # the mean over the ranks
+        (ValueError("bad rho"), True),
+    ],
+)
+def test_a_sharded_cell_that_may_have_failed_on_one_rank_ends_the_run(monkeypatch, err, kept):
+    """Kept as a failed row only where every rank fails alike; else raised (no paired hang)."""
+
+    class Failing:
+        name, uses_rho = "adaptive worst l2", True
+
+        def run(self, *args, **kwargs):
+            raise err
+
+    model = nn.Linear(2, 2)
+    call = (model, None, [], Failing(), 0.1, 1, 0.0, 0, None, False, {})
+    assert cells._measure_one(*call).error == str(err)  # one process: always a failed row
+    monkeypatch.setattr(cells, "is_sharded", lambda m: True)
+    if kept:
+        assert cells._measure_one(*call).error == str(err)
+    else:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            cells._measure_one(*call)

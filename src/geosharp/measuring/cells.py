@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.estimators.sharded_check import is_sharded
 from geosharp.estimators.worst import ExactStepsWarning
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
@@ -172,10 +173,28 @@ def _measure_one(
             warnings.simplefilter("ignore", ExactStepsWarning)
             res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
+        if this_rank_alone(err, model):
+            raise
         return MeasureRow(
             measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)
         )
     return MeasureRow.of(spec, res, rho)
+
+
+def this_rank_alone(err: Exception, model: nn.Module) -> bool:
+    """Whether a sharded model's failed cell may have failed on this rank alone.
+
+    Then it cannot be kept as a failed row: the other ranks may be waiting inside one of the
+    cell's collectives, and this rank's next cell would pair its collectives with theirs. Out
+    of memory, and errors of the collectives themselves, are such (``RuntimeError``s); a bad
+    argument (``ValueError``), a loss that is not finite (the mean over the ranks) and a
+    factorization of the ``h × h`` matrices summed over the ranks (``LinAlgError``) happen on
+    every rank alike. The error then ends the run on this rank, whose exit ends the
+    collectives the others wait in.
+    """
+    if not isinstance(err, RuntimeError) or isinstance(err, torch.linalg.LinAlgError):
+        return False
+    return is_sharded(model)
 
 
 def _progress(total: int, enabled: bool, desc: str):

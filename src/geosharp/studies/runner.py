@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from geosharp._io import atomic_write_bytes
 from geosharp._version import __version__
 from geosharp.measures import Measure, from_kwargs
+from geosharp.measuring.cells import this_rank_alone
 from geosharp.studies.report import ReportPaths, write_report
 from geosharp.studies.sections import RESULT_FILES
 from geosharp.studies.store import Store
@@ -281,6 +282,8 @@ def run_study(
                     )
                 )
             except (FloatingPointError, ValueError, RuntimeError) as err:
+                if this_rank_alone(err, ready.model):  # a sharded model: the others may wait
+                    raise
                 # Recorded as a failed row (value NULL, the error in its settings): the report
                 # lists it, and a rerun does not repeat a deterministic failure.
                 msg = f"{row['model_id']} {spec.name} rho={rho}: {type(err).__name__}: {err}"
