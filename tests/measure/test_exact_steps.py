@@ -91,3 +91,35 @@ def test_a_small_relative_speed_does_not_warn_and_keeps_the_value():
     assert res.value.hex() == "0x1.2e046241f5500p-7"  # the value before the guard (51dc5ab)
     res = gs.sharpness(model, nn.functional.mse_loss, [(x, y)], rho=0.01, order=2)
     assert res.settings["max_relative_speed"] is None  # no exact RK4 heads
+
+
+def test_the_average_case_records_the_relative_speed_of_its_samples():
+    """The RK4 guard over the noise samples of the average case, as at the worst case's optimum."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    import geosharp as gs
+
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    batches = [(x, torch.randn(3, 4, 8, dtype=torch.float64))]
+    mse = nn.functional.mse_loss
+    kw = {"measure": "geodesic", "metric": "mix", "order": "exact", "kind": "average"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.errors.MeasureWarning)
+        small = gs.sharpness(model, mse, batches, rho=0.01, samples=3, progress=False, **kw)
+    assert 0 < small.settings["max_relative_speed"] < 1  # nothing to warn about
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        big = gs.sharpness(
+            model, mse, batches, rho=0.1, samples=3, exact_steps=2, progress=False, **kw
+        )
+    kappa = big.settings["max_relative_speed"]
+    assert kappa > 1
+    assert any("RK4 needs about 2κ" in str(w.message) for w in seen)
+    o2 = gs.sharpness(model, mse, batches, rho=0.01, samples=3, progress=False,
+                      **{**kw, "order": 2})  # fmt: skip
+    assert o2.settings["max_relative_speed"] is None

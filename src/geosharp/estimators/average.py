@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from geosharp.estimators.harness import BatchValue, Objective, clean_start
+from geosharp.estimators.worst import exact_relative_speed
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,17 @@ class AverageCase:
         return 1 + self.samples
 
     def __call__(self, f: Objective, gen: torch.Generator) -> BatchValue:
-        """The batch's clean loss and mean perturbed loss over the samples."""
+        """The batch's clean loss and mean perturbed loss over the samples.
+
+        With exact-RK4 heads, also the largest relative speed ``κ`` of a head over the samples
+        (the RK4 guard, :func:`~geosharp.estimators.worst.exact_relative_speed`).
+        """
         clean = clean_start(f, False)[0]
-        losses = [f(f.pert.random(gen, self.rho), False)[0] for _ in range(self.samples)]
-        return BatchValue(clean, sum(losses) / len(losses), None, dict(f.counter))
+        losses, kappa = [], None
+        for _ in range(self.samples):
+            xi = f.pert.random(gen, self.rho)
+            k = exact_relative_speed(f.pert, xi)
+            kappa = k if kappa is None or (k is not None and k > kappa) else kappa
+            losses.append(f(xi, False)[0])
+            del xi
+        return BatchValue(clean, sum(losses) / len(losses), None, dict(f.counter), kappa)

@@ -275,12 +275,17 @@ class BatchValue:
         perturbed: ``L_S(w′)``: the best loss found (worst case), or the mean over samples.
         trace: The loss at every ascent iterate (worst case), or ``None``.
         passes: ``{"forward": n, "backward": m}`` of this batch.
+        relative_speed: The largest relative speed ``κ`` of a head whose geodesic is exact
+            RK4, at the best perturbation (worst case) or over the samples (average case)
+            (:func:`~geosharp.estimators.worst.exact_relative_speed`); ``None`` without such
+            heads.
     """
 
     clean: float
     perturbed: float
     trace: list[float] | None = None
     passes: dict[str, int] = field(default_factory=dict)
+    relative_speed: float | None = None
 
     @property
     def value(self) -> float:

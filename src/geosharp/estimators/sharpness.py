@@ -66,9 +66,10 @@ class SharpnessResult:
         perturbed_losses: ``L_S(w′)`` of every batch (best found, or mean over samples).
         measure: Name of the measure, e.g. ``"geodesic-inv-o2 worst l2"``.
         settings: Every setting of the call (ρ, steps, metric, order, ε, seed, ...), and
-            ``max_relative_speed``: with ``order="exact"`` (worst case) the largest relative
-            speed ``κ`` of a GL(h) head at the reported perturbation of any batch (RK4 needs
-            about ``2κ`` ``exact_steps``), else ``None``.
+            ``max_relative_speed``: with ``order="exact"`` the largest relative speed ``κ`` of
+            a GL(h) head at the reported perturbation of any batch (worst case) or over the
+            noise samples (average case; RK4 needs about ``2κ`` ``exact_steps``), else
+            ``None``.
         time_s: Wall time in seconds.
         n_forward: Forward passes of the model (clean losses included).
         n_backward: Backward passes of the model.

@@ -43,17 +43,6 @@ class ExactStepsWarning(MeasureWarning):
 
 
 @dataclass
-class WorstValue(BatchValue):
-    """A worst-case :class:`~geosharp.estimators.harness.BatchValue` with the RK4 guard's number.
-
-    Attributes:
-        relative_speed: The largest ``κ`` of a head integrated by exact RK4 at the best
-            perturbation found (:func:`exact_relative_speed`); ``None`` without such heads.
-    """
-
-    relative_speed: float | None = None
-
-
 @dataclass(frozen=True)
 class WorstCase:
     """``max_{‖ξ‖ ≤ ρ} f_S(ξ) − f_S(0)`` of one batch, as a function of its objective.
@@ -119,7 +108,7 @@ class WorstCase:
             res = pert = None  # its best iterate would live on through the next run
         if best <= clean:  # the value reported is ξ = 0's
             kappa = None if kappa is None else 0.0
-        return WorstValue(clean, max(best, clean), trace, dict(f.counter), kappa)
+        return BatchValue(clean, max(best, clean), trace, dict(f.counter), kappa)
 
 
 def ascent_from_zero(

@@ -44,8 +44,8 @@ class MeasureRow:
         stderr: Curvature trace only: the Hutchinson standard error of :attr:`value` (``0``
             for the exact trace; ``None`` for every other measure).
         n_hvp: Curvature only: Hessian-vector products (double-backward passes).
-        max_relative_speed: ``-exact`` worst-case measures only: the largest relative speed
-            ``κ`` of a GL(h) head at a reported perturbation (RK4 needs about ``2κ`` steps;
+        max_relative_speed: ``-exact`` measures only: the largest relative speed ``κ`` of a
+            GL(h) head at a reported perturbation or noise sample (RK4 needs about ``2κ`` steps;
             :attr:`geosharp.SharpnessResult.settings`); ``None`` otherwise.
     """
 
