@@ -30,6 +30,29 @@ PAIRS = [
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 
 
+def save_tiny_classifier(folder, tok, seed: int, **config) -> None:
+    """A tiny ``BertForSequenceClassification`` over ``tok``'s words (2 labels), seeded, saved.
+
+    ``config``: more ``BertConfig`` fields (e.g. ``initializer_range``).
+    """
+    import torch
+    import transformers
+
+    cfg = transformers.BertConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+        pad_token_id=tok.pad_token_id,
+        **config,
+    )
+    torch.manual_seed(seed)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(folder)
+
+
 def make_tokenizer():
     """A word-level ``PreTrainedTokenizerFast`` over the words of the corpus and the pairs."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers

@@ -20,7 +20,7 @@ import geosharp as gs
 from geosharp.errors import MeasureError
 
 from ..test_measure import SENTENCES, save_tiny_bert, write_csv
-from .conftest import CORPUS, make_tokenizer
+from .conftest import CORPUS, make_tokenizer, save_tiny_classifier
 
 pytest.importorskip("transformers")
 
@@ -80,7 +80,7 @@ def test_measure_check_false_finds_and_proves_the_blocks():
 
 
 def test_study_no_check_measures_what_the_checked_study_measures(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from geosharp.cli import main
 
     tok = make_tokenizer()
@@ -88,18 +88,7 @@ def test_study_no_check_measures_what_the_checked_study_measures(tmp_path, capsy
         w = csv.writer(f)
         w.writerow(["model", "train_accuracy", "test_accuracy"])
         for i, (tr, te) in enumerate([(1.0, 0.7), (0.95, 0.8), (0.9, 0.85)]):
-            cfg = transformers.BertConfig(
-                vocab_size=len(tok),
-                hidden_size=16,
-                num_attention_heads=2,
-                num_hidden_layers=1,
-                intermediate_size=32,
-                max_position_embeddings=32,
-                num_labels=2,
-                pad_token_id=tok.pad_token_id,
-            )
-            torch.manual_seed(i)
-            transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / f"m{i}")
+            save_tiny_classifier(tmp_path / f"m{i}", tok, seed=i)
             tok.save_pretrained(tmp_path / f"m{i}")
             w.writerow([f"m{i}", tr, te])
     rows = [(t, i % 2) for i, t in enumerate((CORPUS * 2)[:8])]

@@ -15,7 +15,6 @@ import math
 import sqlite3
 
 import pytest
-import torch
 
 import geosharp as gs
 from geosharp.cli import main
@@ -26,7 +25,7 @@ from geosharp.studies.population import PopulationSettings, parse_rho, run_popul
 from geosharp.studies.population_call import study
 from geosharp.studies.runner import Shard
 
-from ..measure.conftest import CORPUS, make_tokenizer
+from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,19 +44,7 @@ def population(tmp_path_factory):
     root = tmp_path_factory.mktemp("population")
     tok = make_tokenizer()
     for i, (name, *_rest) in enumerate(ROWS):
-        cfg = transformers.BertConfig(
-            vocab_size=len(tok),
-            hidden_size=16,
-            num_attention_heads=2,
-            num_hidden_layers=1,
-            intermediate_size=32,
-            max_position_embeddings=32,
-            num_labels=2,
-            pad_token_id=tok.pad_token_id,
-        )
-        torch.manual_seed(i)
-        model = transformers.BertForSequenceClassification(cfg)
-        model.save_pretrained(root / "models" / name)
+        save_tiny_classifier(root / "models" / name, tok, seed=i)
         tok.save_pretrained(root / "models" / name)
     with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)

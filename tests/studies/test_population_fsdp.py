@@ -27,11 +27,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from geosharp.cli import main
 
-from ..measure.conftest import CORPUS, make_tokenizer
+from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -50,13 +49,7 @@ def population(tmp_path_factory):
     tok = make_tokenizer()
     for i, (name, *_rest) in enumerate(ROWS):
         # large weights (initializer_range): losses far from log 2, the ρ rule's radii small
-        cfg = transformers.BertConfig(
-            vocab_size=len(tok), hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
-            intermediate_size=32, max_position_embeddings=32, num_labels=2,
-            pad_token_id=tok.pad_token_id, initializer_range=0.5,
-        )  # fmt: skip
-        torch.manual_seed(i)
-        transformers.BertForSequenceClassification(cfg).save_pretrained(root / "models" / name)
+        save_tiny_classifier(root / "models" / name, tok, seed=i, initializer_range=0.5)
         tok.save_pretrained(root / "models" / name)
     with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
