@@ -141,15 +141,17 @@ def tiny_llama() -> torch.nn.Module:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_unpadded_factors_are_recipes_of_the_local_shards(world):
-    """With the placement, a bias-free model's every factor is a recipe (no position tensor).
+    """With the placement, every factor is a recipe (no position tensor).
 
-    The recipe's positions are the rank's own (``_rows``); a factor with a bias row held by
-    some ranks only (BERT's ``G`` of Q/K at worlds 2 and 4) keeps a padded position tensor.
+    The recipe's positions are the rank's own (``_rows``) where no head is padded; a factor
+    with a bias row held by some ranks only (BERT's ``G`` of Q/K and V/O at worlds 2 and 4)
+    is a recipe too, of the local ``b_q`` and slices of ``PAD`` (checked in
+    ``test_padded_factors_are_recipes_of_the_shards_and_of_pad``).
     """
     from geosharp.estimators.sharded_space import _local_blocks
     from geosharp.symmetry.positions import Positions
 
-    for model, recipes_only in ((tiny_llama(), True), (tiny_bert(heads=4), world == 1)):
+    for model, recipes_only in ((tiny_llama(), True), (tiny_bert(heads=4), True)):
         space = find_symmetries(model)
         dims = dict.fromkeys(shard_placement(model).parameters, 1)
         for rank in range(world):
@@ -164,7 +166,120 @@ def test_unpadded_factors_are_recipes_of_the_local_shards(world):
                 for field in local.index_fields:
                     pos = getattr(local, field)
                     kinds.add(type(pos) is Positions)
-                    if type(pos) is Positions:
-                        mine, _ = _rows(gl[local.name], field, space, lay)
+                    mine, count = _rows(gl[local.name], field, space, lay)
+                    if type(pos) is Positions and bool((count == mine.shape[1]).all()):
                         assert torch.equal(pos.tensor().long(), mine), (field, rank)
             assert kinds == ({True} if recipes_only else {True, False}), (model, rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_padded_factors_are_recipes_of_the_shards_and_of_pad(world):
+    """BERT's bias rows held by some ranks only: every factor a recipe, ``_padded``'s positions.
+
+    The ``G`` of a Q/K (V/O) head is its ``W_q`` rows here, then its bias row: a slice of the
+    local ``b_q`` for the heads held here, slices of the ``PAD`` vector for the others (numbered
+    as ``_padded`` numbers them); a key-bias translation keeps the rank's slice of ``b_k``. The
+    local space's assembly writes them all through views (a plan, no gather index).
+    """
+    from geosharp.estimators.assembly import _factor_plan
+    from geosharp.estimators.sharded_space import PAD, _local_blocks
+    from geosharp.symmetry import ParameterSpace
+    from geosharp.symmetry.blocks import TranslationBlock
+    from geosharp.symmetry.positions import Positions
+
+    model = tiny_bert(heads=4)
+    space = find_symmetries(model)
+    dims = dict.fromkeys(shard_placement(model).parameters, 1)
+    gl = {b.name: b for b in space.gl_blocks}
+    for rank in range(world):
+        lay = layouts(space, dims, rank, world)
+        n_local = sum(math.prod(x.shape) // x.shape[x.dim] * x.length for x in lay)
+        blocks, n_pad = _local_blocks(space, lay, n_local)
+        assert n_pad > 0
+        pad_next, ranged = n_local, 0
+        for local in blocks:
+            for field in local.index_fields:
+                pos = getattr(local, field)
+                assert type(pos) is Positions, (local.name, field, rank)
+                if isinstance(local, TranslationBlock):
+                    continue
+                mine, count = _rows(gl[local.name], field, space, lay)
+                want, pad_next = _padded(mine, count, mine.shape[1], pad_next)
+                assert torch.equal(pos.tensor().long(), want.long()), (local.name, field, rank)
+                ranged += any(r != (0, 4) for r in pos.head_ranges)
+                for shape, piece, off in pos.recipe[0]:  # PAD's parts: its whole length
+                    if piece.param == PAD:
+                        assert shape == (n_pad,) and off == n_local
+        assert pad_next == n_local + n_pad and ranged == 2  # G of Q/K and of V/O
+        base = [
+            (n, (*x.shape[: x.dim], x.length, *x.shape[x.dim + 1 :]))
+            for n, x in zip(space.param_names, lay, strict=True)
+        ]
+        local_space = ParameterSpace(
+            (*(n for n, _ in base), PAD),
+            (*(s for _, s in base), (n_pad,)),
+            (*(x.local_offset for x in lay), n_local),
+            blocks=blocks,
+        )
+        groups: dict = {}
+        for b in blocks:
+            groups.setdefault(b.batch_key(), []).append(b)
+        # written through the plan's views, every position lands on itself; read back from a
+        # gradient that is zero on PAD, the padding rows read zero
+        flat = torch.full((n_local + n_pad,), -1, dtype=torch.long)
+        params = [
+            flat[o : o + math.prod(s)].view(s)
+            for s, o in zip(local_space.shapes, local_space.offsets, strict=True)
+        ]
+        for g in groups.values():
+            plan = _factor_plan(local_space, g)
+            assert plan is not None
+            for factor, field in zip(plan, g[0].index_fields, strict=True):
+                batched = torch.cat([getattr(b, field).tensor().long() for b in g])
+                for t, part in factor.split(batched.reshape(factor_shape(factor, g, field))):
+                    dest = part.view(params[part.param])
+                    dest.copy_(t.view(dest.shape))
+        written = flat >= 0
+        assert torch.equal(flat[written], torch.nonzero(written).reshape(-1))
+        assert bool(written[n_local:].all())  # every PAD coordinate, once
+        grad = torch.arange(n_local + n_pad, dtype=torch.float64) + 1
+        grad[n_local:] = 0
+        grads = [
+            grad[o : o + math.prod(s)].view(s)
+            for s, o in zip(local_space.shapes, local_space.offsets, strict=True)
+        ]
+        for g in groups.values():
+            for factor, field in zip(_factor_plan(local_space, g), g[0].index_fields, strict=True):
+                batched = torch.cat([getattr(b, field).tensor().long() for b in g])
+                shape = factor_shape(factor, g, field)
+                read = torch.empty(shape, dtype=torch.float64)
+                for t, part in factor.split(read):
+                    src = part.view(grads[part.param])
+                    t.view(src.shape).copy_(src)
+                assert torch.equal(read.reshape(-1), grad[batched.reshape(-1)])
+
+
+def factor_shape(factor, group, field) -> tuple[int, ...]:
+    """The batched component's shape: the blocks' positions flattened or stacked."""
+    if factor.flat is not None:
+        return (sum(factor.sizes),)
+    return (sum(factor.sizes), *getattr(group[0], field).shape[1:])
+
+
+def test_head_ranges_tile_the_heads_into_sets_of_rows():
+    from geosharp.symmetry.positions import Positions, slots
+    from geosharp.symmetry.specs import ParamSlice
+
+    assert slots([(0, 4), (0, 1), (1, 3), (3, 4), (0, 4)], 4) == [[0], [1, 2, 3], [4]]
+    assert slots([(0, 0)], 0) == [[0]]  # a whole parameter: no heads
+    for bad in ([(0, 1), (2, 4)], [(0, 2)], [(1, 4)]):
+        with pytest.raises(ValueError, match="do not tile"):
+            slots(bad, 4)
+    # heads 0-1 from w's rows, then one row per head: head 0 from b, heads 1.. from pad
+    w, b, pad = ParamSlice("w", axis=0), ParamSlice("b", axis=0), ParamSlice("pad", 0, 2, 4)
+    parts = [((4, 3), w, 0), ((2,), b, 12), ((6,), pad, 14)]
+    p = Positions.slices(parts, heads=2, head_dim=2, numel=20, ranges=[None, (0, 1), (1, 2)])
+    assert p.head_ranges == ((0, 2), (0, 1), (1, 2))
+    want = torch.tensor([[[0, 3], [1, 4], [2, 5], [12, 13]], [[6, 9], [7, 10], [8, 11], [16, 17]]])
+    assert torch.equal(p.tensor().long(), want)
+    assert torch.equal(p.to("cpu").tensor(), p.tensor())

@@ -18,7 +18,7 @@ from torch import Tensor
 from geosharp.geometry.gl_endpoint import _reverse_mode_only
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
-from geosharp.symmetry.positions import Positions
+from geosharp.symmetry.positions import Positions, slots
 from geosharp.symmetry.specs import ParamSlice, slice_view
 
 __all__: list[str] = []
@@ -33,8 +33,11 @@ class _Part:
 
     param: int  # the parameter's position in the space
     piece: ParamSlice | None  # None: the whole parameter, in its own shape
-    heads: int
+    heads: int  # the blocks it is cut into: those of its head range
     head_dim: int
+    #: None: the part is rows of every head; else its heads ``(lo, hi)`` of a set of rows
+    #: that the next parts fill up to the last head (a rank's bias rows, then padding)
+    span: tuple[int, int] | None = None
 
     def view(self, t: Tensor) -> Tensor:
         """``t`` (shaped like the parameter) arranged as this part's rows (a view of ``t``)."""
@@ -72,7 +75,18 @@ class _Factor:
                 out.append((blk, parts[0]))
                 continue
             pieces = torch.split(blk, rows, dim=1) if len(rows) > 1 else (blk,)
-            out.extend(zip(pieces, parts, strict=True))
+            it = iter(parts)
+            for rows_t in pieces:
+                part = next(it)
+                if part.span is None:
+                    out.append((rows_t, part))
+                    continue
+                while True:  # the heads of a set of rows, range by range
+                    lo, hi = part.span
+                    out.append((rows_t[lo:hi], part))
+                    if hi == rows_t.shape[0]:
+                        break
+                    part = next(it)
         return out
 
 
@@ -80,7 +94,9 @@ def _factor_plan(space: ParameterSpace, blocks: Sequence[SymmetryBlock]) -> list
     """The :class:`_Factor` of every component of one batched piece, or None if unknown.
 
     Known: blocks batched by the default :meth:`SymmetryBlock.batch` whose positions are
-    :class:`~geosharp.symmetry.positions.Positions` recipes that :func:`slice_view` can view.
+    :class:`~geosharp.symmetry.positions.Positions` recipes that :func:`slice_view` can view;
+    a set of rows made of parts of head ranges (a sharded rank's bias rows, then ``PAD``'s
+    slices) is split along the heads too (:attr:`_Part.span`).
     """
     cls = type(blocks[0])
     flat = cls.batch_flat
@@ -100,19 +116,28 @@ def _factor_plan(space: ParameterSpace, blocks: Sequence[SymmetryBlock]) -> list
             recipe, heads, head_dim = pos.recipe
             sizes.append(pos.numel() if flat else int(pos.shape[0]))
             blk_rows, blk_parts = [], []
-            for shape, piece, offset in recipe:
-                j = owner.get(int(offset))
-                if j is None or tuple(space.shapes[j]) != tuple(shape):
-                    return None
-                part = _Part(j, piece, heads, head_dim)
-                if piece is not None:
-                    v = slice_view(torch.empty(shape, device="meta"), piece, heads, head_dim)
+            for slot in slots(pos.head_ranges, heads):
+                slot_rows = set()
+                for i in slot:
+                    shape, piece, offset = recipe[i]
+                    lo, hi = pos.head_ranges[i]
+                    j = owner.get(int(offset))
+                    if j is None or tuple(space.shapes[j]) != tuple(shape):
+                        return None
+                    span = None if len(slot) == 1 else (lo, hi)
+                    blk_parts.append(_Part(j, piece, hi - lo, head_dim, span))
+                    if piece is None:
+                        if len(recipe) != 1:
+                            return None
+                        continue
+                    meta = torch.empty(shape, device="meta")
+                    v = slice_view(meta, piece, hi - lo, head_dim)
                     if v is None:
                         return None
-                    blk_rows.append(v.numel() // (heads * head_dim))
-                elif len(recipe) != 1:
+                    slot_rows.add(v.numel() // ((hi - lo) * head_dim))
+                if len(slot_rows) > 1:
                     return None
-                blk_parts.append(part)
+                blk_rows.extend(slot_rows)
             rows.append(tuple(blk_rows))
             parts.append(tuple(blk_parts))
         shapes = tuple(torch.Size(getattr(b, field).shape) for b in blocks) if flat else None

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import GLBlock, SymmetryBlock, TranslationBlock
 from geosharp.symmetry.positions import Positions, as_tensor
+from geosharp.symmetry.specs import ParamSlice
 
 __all__ = ["PAD", "local_space", "shard_placement"]
 
@@ -196,6 +197,7 @@ def _local_blocks(
     for b in space.blocks:
         groups.setdefault(b.batch_key(), []).append(b)
     bound = pad_next + sum(b.numel for b in space.blocks)  # the rank's coordinates, at most
+    recipes: list[tuple[int, str]] = []  # padded factors kept as recipes: (block, field)
     for key, group in groups.items():
         cls = type(group[0])
         if isinstance(group[0], TranslationBlock):
@@ -204,6 +206,8 @@ def _local_blocks(
                 whole = held.numel() > 0 and bool(held.all())
                 recipe = _local_recipe(b.index, space, layouts, local, bound) if whole else None
                 mine = recipe if recipe is not None else local[held].reshape(1, 1, -1)
+                if recipe is None:  # some heads here: a slice of one local shard, if it is
+                    mine = _held_recipe(mine, space, layouts, bound) or mine
                 blocks.append(dataclasses.replace(b, index=mine))
             continue
         if not isinstance(group[0], GLBlock):
@@ -224,10 +228,19 @@ def _local_blocks(
                 if recipe is not None:  # no position tensor held: built when asked for
                     fields[f] = recipe
                     continue
-                index, pad_next = _padded(mine, count, n, pad_next)
-                fields[f] = index
+                index, after = _padded(mine, count, n, pad_next)
+                if n > 0:  # padded rows of whole sets of rows: a recipe with PAD's slices
+                    recipe = _padded_recipe(getattr(b, f), space, layouts, index, pad_next, first)
+                    if recipe is not None:
+                        index = recipe
+                        recipes.append((len(blocks), f))
+                fields[f], pad_next = index, after
             values = {fl.name: getattr(b, fl.name) for fl in dataclasses.fields(b)}
             blocks.append(local_cls(**{**values, **fields, "global_key": key}))
+    for i, f in recipes:  # PAD's final length in its parts' shape (the local space's)
+        pos = getattr(blocks[i], f)
+        sized = pos.with_shape(first, (pad_next - first,))
+        blocks[i] = dataclasses.replace(blocks[i], **{f: sized})
     return blocks, pad_next - first
 
 
@@ -316,6 +329,100 @@ def _local_recipe(
     except (ValueError, RuntimeError):  # the slice does not fit the local shape
         return None
     if built.shape != mine.shape or not torch.equal(built.long(), mine.long()):
+        return None
+    return recipe
+
+
+def _held_recipe(
+    mine: Tensor, space: ParameterSpace, layouts: list[_Layout], bound: int
+) -> Positions | None:
+    """A key-bias translation's share ``mine`` ``(1, 1, m)`` here, as a recipe.
+
+    A slice of a 1-D local shard (``b_k`` sharded along its heads); ``None`` if it is not one.
+    """
+    flat = mine.reshape(-1).long()
+    m = flat.numel()
+    if not m or not torch.equal(flat, torch.arange(int(flat[0]), int(flat[0]) + m)):
+        return None
+    j = max((i for i, x in enumerate(layouts) if x.local_offset <= int(flat[0])), default=None)
+    if j is None or len(layouts[j].shape) != 1:
+        return None
+    lay, a = layouts[j], int(flat[0]) - layouts[j].local_offset
+    if a + m > lay.length:
+        return None
+    piece = ParamSlice(space.param_names[j], 0, a, a + m)
+    recipe = Positions.slices([((lay.length,), piece, lay.local_offset)], 1, m, bound)
+    return recipe if torch.equal(recipe.tensor().long(), flat.view(mine.shape)) else None
+
+
+def _padded_recipe(
+    pos: Any,
+    space: ParameterSpace,
+    layouts: list[_Layout],
+    want: Tensor,
+    pad_next: int,
+    first: int,
+) -> Positions | None:
+    """A padded factor's positions ``want`` (:func:`_padded`'s) as a recipe, if they are one.
+
+    Its parts held for every head (``W_q``'s rows, split along dimension 1) are slices of the
+    local shards, as in :func:`_local_recipe`; a part sharded along its heads' axis (``b_q``,
+    split along dimension 0) holds here the rows of heads ``[lo, hi)``: a slice of its local
+    shard, and for the heads before and after, slices of the :data:`PAD` vector (at ``first``
+    in the rank's space), numbered head by head from ``pad_next`` as :func:`_padded` numbers
+    them (so it must be the factor's last part). ``None`` (the position tensor is kept) when
+    the recipe puts any position elsewhere. PAD's parts are shaped by the PAD made so far
+    (:meth:`Positions.with_shape` gives them its whole length afterwards).
+    """
+    if not isinstance(pos, Positions) or any(r != (0, pos.recipe[1]) for r in pos.head_ranges):
+        return None
+    parts, heads, head_dim = pos.recipe
+    starts = {int(off): j for j, off in enumerate(space.offsets) if space.shapes[j]}
+    local: list[tuple[tuple[int, ...], ParamSlice, int]] = []
+    ranges: list[tuple[int, int] | None] = []
+    pad = pad_next - first  # PAD's next coordinate
+
+    def padding(lo: int, hi: int, per_head: int) -> None:
+        nonlocal pad
+        end = pad + (hi - lo) * per_head
+        local.append(((end,), ParamSlice(PAD, 0, pad, end), first))
+        ranges.append((lo, hi))
+        pad = end
+
+    for shape, piece, offset in parts:
+        j = starts.get(int(offset))
+        if j is None or piece is None or not shape:
+            return None
+        lay, lshape = layouts[j], list(shape)
+        lshape[lay.dim] = lay.length
+        axis = piece.axis % len(shape)
+        if lay.dim != axis or lay.length == shape[axis]:  # every head's rows here
+            local.append((tuple(lshape), piece, lay.local_offset))
+            ranges.append(None)
+            continue
+        start = 0 if piece.start is None else piece.start
+        width = ((shape[axis] if piece.stop is None else piece.stop) - start) // heads
+        if piece.parts != 1 or piece.part != 0 or width <= 0:
+            return None
+        lo = min(max(-(-(lay.start - start) // width), 0), heads)  # the heads held here
+        hi = max(min((lay.start + lay.length - start) // width, heads), lo)
+        per_head = math.prod(shape) // shape[axis] * width  # one head's coordinates
+        if lo:
+            padding(0, lo, per_head)
+        if hi > lo:
+            a, b = start + lo * width - lay.start, start + hi * width - lay.start
+            local.append(
+                (tuple(lshape), dataclasses.replace(piece, start=a, stop=b), lay.local_offset)
+            )
+            ranges.append((lo, hi))
+        if hi < heads:
+            padding(hi, heads, per_head)
+    try:
+        recipe = Positions.slices(local, heads, head_dim, first + pad, ranges)
+        built = recipe.tensor()
+    except (ValueError, RuntimeError):  # a slice that does not fit, ranges out of order
+        return None
+    if built.shape != want.shape or not torch.equal(built.long(), want.long()):
         return None
     return recipe
 

@@ -15,6 +15,10 @@ factorizations it feeds) and drops it with the caller. It answers ``shape``, ``n
 ``to`` without building anything, and anything else (``reshape``, ``torch.equal``) on the
 tensor it builds, so code written for position tensors keeps working; to index with it, build
 it (:func:`as_tensor`, as :attr:`SymmetryBlock.indices` does).
+
+A part may cover a range ``[lo, hi)`` of the heads only (:attr:`Positions.head_ranges`): the
+parts that follow it, up to the one covering the last head, fill the other heads of the same
+rows (a sharded model's bias row, held for the rank's heads and padded for the others).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import Tensor
 
 from geosharp.symmetry.specs import ParamSlice, slice_positions
 
-__all__ = ["Positions", "as_tensor"]
+__all__ = ["Positions", "as_tensor", "slots"]
 
 
 class Positions:
@@ -42,7 +46,7 @@ class Positions:
         device: The device it is built on.
     """
 
-    __slots__ = ("_head_dim", "_heads", "_parts", "device", "dtype", "shape")
+    __slots__ = ("_head_dim", "_heads", "_parts", "_ranges", "device", "dtype", "shape")
 
     def __init__(
         self,
@@ -52,8 +56,10 @@ class Positions:
         shape: torch.Size,
         dtype: torch.dtype,
         device: torch.device,
+        ranges: tuple[tuple[int, int] | None, ...] | None = None,
     ) -> None:
         self._parts, self._heads, self._head_dim = parts, heads, head_dim
+        self._ranges = ranges  # None: every part covers every head
         self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device(device)
 
     @classmethod
@@ -63,6 +69,7 @@ class Positions:
         heads: int,
         head_dim: int,
         numel: int,
+        ranges: Sequence[tuple[int, int] | None] | None = None,
     ) -> Positions:
         """Slices of parameters, each cut into ``heads`` blocks of ``head_dim``, row-stacked.
 
@@ -71,6 +78,9 @@ class Positions:
             heads: Number of blocks ``B``.
             head_dim: Group dimension ``h``.
             numel: Number of coordinates of ``θ`` (chooses int32 or int64).
+            ranges: Per part, the heads ``(lo, hi)`` it covers (its slice cut into ``hi - lo``
+                blocks), or ``None`` for all of them; consecutive ranged parts stack along the
+                heads, ``0`` to ``heads``, into one set of rows (:attr:`head_ranges`).
 
         Raises:
             ValueError: From :func:`~geosharp.symmetry.specs.slice_positions`, here and now
@@ -78,7 +88,12 @@ class Positions:
         """
         frozen = tuple((tuple(int(s) for s in shape), p, int(off)) for shape, p, off in parts)
         dtype = torch.int32 if numel < 2**31 else torch.long
-        out = cls(frozen, heads, head_dim, torch.Size(), dtype, torch.device("cpu"))
+        spans = None
+        if ranges is not None and any(r is not None for r in ranges):
+            spans = tuple(None if r is None else (int(r[0]), int(r[1])) for r in ranges)
+            if len(spans) != len(frozen):
+                raise ValueError("one head range per part")
+        out = cls(frozen, heads, head_dim, torch.Size(), dtype, torch.device("cpu"), spans)
         out.shape = out._build().shape
         return out
 
@@ -98,6 +113,33 @@ class Positions:
         """
         return self._parts, self._heads, self._head_dim
 
+    @property
+    def head_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Per part of :attr:`recipe`, the heads ``(lo, hi)`` its rows belong to.
+
+        ``(0, heads)`` for a part of every head. A part of some heads only is cut into
+        ``hi - lo`` blocks; it and the parts after it up to the one ending at ``heads`` (in
+        order of their heads, :func:`slots`) are one set of rows, stacked along the heads.
+        """
+        full = (0, self._heads)
+        if self._ranges is None:
+            return (full,) * len(self._parts)
+        return tuple(full if r is None else r for r in self._ranges)
+
+    def with_shape(self, offset: int, shape: Sequence[int]) -> Positions:
+        """The same positions, the parameter at ``offset`` given ``shape`` in :attr:`recipe`.
+
+        For a parameter whose final length is known only once its parts are all made (a
+        sharded rank's padding vector); its slices must fit ``shape`` as they did before.
+        """
+        parts = tuple(
+            (tuple(int(s) for s in shape), piece, off) if off == offset else (old, piece, off)
+            for old, piece, off in self._parts
+        )
+        return Positions(
+            parts, self._heads, self._head_dim, self.shape, self.dtype, self.device, self._ranges
+        )
+
     # -- building ---------------------------------------------------------------------------
     def _build(self) -> Tensor:
         """The positions, built on the host (on the device named, never the default one)."""
@@ -107,13 +149,17 @@ class Positions:
             n = math.prod(shape)
             out = torch.arange(offset, offset + n, dtype=torch.long, device=host).view(shape)
         else:
-            out = torch.cat(
-                [
-                    slice_positions(shape, piece, self._heads, self._head_dim, host) + offset
-                    for shape, piece, offset in self._parts
-                ],
-                dim=1,
-            )
+            built = [
+                slice_positions(shape, piece, hi - lo, self._head_dim, host) + offset
+                for (shape, piece, offset), (lo, hi) in zip(
+                    self._parts, self.head_ranges, strict=True
+                )
+            ]
+            rows = [
+                torch.cat([built[i] for i in slot]) if len(slot) > 1 else built[slot[0]]
+                for slot in slots(self.head_ranges, self._heads)
+            ]
+            out = torch.cat(rows, dim=1)
         return out.to(self.dtype)
 
     def tensor(self) -> Tensor:
@@ -143,7 +189,13 @@ class Positions:
         """The same recipe building on ``device``; other conversions build the tensor."""
         if isinstance(device, (torch.device, str)) and not args and not kwargs:
             return Positions(
-                self._parts, self._heads, self._head_dim, self.shape, self.dtype, device
+                self._parts,
+                self._heads,
+                self._head_dim,
+                self.shape,
+                self.dtype,
+                device,
+                self._ranges,
             )
         return self.tensor().to(device, *args, **kwargs)
 
@@ -175,3 +227,29 @@ def _built(x: Any) -> Any:
 def as_tensor(index: Tensor | Positions) -> Tensor:
     """A position tensor: ``index`` itself, or the one a :class:`Positions` builds."""
     return index.tensor() if isinstance(index, Positions) else index
+
+
+def slots(ranges: Sequence[tuple[int, int]], heads: int) -> list[list[int]]:
+    """The parts (their positions) that make each set of rows, in order.
+
+    A part of every head is one set; parts of head ranges ``(lo, hi)`` make one set from the
+    part starting at head 0 to the one ending at ``heads``, each starting where the last ended.
+
+    Raises:
+        ValueError: If the ranges do not tile the heads so.
+    """
+    out: list[list[int]] = []
+    at = 0  # the next head of the set being filled (0: none open)
+    for i, (lo, hi) in enumerate(ranges):
+        if (lo, hi) == (0, heads) and not at:  # every head (a whole parameter: no heads)
+            out.append([i])
+            continue
+        if lo != at or not lo < hi <= heads:
+            raise ValueError(f"head ranges {list(ranges)} do not tile {heads} heads in order")
+        if lo == 0:
+            out.append([])
+        out[-1].append(i)
+        at = 0 if hi == heads else hi
+    if at:
+        raise ValueError(f"head ranges {list(ranges)} do not tile {heads} heads in order")
+    return out
