@@ -15,7 +15,7 @@ from geosharp._version import __version__
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
-from geosharp.estimators.sharded_space import shard_placement
+from geosharp.estimators.placement import shard_placement
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring import measure
 from geosharp.studies.population_call import study
