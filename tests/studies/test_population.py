@@ -334,9 +334,5 @@ def test_exact_steps_reach_the_exact_measures_and_keep_old_studies_resumable():
     assert "exact_steps" not in study._run_kwargs(o2)
     study.cfg = PopulationSettings(manifest="m.csv", options={})
     assert "exact_steps" not in study._run_kwargs(exact)
-    assert "exact_steps" not in asdict_config(study)
-
-
-def asdict_config(study) -> dict:
     study.grids = {}
-    return study.config()
+    assert "exact_steps" not in study.config()

@@ -118,6 +118,11 @@ class Measure(ABC):
     #: Classes with a lower priority are asked first by :func:`parse_measure`.
     priority: ClassVar[int] = 100
 
+    @property
+    def exact_geodesic(self) -> bool:
+        """Whether it follows the exact (RK4) geodesic (its RK4 steps matter: ``exact_steps``)."""
+        return self.kwargs().get("order") == "exact"
+
     @classmethod
     @abstractmethod
     def claims(cls, text: str, toks: list[str]) -> bool:

@@ -87,11 +87,15 @@ def _measure_cells(
     curv: Mapping[str, Any],
     say: Callable[[str], None],
     warn: Callable[..., None],
-    low_memory: bool = False,
-    buffer_budget: float | None = BUFFER_BUDGET,
-    exact_steps: int = DEFAULT_RK4_STEPS,
+    extra: Mapping[str, Any] | None = None,
 ) -> list[MeasureRow]:
-    """Every measure at every ρ (once without ρ), in order, warning and logging as it goes."""
+    """Every measure at every ρ (once without ρ), in order, warning and logging as it goes.
+
+    ``extra``: the estimators' settings that differ from their defaults (``low_memory``,
+    ``buffer_budget``, ``exact_steps``), as :func:`_estimate` takes them.
+    """
+    extra = dict(extra or {})
+    exact_steps = extra.get("exact_steps", DEFAULT_RK4_STEPS)
     n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
     say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
     rows: list[MeasureRow] = []
@@ -102,11 +106,6 @@ def _measure_cells(
             for rho in rhos if spec.uses_rho else [None]:
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
-                extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
-                if buffer_budget != BUFFER_BUDGET:
-                    extra["buffer_budget"] = buffer_budget
-                if exact_steps != DEFAULT_RK4_STEPS:
-                    extra["exact_steps"] = exact_steps
                 row = _measure_one(
                     model,
                     loss_fn,

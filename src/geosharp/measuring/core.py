@@ -233,9 +233,7 @@ def measure(
         curv,
         say,
         _warn,
-        low_memory=low_memory,
-        buffer_budget=buffer_budget,
-        exact_steps=exact_steps,
+        extra=extra,
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -247,7 +245,7 @@ def measure(
         "check": check,
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
-        **({"exact_steps": exact_steps} if any(_exact(s) for s in specs) else {}),
+        **({"exact_steps": exact_steps} if any(s.exact_geodesic for s in specs) else {}),
         **({"curvature": curv} if any(s.family == "curvature" for s in specs) else {}),
         **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
         **(
@@ -340,8 +338,3 @@ def _n_samples(batches: Sequence[tuple[Any, Any]]) -> int | None:
             return None
         total += targets.shape[0]
     return total
-
-
-def _exact(spec: Measure) -> bool:
-    """Whether ``spec`` follows the exact (RK4) geodesic."""
-    return spec.family == "sharpness" and spec.kwargs().get("order") == "exact"

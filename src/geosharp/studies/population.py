@@ -247,7 +247,11 @@ class PopulationStudy(Study):
             + "; "
             + "; ".join(f"{k}: " + ", ".join(f"{r:g}" for r in g) for k, g in self.grids.items()),
             "steps": self.cfg.steps,
-            **({"exact_steps": self.cfg.exact_steps} if any(map(_exact, self.measures)) else {}),
+            **(
+                {"exact_steps": self.cfg.exact_steps}
+                if any(m.exact_geodesic for m in self.measures)
+                else {}
+            ),
             "seed": self.cfg.seed,
             **({"frozen": ", ".join(o.freeze)} if o.freeze else {}),
         }
@@ -303,7 +307,7 @@ class PopulationStudy(Study):
         if m.family != "sharpness":
             return {"seed": self.cfg.seed}
         kw = {"steps": self.cfg.steps, "eps": self.cfg.eps, "seed": self.cfg.seed}
-        if _exact(m) and self.cfg.exact_steps != DEFAULT_RK4_STEPS:
+        if m.exact_geodesic and self.cfg.exact_steps != DEFAULT_RK4_STEPS:
             kw["exact_steps"] = self.cfg.exact_steps
         return kw
 
@@ -417,8 +421,3 @@ def run_population(
 
 def _pilot_of(out: Path) -> str | None:
     return _read_json(out / MANIFEST_FILE).get("rho_rule", {}).get("pilot")
-
-
-def _exact(m: Measure) -> bool:
-    """Whether ``m`` follows the exact (RK4) geodesic."""
-    return m.family == "sharpness" and m.kwargs().get("order") == "exact"
