@@ -4,21 +4,33 @@
 #
 #   bash benchmarks/gpu_check.sh OUT          # OUT: a folder for the figures (default gpu-check)
 #
+# 0. the packages: a GPU machine has its own torch (a CUDA build); wheels of the lock's other
+#    versions, where a folder .whl holds them (transformers, peft, accelerate, huggingface_hub,
+#    tokenizers and what they need, downloaded for that machine's Python), go in first, so that
+#    the check runs against requirements.lock and not whatever that machine has;
 # 1. the device: torch, CUDA, the GPUs;
-# 2. FSDP2 on every GPU of the node (nccl, tests/estimators/fsdp_worlds.py): a BERT and a Llama-GQA
-#    with PEFT LoRA, float64 / float32 / bfloat16, sharded values against one unsharded device;
-# 3. the benchmark regimes (benchmarks/regimes.py) in float32 and bfloat16: absolute times per
-#    ascent step and the peak memory above a plain step (max_memory_allocated);
-# 4. the sharded memory benchmark on CPU (gloo) for the figures of docs/cluster.md.
-# Tried on this 2-core CPU (2026-12-04): device, fsdp (world 1, 2 on gloo, 25 s) and fsdp_memory
-# (18 s) ran; regimes reached its 180 s limit (MiniLM 32 × 64 in float32 and bfloat16 on one CPU
-# thread), as expected off a GPU.
+# 2. the CUDA paths of the suite: tests/test_cuda.py (sharpness, curvature and the CLI on the GPU
+#    against the CPU; bfloat16 against float32; a model dispatched over the GPU and the CPU) and
+#    tests/estimators/test_device_placement.py;
+# 3. FSDP2 on every GPU of the node (nccl, tests/estimators/fsdp_worlds.py): a BERT and a Llama-GQA
+#    with PEFT LoRA, float64 / float32 / bfloat16, sharded values against one unsharded device,
+#    summed up by benchmarks/gpu_fsdp_summary.py;
+# 4. `geosharp measure --fsdp` under torchrun on the GPUs against one process
+#    (benchmarks/gpu_cli_check.py);
+# 5. the benchmark regimes (benchmarks/regimes.py) in float32 and bfloat16 on a BERT-large shape
+#    (335 M) and a TinyLlama shape (Llama-GQA, 1.1 B): absolute times per ascent step and the
+#    peak memory above a plain step (max_memory_allocated).
 # Each step has its own time limit and writes its output to OUT; a failing step does not stop the
 # next one. The exit status is the number of failed steps.
 set -u
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 failed=0
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -32,26 +44,38 @@ step() {  # step NAME SECONDS COMMAND...
     fi
 }
 
-step device 60 python -c "
-import torch
+step device 60 "$PY" -c "
+import torch, transformers, peft, accelerate
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
+print('transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(i, p.name, round(p.total_memory / 2**30, 1), 'GiB')
 "
 cat "$OUT/device.out"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     DEVICE=cuda
-    N=$(python -c "import torch; print(torch.cuda.device_count())")
-    WORLDS=$(python -c "print(','.join(str(w) for w in (1, 2, 4, 8) if w <= $N))")
-else
+    N=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+    WORLDS=$("$PY" -c "print(','.join(str(w) for w in (1, 2, 4, 8) if w <= $N))")
+    CONFIGS=bert-335m,llama-1b
+else  # the CPU twin: gloo, and the small configurations
+    export GEOSHARP_TEST_GPU=cpu
     DEVICE=cpu
+    N=2
     WORLDS=1,2
+    CONFIGS=tiny
 fi
 echo "device $DEVICE, world sizes $WORLDS"
 
-step fsdp 150 python tests/estimators/fsdp_worlds.py "$WORLDS" "$DEVICE"
-step regimes 180 python benchmarks/regimes.py --device "$DEVICE" --dtype float32,bfloat16 \
-    --configs minilm-32x64 --repeats 2 --steps 1,3 --eps 1e-6 --json "$OUT/regimes.json"
-step fsdp_memory 90 python benchmarks/fsdp_memory.py --worlds 1,2 --json "$OUT/fsdp_memory.json"
+step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    tests/estimators/test_device_placement.py
+tail -n 3 "$OUT/tests.out"
+step fsdp 120 "$PY" tests/estimators/fsdp_worlds.py "$WORLDS" "$DEVICE"
+"$PY" benchmarks/gpu_fsdp_summary.py "$OUT/fsdp.out" >"$OUT/fsdp_summary.out" 2>&1 ||
+    failed=$((failed + 1))
+cat "$OUT/fsdp_summary.out"
+step cli 90 "$PY" benchmarks/gpu_cli_check.py /tmp/gpu-cli "$N"
+tail -n 7 "$OUT/cli.out"
+step regimes 150 "$PY" benchmarks/regimes.py --device "$DEVICE" --dtype float32,bfloat16 \
+    --configs "$CONFIGS" --repeats 2 --steps 1,3 --eps 1e-6 --json "$OUT/regimes.json"
 exit "$failed"

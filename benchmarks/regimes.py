@@ -178,6 +178,40 @@ def _bert(device: torch.device, hidden: int, layers: int, heads: int, batch: int
     return Case(title, model, [(inputs, y)], _logits_ce)
 
 
+def _llama(
+    device: torch.device, hidden: int, layers: int, heads: int, kv: int, batch: int, seq: int
+) -> Case:
+    """A Llama-GQA classifier from a ``LlamaConfig`` (rotary Q/K blocks, grouped K/V heads)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from geosharp.models.hf import quiet_transformers
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=int(2.75 * hidden),
+        max_position_embeddings=2 * seq,
+        num_labels=2,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    with quiet_transformers(), torch.device(device):
+        model = LlamaForSequenceClassification(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), generator=g)
+    y = torch.randint(0, 2, (batch,), generator=g)
+    n = sum(p.numel() for p in model.parameters())
+    title = (
+        f"Llama-GQA from a LlamaConfig (hidden {hidden}, {layers} layers, {heads} heads, {kv} "
+        f"key/value heads, random weights, {n / 1e6:.1f} M parameters), batch {batch} × {seq}"
+    )
+    return Case(title, model, [({"input_ids": ids}, y)], _logits_ce)
+
+
 #: name → (short description, builder). Builders get the target device (big models are
 #: initialised on it); the model is then cast to the dtype and the batches moved.
 CONFIGS: dict[str, tuple[str, Callable[[torch.device], Case]]] = {
@@ -195,6 +229,10 @@ CONFIGS: dict[str, tuple[str, Callable[[torch.device], Case]]] = {
     "bert-335m": (
         "BERT-large shape (1024, 24 layers, 16 heads; 335 M), batch 8 × 64 (GPU)",
         lambda d: _bert(d, 1024, 24, 16, 8, 64),
+    ),
+    "llama-1b": (
+        "TinyLlama shape (2048, 22 layers, 32 heads, 4 KV heads; 1.1 B), batch 8 × 128 (GPU)",
+        lambda d: _llama(d, 2048, 22, 32, 4, 8, 128),
     ),
 }
 DEFAULT_CONFIGS = "minilm-small,minilm-32x64,vit-tiny,bert-41m"
