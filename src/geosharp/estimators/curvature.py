@@ -85,6 +85,7 @@ from geosharp.estimators.hessian import (
     hutchpp,
     lanczos,
 )
+from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
 from geosharp.estimators.pieces import _flat_dtype
 from geosharp.estimators.sharded_check import check_unsharded
@@ -264,6 +265,7 @@ def curvature(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_unsharded(model, "gs.curvature")
+    check_materialized(model, "gs.curvature")
 
     space_given = space is not None
     space = space if space_given else find_symmetries(model, key_bias=key_bias)

@@ -41,6 +41,7 @@ from geosharp.estimators.harness import (
     objectives,
     perturbation_of,
 )
+from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
 from geosharp.estimators.sharded import ShardedParams, in_place_ok, restored
 from geosharp.estimators.sharded_check import is_sharded
@@ -254,6 +255,7 @@ def sharpness(
         buffer_budget = check_float("buffer_budget", buffer_budget)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_materialized(model, "gs.sharpness")
     shards = None
     if is_sharded(model):
         if space is not None:

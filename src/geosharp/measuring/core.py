@@ -41,6 +41,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
+from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.sharded_check import is_sharded
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
@@ -287,6 +288,10 @@ def _check_arguments(
         raise MeasureError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise MeasureError("the model has no parameters: there is nothing to perturb")
+    try:
+        check_materialized(model, "gs.measure")
+    except ValueError as err:
+        raise MeasureError(str(err)) from None
     specs = [parse_measure(m) for m in measures]
     if not specs:
         raise MeasureError("no measures given: pass at least one (e.g. geodesic-inv-o2)")
