@@ -3,6 +3,7 @@
 # GPU every step runs its CPU twin, so the script itself is checked where it is written).
 #
 #   bash benchmarks/gpu_check.sh OUT          # OUT: a folder for the figures (default gpu-check)
+#   GPU_CHECK_WHEELS=0 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh OUT   # the CPU twin
 #
 # 0. the packages: a GPU machine has its own torch (a CUDA build); wheels of the lock's other
 #    versions, where a folder .whl holds them (transformers, peft, accelerate, huggingface_hub,
@@ -25,12 +26,12 @@
 set -u
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+PY=${PYTHON:-python3}  # PYTHON=.venv/bin/python for the CPU twin (with GPU_CHECK_WHEELS=0)
+if [ "${GPU_CHECK_WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
 failed=0
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
