@@ -22,7 +22,9 @@
 #    (335 M) and a TinyLlama shape (Llama-GQA, 1.1 B): absolute times per ascent step and the
 #    peak memory above a plain step (max_memory_allocated).
 # Each step has its own time limit and writes its output to OUT; a failing step does not stop the
-# next one. The exit status is the number of failed steps.
+# next one. The exit status is the number of failed steps. GPU_CHECK_ONLY="tests fsdp" runs only
+# the steps named (device always runs); REGIMES="--configs ... --dtype ..." replaces the
+# regimes step's configurations, dtypes and measures.
 set -u
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
@@ -33,9 +35,11 @@ if [ "${GPU_CHECK_WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 failed=0
+ONLY=${GPU_CHECK_ONLY:-device tests fsdp cli regimes}
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
+    case " device $ONLY " in *" $name "*) ;; *) return 0 ;; esac
     local t0=$SECONDS
     if timeout "$limit" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"; then
         echo "$name: ok ($((SECONDS - t0)) s)"
@@ -70,13 +74,16 @@ echo "device $DEVICE, world sizes $WORLDS"
 
 step tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     tests/estimators/test_device_placement.py
-tail -n 3 "$OUT/tests.out"
+[ -f "$OUT/tests.out" ] && tail -n 3 "$OUT/tests.out"
 step fsdp 120 "$PY" tests/estimators/fsdp_worlds.py "$WORLDS" "$DEVICE"
-"$PY" benchmarks/gpu_fsdp_summary.py "$OUT/fsdp.out" >"$OUT/fsdp_summary.out" 2>&1 ||
-    failed=$((failed + 1))
-cat "$OUT/fsdp_summary.out"
+if [ -f "$OUT/fsdp.out" ]; then
+    "$PY" benchmarks/gpu_fsdp_summary.py "$OUT/fsdp.out" >"$OUT/fsdp_summary.out" 2>&1 ||
+        failed=$((failed + 1))
+    cat "$OUT/fsdp_summary.out"
+fi
 step cli 90 "$PY" benchmarks/gpu_cli_check.py /tmp/gpu-cli "$N"
-tail -n 7 "$OUT/cli.out"
-step regimes 150 "$PY" benchmarks/regimes.py --device "$DEVICE" --dtype float32,bfloat16 \
-    --configs "$CONFIGS" --repeats 2 --steps 1,3 --eps 1e-6 --json "$OUT/regimes.json"
+[ -f "$OUT/cli.out" ] && tail -n 7 "$OUT/cli.out"
+# shellcheck disable=SC2086  # REGIMES: several arguments
+step regimes "${REGIMES_LIMIT:-150}" "$PY" benchmarks/regimes.py --device "$DEVICE" --repeats 2 --steps 2,6 \
+    --eps 1e-6 ${REGIMES:---configs $CONFIGS --dtype float32,bfloat16} --json "$OUT/regimes.json"
 exit "$failed"

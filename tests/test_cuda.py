@@ -287,9 +287,18 @@ SPLIT_MEASURES = {
 }
 
 
+#: model → (value tolerance in units of the clean loss, clean-loss tolerance, relative). HF's
+#: Llama takes its RMSNorm and its rotary cos/sin in float32 even in a float64 model, so its
+#: losses on the GPU and on the CPU differ by float32 rounding: measured on the H200
+#: (2026-12-04), clean losses 6e-10 apart (relative), adaptive-l2 7.9e-10 apart (3.8e-7 of its
+#: value, 7e-10 of the clean loss). The BERT computes everything in float64.
+SPLIT_TOL = {"bert": (1e-12, 1e-12), "llama": (1e-7, 1e-7)}
+
+
 @pytest.mark.parametrize("which", sorted(SPLITS))
 def test_a_model_split_across_devices_measures_as_the_undispatched_one(which):
     build = SPLITS[which][0]
+    value_tol, loss_tol = SPLIT_TOL[which]
     model, where = _split(which)
     devices = {d.type for d in where.values()}
     assert devices == {DEV.type, "cpu"}
@@ -300,9 +309,10 @@ def test_a_model_split_across_devices_measures_as_the_undispatched_one(which):
         got = gs.sharpness(model, ce_any_device, fsdp_worlds.batches(), **kw)
         _assert_untouched(model, before)
         assert got.value > 0 and math.isfinite(got.value), name
-        assert _rel(got.value, want.value) <= 1e-9, (name, got.value, want.value)
+        scale = want.clean_losses[0]
+        assert abs(got.value - want.value) <= value_tol * scale, (name, got.value, want.value)
         for g, w in zip(got.clean_losses, want.clean_losses, strict=True):
-            assert _rel(g, w) <= 1e-12, name
+            assert _rel(g, w) <= loss_tol, name
 
 
 def test_curvature_of_a_model_split_across_devices():
