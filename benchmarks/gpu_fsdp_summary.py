@@ -11,6 +11,13 @@ with 1 when a value is out of the tolerance of issue 27's tests (``tests/estimat
 or a model's shards changed: float64 1e-10 relative; float32 1e-5 of the clean loss (a sharpness
 is a difference of two losses: their float32 rounding is the scale); bfloat16 5 % of the value.
 The line shows the error in that scale ("err"), the largest over the measures.
+
+On a GPU the random measures (average case, random starts) are compared with the model on the
+CPU: a sharded rank draws its noise from the CPU stream (``estimators/sharded_draws.py``) while an
+unsharded GPU model draws CUDA's numbers. HF's Llama takes its RMSNorm and rotary cos/sin in
+float32 even in a float64 model, so its losses on the GPU and on the CPU differ by float32
+rounding (3.3e-9 of the clean loss on the H200, 2026-12-04): those comparisons are judged at
+1e-7 of the clean loss (``CROSS_DEVICE``), as ``tests/test_cuda.py`` judges the split Llama.
 """
 
 from __future__ import annotations
@@ -19,11 +26,20 @@ import json
 import sys
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 0.05}
+#: a model with float32 internals compared across devices: tolerance in units of its clean loss
+CROSS_DEVICE = {"llama": 1e-7}
 
 
-def err(dtype: str, got: float, want: dict) -> float:
-    """The difference in the scale of the dtype's tolerance (the clean loss for float32)."""
-    scale = want["clean"][0] if dtype == "float32" and "clean" in want else want["value"]
+def err(dtype: str, got: float, want: dict, tol: float | None = None) -> float:
+    """The difference in the scale of the dtype's tolerance (the clean loss for float32).
+
+    ``tol``: judge it in units of the clean loss against ``tol`` instead (the result is then
+    scaled so that 1 × the dtype's tolerance stands for ``tol``).
+    """
+    clean = want["clean"][0]
+    if tol is not None:
+        return abs(got - want["value"]) / abs(clean) / tol * TOLERANCE[dtype]
+    scale = clean if dtype == "float32" else want["value"]
     return abs(got - want["value"]) / max(abs(scale), 1e-300)
 
 
@@ -44,8 +60,11 @@ def summary(result: dict) -> tuple[list[str], bool]:
                 for m, v in got["values"].items():
                     worst = max(worst, err(dtype, v["value"], refs[case][m]))
                 for g, table in groups.items():
+                    cross = g == "random" and result.get("device", "cpu") != "cpu"
+                    tol = next((t for k, t in CROSS_DEVICE.items() if case.startswith(k)), None)
                     for m, v in got.get(g, {}).items():
-                        worst = max(worst, err(dtype, v["value"], table[case][m]))
+                        w = table[case][m]
+                        worst = max(worst, err(dtype, v["value"], w, tol if cross else None))
                 line = (
                     f"world {world} rank {rank} {case:<28} err {worst:.2e} "
                     f"(tol {TOLERANCE[dtype]:g}), "

@@ -281,7 +281,7 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
         cpu = model if device == "cpu" else build(name, getattr(torch, dt))
         random[k] = measure_random(cpu, batches(), rho, RANDOM_CASES.get(k, ()))
         exact[k] = measure_random(model, on(batches()), rho, EXACT_CASES.get(k, ()), EXACT)
-    result = {"reference": ref, "random": random, "exact": exact, "worlds": {}}
+    result = {"reference": ref, "random": random, "exact": exact, "worlds": {}, "device": device}
     ctx = mp.get_context("spawn")
     for world in worlds:
         queue = ctx.Queue()
