@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import geosharp as gs
+from geosharp.estimators import pieces
 from geosharp.estimators.pieces import _block_params, _block_point, _group_blocks
 from geosharp.symmetry import GLBlock, ParameterSpace
 
@@ -151,8 +152,14 @@ def test_a_block_across_two_devices_is_refused():
         _group_blocks(space, devices)
 
 
-def test_block_point_is_read_from_each_parameter_without_a_concatenation():
-    """A block over two parameters of two dtypes: ``θ₀[i]``, in the dtype of ``θ₀``, exactly."""
+@pytest.mark.parametrize("chunk", [1 << 22, 12, 1])
+def test_block_point_is_read_from_each_parameter_without_a_concatenation(chunk, monkeypatch):
+    """A block over two parameters of two dtypes: ``θ₀[i]``, in the dtype of ``θ₀``, exactly.
+
+    ``chunk``: positions gathered at once (whole rows of dimension 0; 12 = one row of ``g``,
+    1 = still one row): every chunking reads the same values.
+    """
+    monkeypatch.setattr(pieces, "_GATHER_CHUNK", chunk)
     g = torch.arange(20, 44).view(2, 6, 2)  # across the end of "a" and into "b"
     h = torch.arange(2, 22).view(2, 5, 2)
     space = ParameterSpace(

@@ -194,23 +194,41 @@ def _block_point(
     """
     out = []
     for i in index:
-        flat = i.reshape(-1)
-        if not flat.numel():
-            out.append(torch.empty(i.shape, dtype=dtype, device=i.device))
-            continue
-        owner = space.owners(flat)  # the parameters the positions lie in
-        counts = torch.bincount(owner, minlength=len(space.offsets))  # one per parameter
-        js = torch.nonzero(counts).reshape(-1).tolist()
-        if len(js) == 1:
-            j = js[0]
-            values = params[j].reshape(-1)[flat - space.offsets[j]].to(dtype)
-        else:
-            values = torch.empty(flat.shape, dtype=dtype, device=flat.device)
-            for j in js:
-                sel = torch.nonzero(owner == j).reshape(-1)
-                values[sel] = params[j].reshape(-1)[flat[sel] - space.offsets[j]].to(dtype)
-        out.append(values.view(i.shape))
+        values = torch.empty(i.shape, dtype=dtype, device=i.device)
+        # in chunks of whole rows of dimension 0 (heads of consecutive layers): a chunk's
+        # positions lie in a few parameters, so the per-parameter selection below costs
+        # O(chunk × its parameters), not O(all positions × all the group's parameters)
+        whole = i.dim() < 2 or not len(i)
+        rows = max(1, len(i)) if whole else max(1, _GATHER_CHUNK // max(1, i[0].numel()))
+        for start in range(0, len(i), rows):
+            flat = i[start : start + rows].reshape(-1)
+            if flat.numel():
+                values[start : start + rows] = _gather(space, flat, params, dtype).view(
+                    values[start : start + rows].shape
+                )
+        out.append(values)
     return tuple(out)
+
+
+#: positions gathered at once by :func:`_block_point` (whole rows of the index's dimension 0)
+_GATHER_CHUNK = 1 << 22
+
+
+def _gather(
+    space: ParameterSpace, flat: Tensor, params: Sequence[Tensor], dtype: torch.dtype
+) -> Tensor:
+    """``θ₀[flat]`` read from the parameters holding the positions, converted to ``dtype``."""
+    owner = space.owners(flat)  # the parameters the positions lie in
+    counts = torch.bincount(owner, minlength=len(space.offsets))  # one per parameter
+    js = torch.nonzero(counts).reshape(-1).tolist()
+    if len(js) == 1:
+        j = js[0]
+        return params[j].reshape(-1)[flat - space.offsets[j]].to(dtype)
+    values = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+    for j in js:
+        sel = torch.nonzero(owner == j).reshape(-1)
+        values[sel] = params[j].reshape(-1)[flat[sel] - space.offsets[j]].to(dtype)
+    return values
 
 
 def _block_pieces(
