@@ -11,12 +11,22 @@ peak resident set:
   ``geodesic-inv`` / ``geodesic-mix`` (order 2) run the attention blocks on the rank's rows with
   ``h × h`` all-reduces (SPEC §10.2). The layers are sharded with
   :func:`geosharp.shard_placement` (``--placement rows``, the default: Q/K/V along dimension 1)
-  or FSDP's default (``--placement default``, element-wise measures only).
+  or FSDP's default (``--placement default``, element-wise measures only). ``--low-memory``
+  passes ``low_memory=True``: Auto-PGD keeps the best iterate's direction only while it costs
+  no buffer, and the blocks' geometry runs its per-step products in the model's dtype.
 
 The peaks are the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``
 before each), with glibc told to return every buffer of 64 KiB or more to the system
 (``MALLOC_MMAP_THRESHOLD_=65536``, set for the ranks): a tensor tracer cannot follow FSDP's
 gathered parameters, whose storages are resized to 0 and back instead of freed.
+
+The resident set counts the pages of shared libraries a process touches for the first time:
+a geodesic call brings about 6 MB more of ``libtorch_cpu.so``'s code into memory than an
+adaptive one (presumably the kernels of the float64 ``h × h`` algebra, which the float32 plain
+step never runs), once per process and shared between the processes of a node. The growth of
+``RssFile`` over the call is printed beside the peak; ``--warm-call`` makes one call before the
+plain steps and the measured call, so that both peaks hold that code and the figure is what a
+second call costs.
 
 It prints, per world size, the call's peak above the plain step's in units of the rank's share
 of a parameter-sized buffer (``P · itemsize / world``), and the collectives per ascent step:
@@ -29,6 +39,7 @@ during the call and during one plain step, per forward pass.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -131,6 +142,7 @@ def sharded_call(model: torch.nn.Module, ce, mine: list, args: dict):
         metric=metric or "inv",
         rho=args["rho"],
         steps=args["steps"],
+        low_memory=args.get("low_memory", False),
         progress=False,
     )
 
@@ -141,13 +153,18 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def peak_rss() -> int:
-    """The process's peak resident set since :func:`reset_peak`, in bytes."""
+def rss_field(name: str) -> int:
+    """A field of ``/proc/self/status`` given in kB (``VmHWM``, ``RssFile``, …), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {name} in /proc/self/status")
+
+
+def peak_rss() -> int:
+    """The process's peak resident set since :func:`reset_peak`, in bytes."""
+    return rss_field("VmHWM")
 
 
 class Count:
@@ -179,16 +196,21 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
 
         model, n_params, mine, ce, plain = sharded_setup(rank, world, args)
         plain()  # warm-up
+        if args.get("warm_call"):  # the library code the call runs is resident in both peaks
+            sharded_call(model, ce, mine, args)
+            gc.collect()
         reset_peak()
         plain()
         plain()
         plain_peak = peak_rss()
         with Count() as cp:
             plain()
+        file_before = rss_field("RssFile")
         reset_peak()
         with Count() as cc:
             res = sharded_call(model, ce, mine, args)
         call_peak = peak_rss()
+        file_pages = rss_field("RssFile") - file_before
         unit = n_params * 4 / world
         queue.put(
             (
@@ -197,6 +219,8 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
                     "params": n_params,
                     "base_point": res.settings["sharded"]["base_point"],
                     "above_plain_units": (call_peak - plain_peak) / unit,
+                    "file_pages_mb": file_pages / 1e6,
+                    "file_pages_units": file_pages / unit,
                     "plain_collectives": dict(cp.counts),
                     "call_collectives": dict(cc.counts),
                     "forward": res.n_forward,
@@ -227,6 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="bert", choices=("bert", "llama"))
     ap.add_argument("--placement", default="rows", choices=("rows", "default"))
     ap.add_argument("--rho", type=float, default=0.05)
+    ap.add_argument(
+        "--low-memory",
+        action="store_true",
+        help="gs.sharpness(low_memory=True): best direction kept only while free, float32 factors",
+    )
+    ap.add_argument(
+        "--warm-call",
+        action="store_true",
+        help="one gs.sharpness call before the measured one (library code already resident)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     args = vars(a)
@@ -252,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(
                 f"world {world} rank {rank}: P = {r['params']:,}; peak above a plain sharded step "
-                f"{r['above_plain_units']:.2f} × P/world (base point {r['base_point']}); "
+                f"{r['above_plain_units']:.2f} × P/world (base point {r['base_point']}; "
+                f"library pages first mapped {r['file_pages_mb']:.1f} MB = "
+                f"{r['file_pages_units']:.2f}); "
                 f"passes {r['forward']} fwd / "
                 f"{r['backward']} bwd; collectives: plain step {r['plain_collectives']}, call "
                 f"{r['call_collectives']}; value {r['value']:.6g}"
