@@ -92,15 +92,15 @@ def no_work(monkeypatch):
     def work(*args, **kwargs):
         raise AssertionError("work started")
 
-    # merge binds runner.report_from_folder at import: imported under the patch, it would keep
+    # merge binds study_report.report_from_folder at import: imported under the patch, it would keep
     # the stub for every later test
     importlib.import_module("geosharp.studies.merge")
     for name in cli.STUDIES:
         monkeypatch.setitem(cli.STUDIES, name, (cli.STUDIES[name][0], work))
     for target in (
         "geosharp.studies.runner.run_study",
-        "geosharp.studies.runner.report_from_folder",
-        "geosharp.studies.runner.export_study",
+        "geosharp.studies.study_report.report_from_folder",
+        "geosharp.studies.study_report.export_study",
         "geosharp.studies.merge.merge_shards",
         "geosharp.studies.symmetry_test.symmetry_test",
     ):

@@ -28,10 +28,10 @@ _CLI_SCRIPT = textwrap.dedent(
     import torch
 
     # By path: the package attribute geosharp.measuring is the function measure().
-    cli, measure_cli, merge, runner, symmetry_test = (
+    cli, measure_cli, merge, runner, study_report, symmetry_test = (
         importlib.import_module(f"geosharp.{name}")
         for name in ("cli", "measuring.cli", "studies.merge", "studies.runner",
-                     "studies.symmetry_test")
+                     "studies.study_report", "studies.symmetry_test")
     )
 
     def blas_threads():
@@ -79,8 +79,8 @@ _CLI_SCRIPT = textwrap.dedent(
         return 0
 
     runner.run_study = fake_run_study
-    runner.report_from_folder = fake_report
-    runner.export_study = fake_report
+    study_report.report_from_folder = fake_report
+    study_report.export_study = fake_report
     symmetry_test.symmetry_test = fake_symmetry_test
     merge.merge_shards = fake_merge
     measure_cli.run = fake_measure

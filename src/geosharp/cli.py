@@ -202,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(rest) >= 2 and rest[0] in ("study", "symmetry-test") and is_manifest(rest[1]):
         return _population(rest[0], rest[1:], debug="--debug" in argv)
     args = _parser().parse_args(argv)
-    from geosharp.studies.runner import Shard, report_from_folder, run_study
+    from geosharp.studies.runner import Shard, run_study
     from geosharp.studies.store import StudyMismatchError
+    from geosharp.studies.study_report import report_from_folder
 
     if args.command == "measure":
         from geosharp.measuring.cli import run as run_measure
@@ -250,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"written: {out / 'symmetry_test.md'}, {out / 'symmetry_test.csv'}")
         elif args.command == "report":
             if args.export is not None:
-                from geosharp.studies.runner import export_study
+                from geosharp.studies.study_report import export_study
 
                 ensure_writable_dir(args.export, "--export", keep=False)  # created once checked
                 paths = export_study(args.out, args.export)

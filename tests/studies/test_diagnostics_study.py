@@ -12,8 +12,9 @@ from geosharp.studies.classifier_diagnostics import (
     diagnose_folder,
     read_diagnostics,
 )
-from geosharp.studies.runner import make_report, run_study
+from geosharp.studies.runner import run_study
 from geosharp.studies.store import Store
+from geosharp.studies.study_report import make_report
 from geosharp.studies.vit_mnist import ViTMNISTConfig, ViTMNISTStudy
 from geosharp.studies.vit_orbit import ASCENT_DIAGNOSTICS, VitOrbitStudy
 from geosharp.studies.vit_orbit_radii import FAMILIES

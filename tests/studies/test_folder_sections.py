@@ -120,8 +120,8 @@ def test_a_provider_named_by_module_path_is_imported_when_needed(tmp_path):
 
 
 def test_export_copies_every_result_file_and_keeps_the_sections(tmp_path):
-    from geosharp.studies.runner import export_study, report_from_folder
     from geosharp.studies.store import Store
+    from geosharp.studies.study_report import export_study, report_from_folder
 
     src, dst = tmp_path / "study", tmp_path / "shared"
     src.mkdir()

@@ -5,7 +5,7 @@ Run as ``python -m geosharp.studies.check_reports [ROOT ...]`` (default root: ``
 Every folder under ``results/`` that holds a ``study.sqlite`` is copied, without its report,
 into a temporary folder (the store and the files a report reads: ``symmetry_test.csv``,
 ``diagnostics.csv``, ``sections.json``), its report is rebuilt there with
-:func:`geosharp.studies.runner.report_from_folder` (what ``geosharp report DIR`` does), and
+:func:`geosharp.studies.study_report.report_from_folder` (what ``geosharp report DIR`` does), and
 ``tau_table.md``, ``summary.json`` and ``report.html`` are compared with the committed ones
 after :func:`normalize` has blanked what changes on every run (the time a report was generated
 and the geosharp version that wrote it).
@@ -139,7 +139,7 @@ def compare_folder(
             the plots) over the committed one where it differs: after a change of the report
             that the committed results should show.
     """
-    from geosharp.studies.runner import report_from_folder
+    from geosharp.studies.study_report import report_from_folder
 
     src = Path(folder)
     check = FolderCheck(src)

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.studies.report import ReportPaths
-from geosharp.studies.runner import report_from_folder
 from geosharp.studies.store import Store, StudyMismatchError
+from geosharp.studies.study_report import report_from_folder
 
 #: Columns of a model row that must agree between copies (not its training time or date).
 MODEL_IDENTITY = ("hparams", "metrics", "gap", "checkpoint", "seed")

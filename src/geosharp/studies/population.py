@@ -44,9 +44,9 @@ from geosharp.studies.runner import (
     Shard,
     Study,
     StudyMeasure,
-    report_from_folder,
     run_study,
 )
+from geosharp.studies.study_report import report_from_folder
 
 __all__ = [
     "DEFAULT_POPULATION_MEASURES",

@@ -10,7 +10,6 @@ killed run restarts where it stopped and never recomputes or loses a finished ro
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import sys
@@ -21,17 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from geosharp._io import atomic_write_bytes
 from geosharp._version import __version__
 from geosharp.measures import Measure, from_kwargs
 from geosharp.measuring.cells import this_rank_alone
-from geosharp.studies.report import ReportPaths, write_report
-from geosharp.studies.sections import RESULT_FILES
+from geosharp.studies.report import ReportPaths
 from geosharp.studies.store import Store
+from geosharp.studies.study_report import make_report
 
 
 @dataclass(frozen=True)
@@ -385,138 +382,3 @@ def _record_report_meta(store: Store, study: Study) -> None:
             "INSERT OR REPLACE INTO meta (key, value) VALUES ('report', ?)",
             (json.dumps(info, default=str),),
         )
-
-
-def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) -> ReportPaths:
-    """Write ``results.csv`` and the report of the study recorded in ``store``.
-
-    Models whose gap is not finite are left out of the analysis (and listed in the notes).
-    Files that add-ons or a study's own analysis left in the folder become sections of the
-    report through the providers of :func:`geosharp.studies.sections.folder_sections`; the
-    runner knows none of them.
-    """
-    out = Path(out_dir)
-    info = json.loads(store.meta().get("report", "{}"))
-    models, excluded = [], []
-    for m in store.models():
-        if m["gap"] is None or not math.isfinite(m["gap"]) or m.get("excluded"):
-            excluded.append(m["model_id"])
-            continue
-        models.append(m)
-    ids = {m["model_id"] for m in models}
-    measurements = [r for r in store.measurements() if r["model_id"] in ids]
-    all_notes = list(notes) + list(info.get("notes", []))
-    failed = [r for r in measurements if r.get("error")]
-    if failed:
-        all_notes.append(
-            f"{len(failed)} measurement(s) failed and count as missing values: "
-            + "; ".join(
-                f"{r['model_id']} {r['measure']} ρ={r['rho']}: {r['error']}" for r in failed[:10]
-            )
-        )
-    for r in measurements:
-        if r.get("error"):
-            r["value"] = None
-    for m in store.models():
-        if m.get("note"):
-            all_notes.append(f"{m['model_id']}: {m['note']}")
-    if excluded:
-        all_notes.append(
-            f"{len(excluded)} model(s) left out of the analysis: " + ", ".join(excluded[:20])
-        )
-    settings = dict(info.get("settings", {}))
-    settings["models analysed"] = len(models)
-    if models:
-        settings["population"] = _population_summary(models)
-    if info.get("environments"):
-        settings["run by"] = "; ".join(_environment_text(e) for e in info["environments"])
-    return write_report(
-        out,
-        title=info.get("title", "Study"),
-        models=models,
-        measurements=measurements,
-        settings=settings,
-        paper=info.get("paper"),
-        expected=info.get("expected"),
-        notes=all_notes,
-        gap_label=info.get("gap_label", "generalization gap"),
-    )
-
-
-def _population_summary(models: Sequence[dict[str, Any]]) -> str:
-    """Range and median of the gap and of every error metric of the analysed models."""
-    metrics = {k for m in models for k in m if k.endswith(("_error", "_loss"))}
-    keys = ["gap", *sorted(metrics)]
-    parts = []
-    for k in keys:
-        vals = np.asarray([m.get(k) for m in models if _is_number(m.get(k))], dtype=float)
-        if vals.size:
-            parts.append(
-                f"{k.replace('_', ' ')} {vals.min():.4g} to {vals.max():.4g} "
-                f"(median {np.median(vals):.4g})"
-            )
-    return "; ".join(parts)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _environment_text(env: dict[str, Any]) -> str:
-    device = env.get("cuda") or f"CPU ({env.get('cpus')} cores, {env.get('threads')} threads)"
-    return (
-        f"geosharp {env.get('geosharp')}, torch {env.get('torch')}, Python {env.get('python')}, "
-        f"{device}, {env.get('platform')}"
-    )
-
-
-def report_from_folder(out_dir: str | Path) -> ReportPaths:
-    """Regenerate ``results.csv`` and the report of a study folder (``geosharp report DIR``).
-
-    Raises:
-        FileNotFoundError: If the folder holds no ``study.sqlite``.
-    """
-    out = Path(out_dir)
-    db = out / "study.sqlite"
-    if not db.is_file():
-        raise FileNotFoundError(f"{out} holds no study.sqlite; run `geosharp study ...` first")
-    with Store(db, None, None) as store:
-        store.export_csv(out / "results.csv")
-        return make_report(out, store)
-
-
-def export_study(out_dir: str | Path, dest: str | Path) -> ReportPaths:
-    """Copy a study's results without its checkpoints into ``dest`` and write the report there.
-
-    ``dest`` receives a consistent snapshot of ``study.sqlite`` (SQLite's online backup, so a
-    study may still be running), the result files of the folder that exist
-    (:data:`geosharp.studies.sections.RESULT_FILES`: the symmetry test's rows and table, a
-    study's ``diagnostics.csv``, ``sections.json``, ``analysis.md``, ``PREREGISTRATION.md``),
-    and ``results.csv``, ``tau_table.md``, ``summary.json``, the plots and ``report.html``
-    built from them: a small folder to share or commit, which ``geosharp report`` can rebuild
-    with the same sections. Checkpoints stay behind (``dest`` cannot resume training or
-    measure again).
-
-    Args:
-        out_dir: The study's output folder.
-        dest: Where to export (created; must not be ``out_dir``).
-
-    Returns:
-        The paths of the exported report.
-
-    Raises:
-        FileNotFoundError: If ``out_dir`` holds no ``study.sqlite``.
-        ValueError: If ``dest`` is ``out_dir``.
-    """
-    src, dst = Path(out_dir), Path(dest)
-    if not (src / "study.sqlite").is_file():
-        raise FileNotFoundError(f"{src} holds no study.sqlite; run `geosharp study ...` first")
-    if dst.resolve() == src.resolve():
-        raise ValueError("--export needs another folder than the study's own")
-    dst.mkdir(parents=True, exist_ok=True)
-    with Store(src / "study.sqlite", None, None) as store:
-        store.backup(dst / "study.sqlite")
-    for name in RESULT_FILES:  # what add-ons and the study's own analysis wrote
-        if (src / name).is_file():
-            atomic_write_bytes(dst / name, (src / name).read_bytes())
-    return report_from_folder(dst)

@@ -263,7 +263,7 @@ FOLDER_SECTION_PROVIDERS: list[str | FolderSectionProvider] = [
 
 #: Files of a study folder that are results rather than checkpoints, beside ``study.sqlite``:
 #: what the providers read, and what a study's own analysis wrote.
-#: :func:`geosharp.studies.runner.export_study` copies those that exist (and rebuilds the
+#: :func:`geosharp.studies.study_report.export_study` copies those that exist (and rebuilds the
 #: report from them).
 RESULT_FILES: list[str] = [
     "symmetry_test.csv",  # geosharp symmetry-test: rows
