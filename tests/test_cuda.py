@@ -60,43 +60,16 @@ def _bert(dtype: torch.dtype, device: torch.device, attn: str = "eager") -> torc
     Eager attention by default: its softmax runs in the model's dtype (float64 here) and has
     second derivatives on every device (SDPA's fused CUDA kernels have none).
     """
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation=attn,
-    )
-    model = transformers.BertForSequenceClassification(cfg).to(dtype).eval()
-    return model.to(device)
+    return fsdp_worlds.build("bert", dtype, attn=attn).to(device)
 
 
 def _llama(dtype: torch.dtype) -> torch.nn.Module:
-    """A 2-layer Llama classifier with grouped-query attention (rotary Q/K blocks), on the CPU.
+    """fsdp_worlds' 2-layer Llama classifier with grouped-query attention, on the CPU.
 
-    SDPA attention: HF's eager Llama softmax runs in float32 even in a float64 model, which
-    would hold a cross-device comparison to float32 rounding; SDPA's math in float64 does not.
+    SDPA attention: HF's eager Llama softmax runs in float32 even in a float64 model. Its
+    RMSNorm and rotary cos/sin do too, whatever the attention (see :data:`SPLIT_TOL`).
     """
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        num_labels=3,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForSequenceClassification(cfg).to(dtype).eval()
+    return fsdp_worlds.build("llama-gqa", dtype, attn="sdpa")
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

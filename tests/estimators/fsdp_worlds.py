@@ -88,9 +88,14 @@ ROWS = 8  # rows of every batch: split evenly over 1, 2 or 4 ranks
 STEPS = 5
 
 
-def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A tiny model from its config, the same on every rank (seeded)."""
+def build(name: str, dtype: torch.dtype, attn: str | None = None) -> torch.nn.Module:
+    """A tiny model from its config, the same on every rank (seeded).
+
+    ``attn``: the attention implementation (``"eager"``, ``"sdpa"``; the library's default if
+    None).
+    """
     torch.manual_seed(0)
+    kw = {} if attn is None else {"attn_implementation": attn}
     if name == "bert-twin":
         from geosharp.symmetry.reparametrize import reparametrize
 
@@ -108,6 +113,7 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
             num_labels=3,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
+            **kw,
         )
         return BertForSequenceClassification(cfg).to(dtype).eval()
     from peft import LoraConfig, get_peft_model
@@ -123,6 +129,7 @@ def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
         max_position_embeddings=16,
         num_labels=3,
         pad_token_id=0,
+        **kw,
     )
     base = LlamaForSequenceClassification(cfg).to(dtype).eval()
     if name == "llama-gqa":  # a full fine-tune: its Q/K blocks are rotary (SPEC §8.5)
