@@ -270,10 +270,36 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
         raise
 
 
+def _start(ctx, world: int, device: str) -> tuple:
+    """Spawn the ranks of one world size; :func:`_collect` gathers what they report."""
+    queue = ctx.Queue()
+    store = tempfile.NamedTemporaryFile(delete=False).name
+    os.unlink(store)
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world, store, queue, device)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def _collect(procs: list, queue) -> dict:
+    ranks = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return ranks
+
+
 def main(worlds: list[int], device: str = "cpu") -> dict:
-    """The unsharded values (on ``device``'s first device) and every world size's."""
+    """The unsharded values (on ``device``'s first device) and every world size's.
+
+    The first world size's ranks run while this process measures the unsharded models (world 1
+    on two cores: one each), the others one world size after another.
+    """
     torch.set_num_threads(1)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    ctx = mp.get_context("spawn")
+    first = _start(ctx, worlds[0], device) if worlds else None
 
     def on(data: list) -> list:
         return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
@@ -289,21 +315,9 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
         random[k] = measure_random(cpu, batches(), rho, RANDOM_CASES.get(k, ()))
         exact[k] = measure_random(model, on(batches()), rho, EXACT_CASES.get(k, ()), EXACT)
     result = {"reference": ref, "random": random, "exact": exact, "worlds": {}, "device": device}
-    ctx = mp.get_context("spawn")
-    for world in worlds:
-        queue = ctx.Queue()
-        store = tempfile.NamedTemporaryFile(delete=False).name
-        os.unlink(store)
-        procs = [
-            ctx.Process(target=rank_main, args=(r, world, store, queue, device))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        ranks = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-        result["worlds"][world] = ranks
+    for i, world in enumerate(worlds):
+        procs, queue = first if i == 0 else _start(ctx, world, device)
+        result["worlds"][world] = _collect(procs, queue)
     return result
 
 
