@@ -150,10 +150,30 @@ def _minilm_32x64(device: torch.device) -> Case:
     return Case(title + ", all weights perturbed", model, [(x, y)], _logits_ce)
 
 
+def _random_ids_case(
+    device: torch.device, cls: type, cfg: Any, what: str, batch: int, seq: int, mask: bool
+) -> Case:
+    """A Hugging Face classifier ``cls(cfg)`` with random weights, initialised on ``device``
+    (fast on GPUs), and one batch of random token ids (with an all-ones attention mask if
+    ``mask``); ``what`` opens the title."""
+    from geosharp.models.hf import quiet_transformers
+
+    torch.manual_seed(0)
+    with quiet_transformers(), torch.device(device):
+        model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), generator=g)
+    inputs = (
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)} if mask else {"input_ids": ids}
+    )
+    y = torch.randint(0, 2, (batch,), generator=g)
+    n = sum(p.numel() for p in model.parameters())
+    title = f"{what}, random weights, {n / 1e6:.1f} M parameters), batch {batch} × {seq}"
+    return Case(title, model, [(inputs, y)], _logits_ce)
+
+
 def _bert(device: torch.device, hidden: int, layers: int, heads: int, batch: int, seq: int) -> Case:
     from transformers import BertConfig, BertForSequenceClassification
-
-    from geosharp.models.hf import quiet_transformers
 
     cfg = BertConfig(
         hidden_size=hidden,
@@ -163,19 +183,8 @@ def _bert(device: torch.device, hidden: int, layers: int, heads: int, batch: int
         num_labels=2,
         attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    with quiet_transformers(), torch.device(device):  # initialised where it runs (fast on GPUs)
-        model = BertForSequenceClassification(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), generator=g)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    y = torch.randint(0, 2, (batch,), generator=g)
-    n = sum(p.numel() for p in model.parameters())
-    title = (
-        f"BERT from a BertConfig (hidden {hidden}, {layers} layers, {heads} heads, random "
-        f"weights, {n / 1e6:.1f} M parameters), batch {batch} × {seq}"
-    )
-    return Case(title, model, [(inputs, y)], _logits_ce)
+    what = f"BERT from a BertConfig (hidden {hidden}, {layers} layers, {heads} heads"
+    return _random_ids_case(device, BertForSequenceClassification, cfg, what, batch, seq, True)
 
 
 def _llama(
@@ -183,8 +192,6 @@ def _llama(
 ) -> Case:
     """A Llama-GQA classifier from a ``LlamaConfig`` (rotary Q/K blocks, grouped K/V heads)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from geosharp.models.hf import quiet_transformers
 
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -198,18 +205,11 @@ def _llama(
         pad_token_id=0,
         attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    with quiet_transformers(), torch.device(device):
-        model = LlamaForSequenceClassification(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, cfg.vocab_size, (batch, seq), generator=g)
-    y = torch.randint(0, 2, (batch,), generator=g)
-    n = sum(p.numel() for p in model.parameters())
-    title = (
+    what = (
         f"Llama-GQA from a LlamaConfig (hidden {hidden}, {layers} layers, {heads} heads, {kv} "
-        f"key/value heads, random weights, {n / 1e6:.1f} M parameters), batch {batch} × {seq}"
+        "key/value heads"
     )
-    return Case(title, model, [({"input_ids": ids}, y)], _logits_ce)
+    return _random_ids_case(device, LlamaForSequenceClassification, cfg, what, batch, seq, False)
 
 
 #: name → (short description, builder). Builders get the target device (big models are

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from geosharp.errors import MeasureError
+
 __all__ = ["check_materialized"]
 
 
@@ -23,12 +25,12 @@ def check_materialized(model: nn.Module, entry: str) -> None:
         entry: The entry point named in the message (``"gs.sharpness"``).
 
     Raises:
-        ValueError: If a trainable parameter is a meta tensor.
+        MeasureError: (a ``ValueError``) If a trainable parameter is a meta tensor.
     """
     names = [n for n, p in model.named_parameters() if p.requires_grad and p.is_meta]
     if names:
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        raise ValueError(
+        raise MeasureError(
             f"{entry}: the model's trainable parameter {names[0]!r}{more} is on the meta device "
             "(no values: offloaded by accelerate, whose device_map with a GPU as the main device "
             "offloads the modules mapped to 'cpu' or 'disk', or built under "

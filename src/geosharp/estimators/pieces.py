@@ -201,11 +201,11 @@ def _block_point(
         whole = i.dim() < 2 or not len(i)
         rows = max(1, len(i)) if whole else max(1, _GATHER_CHUNK // max(1, i[0].numel()))
         for start in range(0, len(i), rows):
-            flat = i[start : start + rows].reshape(-1)
-            if flat.numel():
-                values[start : start + rows] = _gather(space, flat, params, dtype).view(
-                    values[start : start + rows].shape
-                )
+            chunk = i[start : start + rows]
+            if chunk.numel():
+                values[start : start + rows] = _gather(
+                    space, chunk.reshape(-1), params, dtype
+                ).view(chunk.shape)
         out.append(values)
     return tuple(out)
 

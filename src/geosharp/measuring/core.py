@@ -288,10 +288,7 @@ def _check_arguments(
         raise MeasureError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise MeasureError("the model has no parameters: there is nothing to perturb")
-    try:
-        check_materialized(model, "gs.measure")
-    except ValueError as err:
-        raise MeasureError(str(err)) from None
+    check_materialized(model, "gs.measure")
     specs = [parse_measure(m) for m in measures]
     if not specs:
         raise MeasureError("no measures given: pass at least one (e.g. geodesic-inv-o2)")
