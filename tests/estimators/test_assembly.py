@@ -147,3 +147,100 @@ def test_slice_view_declines_parts_that_do_not_split_into_blocks():
     piece = ParamSlice("w", 0, parts=3, part=(0, 2))
     assert slice_positions((18, 5), piece, 2, 2).shape == (2, 15, 2)
     assert slice_view(t, piece, 2, 2) is None
+
+
+def _rest_layout_from_positions(space):
+    """``rest_layout`` read from every block's built positions (the rule before the views)."""
+    touched = {}
+    for b in space.blocks:
+        pos = b.positions().reshape(-1).long()
+        owner = space.owners(pos)
+        for j in torch.unique(owner).tolist():
+            mask = touched.setdefault(j, torch.zeros(space.shapes[j].numel(), dtype=torch.bool))
+            mask[pos[owner == j] - space.offsets[j]] = True
+    out = []
+    for j, shape in enumerate(space.shapes):
+        if j not in touched:
+            if shape.numel():
+                out.append((j, None))
+            continue
+        local = torch.nonzero(~touched[j]).reshape(-1)
+        if local.numel():
+            out.append((j, local))
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_set_up_through_views_equals_the_positions(name, monkeypatch):
+    """The set-up reads the blocks through views of the parameters, with no position built
+    (issue 27: a 1.1 B Llama's set-up went from 76 to 9 s): the blocks' base point, the rest
+    layout, and, past ``_CHECK_LIMIT``, the assembly checked by its cover instead of a gather
+    index, equal what the positions give, bit for bit."""
+    from geosharp.estimators.pieces import _block_point, _group_blocks
+
+    model = MODELS[name]().build()
+    space, pert = _perturbation(model)
+    named = dict(model.named_parameters())
+    params = [named[n].detach() for n in space.param_names]
+    groups = _group_blocks(space)
+    for (_, blocks), piece in zip(groups, pert.pieces, strict=False):
+        want = _block_point(space, type(blocks[0]).batch(blocks), params, params[0].dtype)
+        got = piece.geometry.point
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
+    got_layout, want_layout = space.rest_layout(), _rest_layout_from_positions(space)
+    assert [j for j, _ in got_layout] == [j for j, _ in want_layout]
+    for (_, a), (_, b) in zip(got_layout, want_layout, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    if not pert._assembly.gathered:
+        return
+    monkeypatch.setattr(assembly, "_CHECK_LIMIT", 0)
+    lean = Perturbation(
+        space,
+        {n: p for n, p in zip(space.param_names, params, strict=True)},
+        measure="geodesic",
+        metric="inv",
+        eps=1e-6,
+    )
+    assert lean._assembly.plan is not None and lean._assembly.index is None
+    xi = _random(pert.zeros(), 7)
+    a, b = pert.endpoint_params(xi), lean.endpoint_params(xi)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_plan_that_misses_coordinates_fails_its_cover_check(monkeypatch):
+    """Past ``_CHECK_LIMIT`` a plan is trusted only once it writes every coordinate once."""
+    model = MODELS[next(iter(MODELS))]().build()
+    _, pert = _perturbation(model)
+    asm = pert._assembly
+    assert asm.plan is not None
+    j = asm.gathered[0]
+    asm.mixed_local.append((j, torch.tensor([0])))  # coordinate 0 of parameter j written twice
+    with pytest.raises(ValueError, match="do not cover parameter"):
+        asm._check_cover(asm.plan, pert.pieces)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["hf_bert", "hf_llama_gqa_rotary", "hf_gpt2", "falcon_multi_query_rotary", "phi3_fused_gqa"],
+)
+def test_no_position_is_built_by_the_set_up_past_the_check_limit(name, monkeypatch):
+    """Finding the blocks, laying out the rest, reading the blocks' base point and checking
+    the assembly's plan use views of the parameters only: no block position is built (a
+    1.1 B Llama's positions were 1.7 GB of int64 per pass)."""
+    from geosharp.symmetry.positions import Positions
+
+    model = MODELS[name]().build()
+    real = Positions._build
+
+    def build(self, host=None):
+        if host is None or torch.device(host).type != "meta":
+            raise AssertionError("a block position was built")
+        return real(self, host)
+
+    monkeypatch.setattr(Positions, "_build", build)
+    monkeypatch.setattr(assembly, "_CHECK_LIMIT", 0)
+    space = gs.find_symmetries(model)
+    base = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    pert = Perturbation(space, base, measure="geodesic", metric="inv", eps=1e-6)
+    assert pert._assembly.plan is not None and space.blocks

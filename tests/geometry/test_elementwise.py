@@ -187,3 +187,25 @@ def test_frozen_coordinates_in_chunks_equal_the_one_pass_rule(monkeypatch, chunk
     else:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_frozen_coordinates_at_the_edges_of_the_clear_chunk_test(monkeypatch, chunk, dtype):
+    """NaN, ±inf, −0, subnormals and weights on either side of the smallest ``|w|`` whose
+    ``1/w²`` is finite, between ordinary weights: a chunk is skipped only when nothing in it is
+    frozen (the skip test reads ``min |w|``, in which a NaN compares false)."""
+    from geosharp.geometry import elementwise
+
+    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", chunk)
+    fi = torch.finfo(dtype)
+    edge = fi.max**-0.5  # about where 1/w² overflows
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, fi.tiny / 4, edge / 2, edge]
+    special += [edge * 1.01, -edge * 1.5, 2 * edge, 2.01 * edge, 4 * edge]
+    for v in special:
+        t = torch.full((5, 4), 0.5, dtype=dtype)
+        t.view(-1)[13] = v
+        want, got = _frozen_in_one_pass(t), elementwise._frozen_of(t)
+        assert (want is None) == (got is None), v
+        if want is not None:
+            assert torch.equal(got, want), v

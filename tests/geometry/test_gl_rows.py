@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from geosharp.geometry import BlockDiagonalAlgebra, GLExecution, GLGeometry, GLSubgroupGeometry
+from geosharp.geometry.gl_rows import contract
 
 from .reference import random_block
 
@@ -152,3 +153,40 @@ def test_split_rows_equal_all_rows(kind, metric, chunk):
                 assert close(got[key][c], rows(want[key][c], split)[r]), (key, c, r)
     assert close(sum(got["norm"] for got in ranks), want["norm"])
     assert len(set(ring.calls)) == 1  # every rank made the same collectives
+
+
+# -- the base point's Gram matrices, widened a chunk of heads at a time -----------------------
+@pytest.mark.parametrize("kind", ["gl", "rotary"])
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_gram_matrices_in_chunks_equal_the_widened_copy(monkeypatch, kind, metric):
+    """A float32 block: ``GᵀG`` widened chunk by chunk (5 elements: one head each, a chunk
+    of 4 heads) equals the products of the widened copy bit for bit, and the geometry built on
+    them equals the one that holds the copy (``hold_point=True``)."""
+    from geosharp.geometry import gl_factors
+
+    G, H, g = random_block((2, 3), N, M, h, seed=7)
+    G, H = G.float(), H.float()
+    xi = (0.1 * torch.randn(G.shape, generator=g), 0.1 * torch.randn(H.shape, generator=g))
+    want = contract((G.double(), G.double()), (H.double(), H.double()))
+    for chunk in (5, 4 * N * h, 1 << 22):
+        monkeypatch.setattr(gl_factors, "GRAM_CHUNK", chunk)
+        got = gl_factors.gram_matrices(G, H, torch.float64)
+        assert all(a.dtype == torch.float64 for a in got)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        doubled = gl_factors.gram_matrices(G, H, torch.float64, row_sum=lambda t: 2 * t)
+        assert torch.equal(doubled[0], 2 * want[0]) and torch.equal(doubled[1], 2 * want[1])
+    lean = make(kind, G, H, metric)
+    assert lean._held is None  # a float32 point: nothing widened is held
+    alg = BlockDiagonalAlgebra(h, planes=((0, 2),), free=(1, 3))
+    ex = GLExecution(hold_point=True, work_dtype=torch.float64)
+    held = (
+        GLGeometry(G, H, metric, 0.0, execution=ex)
+        if kind == "gl"
+        else GLSubgroupGeometry(G, H, alg, metric=metric, execution=ex)
+    )
+    for f in ("MG", "MH", "MG_inv", "MH_inv"):
+        assert torch.equal(getattr(lean.factors, f).double(), getattr(held.factors, f)), f
+    a, b = lean.project(xi), held.project(tuple(t.double() for t in xi))
+    assert all(
+        torch.allclose(x.double(), y, rtol=1e-6, atol=1e-7) for x, y in zip(a, b, strict=True)
+    )

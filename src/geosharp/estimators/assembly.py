@@ -25,6 +25,9 @@ __all__: list[str] = []
 
 #: Positions placed at a time while the gather index is filled (bounds its transients).
 _CHUNK = 1 << 20
+#: Gathered coordinates (every device's together) up to which the assembly's view plan is
+#: compared with a gather index built from the blocks' positions; past it, its cover only.
+_CHECK_LIMIT = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,42 @@ def _factor_plan(space: ParameterSpace, blocks: Sequence[SymmetryBlock]) -> list
     return plan
 
 
+def read_parts(
+    factor: _Factor,
+    tensors: Sequence[Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """One block component read part by part, through views, from parameter-shaped ``tensors``.
+
+    ``tensors``: one per parameter of the space (the parameters themselves: the blocks' base
+    point, or their gradients); the result is a fresh tensor of ``shape`` and ``dtype`` on
+    ``device``, each part's values copied (and converted) from its view.
+    """
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    for t, part in factor.split(buf):
+        src = part.view(tensors[part.param])
+        t.view(src.shape).copy_(src)
+    return buf
+
+
+def batched_shapes(blocks: Sequence[SymmetryBlock]) -> tuple[torch.Size, ...]:
+    """The shapes of :meth:`SymmetryBlock.batch` of ``blocks``, without building a position.
+
+    Each field's positions concatenated along the head axis (or, :attr:`~SymmetryBlock.
+    batch_flat`, flattened and concatenated).
+    """
+    cls = type(blocks[0])
+    out = []
+    for shapes in zip(*(b.index_shapes for b in blocks), strict=True):
+        if cls.batch_flat:
+            out.append(torch.Size([sum(math.prod(s) for s in shapes)]))
+        else:
+            out.append(torch.Size([sum(s[0] for s in shapes), *shapes[0][1:]]))
+    return tuple(out)
+
+
 class _Assembly:
     """Builds the perturbed parameters by name from the moved pieces.
 
@@ -221,15 +260,52 @@ class _Assembly:
         on = [
             sum(self.gathered_sizes[g] for g in gathered) for *_, gathered in self.sources.values()
         ]
+        plan = None if groups is None else [_factor_plan(space, blocks) for blocks in groups]
+        if plan is not None and None in plan:
+            plan = None
+        if plan is not None and sum(on) > _CHECK_LIMIT:
+            # past the limit the plan is not compared with a gather index (a 1.1 B Llama's
+            # index and its comparison took 28 s and 2 int32 per block coordinate); the same
+            # recipes make both, compared in full on every model below it
+            self._check_cover(plan, pieces)
+            self.plan = plan
+            return
         # int32 positions where they fit: half the memory (of the check, or kept per call)
         kind = torch.int32 if max(on) < 2**31 else torch.long
         index = {d: self._index_on(d, space, pieces, kind) for d in self.sources}
-        if groups is not None:
-            plan = [_factor_plan(space, blocks) for blocks in groups]
-            if all(p is not None for p in plan) and self._same_as(plan, pieces, index):
-                self.plan = plan  # the index is not kept: the layouts are views
-                return
+        if plan is not None and self._same_as(plan, pieces, index):
+            self.plan = plan  # the index is not kept: the layouts are views
+            return
         self.index = index
+
+    def _check_cover(self, plan: list[list[_Factor]], pieces: Sequence) -> None:
+        """Check that ``plan`` and the mixed rest write every gathered coordinate once.
+
+        One byte per coordinate of the gathered parameters, counted through the plan's views.
+
+        Raises:
+            ValueError: If a coordinate is written twice or never.
+        """
+        counts = [
+            torch.zeros(self.shapes[j], dtype=torch.uint8, device=self.devices[j])
+            if j in self.gathered
+            else None
+            for j in range(len(self.shapes))
+        ]
+        for k, factors in zip(self.sym_pieces, plan, strict=True):
+            for factor, point in zip(factors, pieces[k].geometry.point, strict=True):
+                for _, part in factor.split(torch.empty(point.shape, device="meta")):
+                    part.view(counts[part.param]).add_(1)
+        for j, local in self.mixed_local:
+            c = counts[j].view(-1)
+            one = torch.ones((), dtype=c.dtype, device=c.device).expand(len(local))
+            c.index_put_((local.to(c.device),), one, True)
+        for j in self.gathered:
+            if not bool((counts[j] == 1).all()):
+                raise ValueError(
+                    f"the symmetry blocks and the rest do not cover parameter "
+                    f"{self.names[j]!r} once (please report this)"
+                )
 
     def _index_on(
         self, device: torch.device, space: ParameterSpace, pieces: Sequence, dtype: torch.dtype
@@ -388,12 +464,7 @@ class _Assembly:
 
         The adjoint of :meth:`_write` for that component: a fresh tensor of ``shape``.
         """
-        dtype = grads[factor.parts[0][0].param].dtype
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        for t, part in factor.split(buf):
-            src = part.view(grads[part.param])
-            t.view(src.shape).copy_(src)
-        return buf
+        return read_parts(factor, grads, shape, grads[factor.parts[0][0].param].dtype, device)
 
     def pull_back(self, pieces: Sequence, grads: Sequence[Tensor]) -> list[list[Tensor]]:
         """The adjoint of :meth:`__call__` for moved pieces equal to their input (``ξ = 0``).

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from geosharp.estimators.assembly import _factor_plan, batched_shapes, read_parts
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.gl_rows import RowSum
@@ -255,9 +256,17 @@ def _block_pieces(
     for device, blocks in groups:
         cls = type(blocks[0])
         at = device if device is not None else params[0].device
-        index = tuple(i.to(at) for i in cls.batch(blocks))
-        point = _block_point(space, index, params, dtype)
-        del index
+        plan = _factor_plan(space, blocks)
+        if plan is not None:  # the blocks' slices are views of the parameters: no position
+            shapes = batched_shapes(blocks)
+            point = tuple(
+                read_parts(f, params, shape, dtype, at)
+                for f, shape in zip(plan, shapes, strict=True)
+            )
+        else:
+            index = tuple(i.to(at) for i in cls.batch(blocks))
+            point = _block_point(space, index, params, dtype)
+            del index
         if metric == "adaptive":
             geom: Geometry = ElementwiseGeometry(point, name=cls.__name__)
             piece_order: int | str = 1

@@ -66,6 +66,7 @@ from geosharp.geometry.gl_factors import (
     RankCheck,
     check_rank,
     factorize,
+    gram_matrices,
     sampling_roots,
 )
 from geosharp.geometry.gl_rows import contract
@@ -155,8 +156,14 @@ class GLGeometry(Geometry):
         def check(which: str, lam: Tensor) -> None:  # on both spectra, before any inverse
             check_rank(lam, h, self.dtype, self.eps, which, self.name, self.head_names)
 
-        Gf, Hf = G.to(ex.factor_dtype), H.to(ex.factor_dtype)
-        factors = self._factorize(Gf, Hf, check)
+        held = ex.hold_point and ex.work_dtype == ex.factor_dtype  # the copy is held anyway
+        if held or G.requires_grad or H.requires_grad:
+            Gf, Hf = G.to(ex.factor_dtype), H.to(ex.factor_dtype)
+            factors = self._factorize(Gf, Hf, check)
+        else:  # the Gram matrices widened a chunk of heads at a time: no widened copy of G, H
+            Gf = Hf = None
+            grams = gram_matrices(G, H, ex.factor_dtype, ex.row_sum)
+            factors = self._factorize(G, H, check, grams=grams)
         #: The base-point factors, in ``execution.work_dtype``.
         self.factors = factors.cast(ex.work_dtype)
         #: ``(M_G⁻¹, M_H⁻¹)`` of the order-2 endpoint, in ``execution.endpoint_dtype``.
@@ -165,7 +172,12 @@ class GLGeometry(Geometry):
             factors.MH_inv.to(ex.endpoint_dtype),
         )
         #: The base point in the work dtype, held (``execution.hold_point``) or ``None``.
-        self._held = (ex.work_point(G, Gf), ex.work_point(H, Hf)) if ex.hold_point else None
+        self._held = None
+        if ex.hold_point:
+            self._held = (
+                G.to(ex.work_dtype) if Gf is None else ex.work_point(G, Gf),
+                H.to(ex.work_dtype) if Hf is None else ex.work_point(H, Hf),
+            )
         del Gf, Hf
         self._flat = by_head(G.dim() - 2)
         #: The chunks of the flattened heads, and the factors of each (views).
@@ -174,9 +186,16 @@ class GLGeometry(Geometry):
         self._chunk_factors = [flat.per_head(lambda t, sl=sl: t[sl]) for sl in self._slices]
 
     # -- the vertical-space solve: what a subgroup replaces --------------------------------------
-    def _factorize(self, G: Tensor, H: Tensor, check: RankCheck) -> GLFactors:
-        """The base-point factors of ``(G, H)`` (in their dtype) the metric and :meth:`_lam` use."""
-        return factorize(G, H, self.metric, self.eps, check, self.execution.row_sum)
+    def _factorize(
+        self, G: Tensor, H: Tensor, check: RankCheck, grams: tuple[Tensor, Tensor] | None = None
+    ) -> GLFactors:
+        """The base-point factors of ``(G, H)`` the metric and :meth:`_lam` use.
+
+        In the dtype of ``G`` and ``H``, or of their Gram matrices ``grams`` (``GᵀG``, ``HᵀH``
+        summed over the ranks, :func:`~geosharp.geometry.gl_factors.gram_matrices`) if given.
+        """
+        ex = self.execution
+        return factorize(G, H, self.metric, self.eps, check, ex.row_sum, grams=grams)
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve :func:`~geosharp.geometry.gl_math.lam` (SPEC §4.4)."""

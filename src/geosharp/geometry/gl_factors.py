@@ -99,6 +99,35 @@ class GLFactors:
         return dataclasses.replace(self, **changes)
 
 
+#: Elements of ``G`` (or ``H``) widened at a time by :func:`gram_matrices` (32 MB in float64).
+GRAM_CHUNK = 1 << 22
+
+
+def gram_matrices(
+    G: Tensor, H: Tensor, dtype: torch.dtype, row_sum: RowSum | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(GᵀG, HᵀH)`` per head in ``dtype``, widened a chunk of heads at a time.
+
+    The same products as ``contract((G, G), (H, H))`` on ``G`` and ``H`` cast to ``dtype``
+    (each head's product is its own), with no widened copy of the factors: on a 1.1 B Llama
+    that copy was 1.7 GB of float64. Summed over the ranks in one ``row_sum`` if given.
+    """
+    out = []
+    for X in (G, H):
+        lead = X.shape[:-2]
+        flat = X.reshape(-1, *X.shape[-2:])
+        M = torch.empty((flat.shape[0], X.shape[-1], X.shape[-1]), dtype=dtype, device=X.device)
+        per = max(1, GRAM_CHUNK // max(1, X.shape[-2] * X.shape[-1]))
+        for i in range(0, flat.shape[0], per):
+            chunk = flat[i : i + per].to(dtype)
+            torch.matmul(chunk.mT, chunk, out=M[i : i + per])
+        out.append(M.view(*lead, *M.shape[-2:]))
+    if row_sum is None:
+        return out[0], out[1]
+    MG, MH = row_sum(torch.stack(out)).unbind(0)
+    return MG, MH
+
+
 def factorize(
     G: Tensor,
     H: Tensor,
@@ -106,6 +135,7 @@ def factorize(
     eps: float,
     check: RankCheck,
     row_sum: RowSum | None = None,
+    grams: tuple[Tensor, Tensor] | None = None,
 ) -> GLFactors:
     """The per-head factors of the base point ``(G, H)``, in the dtype of ``G`` and ``H``.
 
@@ -115,8 +145,10 @@ def factorize(
     are used). ``check`` sees both spectra before anything is inverted. With ``row_sum`` (rows
     split over ranks) ``GᵀG`` and ``HᵀH`` are summed over the ranks in one collective; every
     factorization after it is of replicated ``h × h`` matrices, the same on every rank.
+    ``grams``: ``(GᵀG, HᵀH)`` made already (:func:`gram_matrices`, summed over the ranks); the
+    factors are then in their dtype.
     """
-    MG, MH = contract((G, G), (H, H), row_sum=row_sum)
+    MG, MH = grams if grams is not None else contract((G, G), (H, H), row_sum=row_sum)
     if eps:
         MG, MH = MG + eps * _eye_like(MG), MH + eps * _eye_like(MH)
     lg, Ug = _spd_funcs(MG)

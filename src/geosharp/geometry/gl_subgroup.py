@@ -203,22 +203,26 @@ def subgroup_factors(
     algebra: BlockDiagonalAlgebra,
     metric: str,
     row_sum: RowSum | None = None,
+    grams: tuple[Tensor, Tensor] | None = None,
 ) -> SubgroupFactors:
-    """The factors of the vertical-space solve for ``𝔨`` at ``(G, H)``, in their dtype (SPEC §8).
+    """The factors of the vertical-space solve for ``𝔨`` at ``(G, H)``, in ``F``'s dtype (SPEC §8).
 
     ``(P₁, Q₁, P₂, Q₂)`` of ``L``; on the free block the eigendecompositions of
     ``a Ω b + c Ω d = F``; on the planes the Schur complement ``K c = r`` (with the free
     block eliminated), Cholesky-factored.
     """
     dev = G.device
-    HH, GG = contract((H, H), (G, G), row_sum=row_sum)
+    if grams is not None:  # GᵀG and HᵀH made already (gram_matrices)
+        GG, HH = grams
+    else:
+        HH, GG = contract((H, H), (G, G), row_sum=row_sum)
     if metric == "inv":
         P1, Q1, P2, Q2 = F.MH_inv, HH, GG, F.MG_inv
     else:
         P1, Q1, P2, Q2 = F.MG, HH, GG, F.MH
     PQ = (P1, Q1, P2, Q2)
     rows, cols, vals = (t.to(dev) for t in algebra.basis_entries())
-    vals = vals.to(G.dtype)
+    vals = vals.to(F.MG.dtype)
     free = torch.tensor(algebra.free, dtype=torch.long, device=dev)
     base = {f.name: getattr(F, f.name) for f in dataclasses.fields(GLFactors)}
     out = SubgroupFactors(**base, PQ=PQ, rows=rows, cols=cols, vals=vals, free=free)
@@ -418,14 +422,17 @@ class GLSubgroupGeometry(GLGeometry):
             G, H, metric, eps, name, head_names, execution=execution, work_dtype=work_dtype
         )
 
-    def _factorize(self, G: Tensor, H: Tensor, check: RankCheck) -> SubgroupFactors:
+    def _factorize(
+        self, G: Tensor, H: Tensor, check: RankCheck, grams: tuple[Tensor, Tensor] | None = None
+    ) -> SubgroupFactors:
         """The GL(h) factors and those of the 𝔨 solve (:func:`subgroup_factors`)."""
         if self.algebra.h != G.shape[-1]:
             raise ValueError(
                 f"the algebra acts on h={self.algebra.h} but the block has h={G.shape[-1]}"
             )
-        base = super()._factorize(G, H, check)
-        return subgroup_factors(G, H, base, self.algebra, self.metric, self.execution.row_sum)
+        base = super()._factorize(G, H, check, grams=grams)
+        ex = self.execution
+        return subgroup_factors(G, H, base, self.algebra, self.metric, ex.row_sum, grams=grams)
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve in ``𝔨``: :func:`subgroup_lam`."""

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.symmetry.blocks import DiagonalPair, GLBlock, SymmetryBlock
+from geosharp.symmetry.positions import recipe_views
 
 __all__ = ["UNPROVEN_NOTE", "ParameterSpace"]
 
@@ -93,8 +94,24 @@ class ParameterSpace:
             sizes = [math.prod(s) for s in self.shapes]
             touched: dict[int, Tensor] = {}
             if self.blocks:
+                starts = {int(off): j for j, off in enumerate(self.offsets) if sizes[j]}
+
+                def table(offset: int) -> Tensor | None:
+                    j = starts.get(int(offset))
+                    if j is None:
+                        return None
+                    if j not in touched:
+                        touched[j] = torch.zeros(sizes[j], dtype=torch.bool, device="cpu")
+                    return touched[j].view(self.shapes[j])
+
                 # host bookkeeping, made on the CPU by name (never PyTorch's default device)
                 for b in self.blocks:
+                    # parameter slices: marked through views of the masks, no position built
+                    views = recipe_views([getattr(b, f) for f in b.index_fields], table)
+                    if views is not None:
+                        for v in views:
+                            v.fill_(True)
+                        continue
                     pos = b.positions().reshape(-1).cpu()
                     if not pos.numel():
                         continue
