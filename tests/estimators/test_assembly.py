@@ -244,3 +244,31 @@ def test_no_position_is_built_by_the_set_up_past_the_check_limit(name, monkeypat
     base = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     pert = Perturbation(space, base, measure="geodesic", metric="inv", eps=1e-6)
     assert pert._assembly.plan is not None and space.blocks
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_ranges_of_a_factor_are_where_its_split_views_lie(name):
+    """``_Factor.ranges`` (heads and rows of every part, what the sharded endpoint writes from)
+    names the same slices of the component as ``split`` views, in the same order."""
+    model = MODELS[name]().build()
+    _, pert = _perturbation(model)
+    asm = pert._assembly
+    if asm.plan is None:
+        pytest.skip("no plan")
+    for k, factors in zip(asm.sym_pieces, asm.plan, strict=True):
+        for c, factor in enumerate(factors):
+            if factor.flat is not None:
+                with pytest.raises(ValueError, match="flat"):
+                    factor.ranges()
+                continue
+            if pert.pieces[k].geometry.point[c].dim() != 3:  # GL pieces: (heads, rows, h)
+                continue
+            comp = torch.arange(pert.pieces[k].geometry.point[c].numel()).view(
+                pert.pieces[k].geometry.point[c].shape
+            )
+            views = factor.split(comp)
+            ranges = factor.ranges()
+            assert len(views) == len(ranges)
+            for (v, part), (h0, h1, r0, r1, p) in zip(views, ranges, strict=True):
+                assert p is part
+                assert torch.equal(v, comp[h0:h1, r0:r1])

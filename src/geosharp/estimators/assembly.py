@@ -67,6 +67,38 @@ class _Factor:
     #: concatenated (:attr:`SymmetryBlock.batch_flat`; ``sizes`` are then their numbers).
     flat: tuple[torch.Size, ...] | None = None
 
+    def ranges(self) -> list[tuple[int, int, int, int | None, _Part]]:
+        """Where :meth:`split`'s views lie: ``(head_lo, head_hi, row_lo, row_hi, part)`` each.
+
+        The heads along dimension 0 of the component and the rows along dimension 1, in the
+        order of :meth:`split` (not for :attr:`flat` components, whose views are reshaped).
+        """
+        if self.flat is not None:
+            raise ValueError("a flat component's parts are no ranges of heads and rows")
+        out = []
+        head = 0
+        for size, rows, parts in zip(self.sizes, self.rows, self.parts, strict=True):
+            if parts[0].piece is None:
+                out.append((head, head + size, 0, None, parts[0]))
+                head += size
+                continue
+            it = iter(parts)
+            row = 0
+            for n in rows:
+                part = next(it)
+                if part.span is None:
+                    out.append((head, head + size, row, row + n, part))
+                else:
+                    while True:  # the heads of a set of rows, range by range
+                        lo, hi = part.span
+                        out.append((head + lo, head + hi, row, row + n, part))
+                        if hi == size:
+                            break
+                        part = next(it)
+                row += n
+            head += size
+        return out
+
     def split(self, t: Tensor) -> list[tuple[Tensor, _Part]]:
         """The part tensors of ``t`` (views), each with its part."""
         out = []
@@ -154,14 +186,16 @@ def read_parts(
     shape: torch.Size,
     dtype: torch.dtype,
     device: torch.device,
+    out: Tensor | None = None,
 ) -> Tensor:
     """One block component read part by part, through views, from parameter-shaped ``tensors``.
 
     ``tensors``: one per parameter of the space (the parameters themselves: the blocks' base
     point, or their gradients); the result is a fresh tensor of ``shape`` and ``dtype`` on
-    ``device``, each part's values copied (and converted) from its view.
+    ``device`` (or ``out``, written in place), each part's values copied (and converted) from
+    its view.
     """
-    buf = torch.empty(shape, dtype=dtype, device=device)
+    buf = torch.empty(shape, dtype=dtype, device=device) if out is None else out
     for t, part in factor.split(buf):
         src = part.view(tensors[part.param])
         t.view(src.shape).copy_(src)

@@ -42,6 +42,7 @@ from geosharp.estimators.cache import CACHE
 from geosharp.estimators.distributed import batch_seed
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
+from geosharp.estimators.sharded_gather import GatheredEndpoint
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, to_device
 
@@ -460,6 +461,8 @@ def perturbation_of(
                     return pert.base_params()
 
             shards.base_source = base_source
+            shards.gather = GatheredEndpoint.build(shards, pert)
+            shards.gathered = shards.gather is not None
         return Setup(space, base, pert, False)
     if not cache:
         return Setup(space, base, build(), False)

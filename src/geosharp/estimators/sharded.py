@@ -137,6 +137,13 @@ class ShardedParams:
         #: :meth:`~geosharp.estimators.perturbation.Perturbation.base_params`): their block
         #: base points and rest values are copies already, so these shards are not copied
         self.base_source: Any = None
+        #: ``"rest"``: θ′ of the blocks made where FSDP gathers each layer, the shards holding
+        #: ``w`` throughout (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`, set
+        #: by the call where it serves; ``None``: θ′ written over the shards)
+        self.gather: Any = None
+        #: whether :attr:`gather` served the call (kept for :meth:`describe` after
+        #: :meth:`release`)
+        self.gathered = False
 
     def block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
         """The rank's space with the model's symmetry blocks on the rank's rows (SPEC §10.1).
@@ -179,6 +186,8 @@ class ShardedParams:
         """
         dims = sorted({p.placements[0].dim for p in self.params})
         base = {True: "in place", "rest": "in place outside the blocks"}.get(self.in_place, "copy")
+        if self.gathered:  # the blocks' θ′ is made where FSDP gathers: w stays put
+            base = "in place (blocks gathered)"
         return {"world": self.world, "shard_dims": dims, "base_point": base}
 
     def space(self) -> ParameterSpace:
@@ -298,7 +307,7 @@ class ShardedParams:
         world) would live until Python's cycle collector runs, under the next call's peak.
         """
         self.base, self.padding, self._negative_zeros = {}, {}, []
-        self.base_source = None
+        self.base_source = self.gather = None
 
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (FSDP accumulates into them)."""

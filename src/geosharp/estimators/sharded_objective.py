@@ -39,6 +39,8 @@ def objective_class(shards: ShardedParams) -> type:
 
         def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
             loss_at = self._in_place if shards.in_place is True else self._written
+            if shards.gather is not None:
+                loss_at = self._gathered
             value, grad = loss_at(xi, need_grad)
             if grad is not None:
                 self.counter["backward"] += 1
@@ -64,6 +66,40 @@ def objective_class(shards: ShardedParams) -> type:
                     if not callable(need_grad) or need_grad(value):
                         grad = self._pull_back(shards.backward(loss), ends, leaves)
                     del loss, ends
+            return value, grad
+
+        def _gathered(self, xi: Xi, need_grad: Any) -> tuple[float, Xi | None]:
+            """The loss with ``θ′`` of the blocks made where FSDP gathers (the shards hold ``w``).
+
+            :class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`: the step's factors
+            before the forward, the blocks' base point given back while the loss runs, and the
+            gradient pulled back through the endpoint after the backward.
+            """
+            pert, gather, grad, g = self.pert, shards.gather, None, None
+            with self._applied(xi) as moved:
+                gather.step(moved)
+                shards.reshard()  # nothing gathered before: every layer gathers θ′
+                try:
+                    with gather.during_loss():
+                        if need_grad is False:
+                            with torch.no_grad():
+                                value = shards.mean_loss(self._loss())
+                        else:
+                            with torch.enable_grad():
+                                loss = self._loss()
+                                value = shards.mean_loss(loss)
+                                if not callable(need_grad) or need_grad(value):
+                                    g = shards.backward(loss)
+                                del loss
+                finally:
+                    gather.step(None)
+                    shards.reshard()  # nothing gathered after: a later forward gathers w
+                if g is not None:
+                    leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
+                    with torch.enable_grad():
+                        ends = pert.endpoint_params(leaves, applied=True)
+                        grad = self._pull_back(g, ends, leaves)
+                    del ends
             return value, grad
 
         @contextlib.contextmanager

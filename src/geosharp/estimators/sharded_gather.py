@@ -1,0 +1,344 @@
+r"""θ′ of the attention projections made where FSDP gathers them, layer by layer (SPEC §10.7).
+
+A geodesic loss on a sharded model needs ``θ′ = w + ξ − ½Γ(ξ, ξ)`` of the parameters holding
+symmetry-block coordinates (the Q, K, V, O projections). Written into the shards, it would
+leave ``w`` nowhere but in a copy (the blocks' base point, held through the forward and the
+backward: the attention projections' share of a parameter-sized buffer per rank). Here the
+shards keep ``w``: each FSDP module's all-gather (:meth:`FSDPModule.set_custom_all_gather
+<torch.distributed.fsdp.FSDPModule.set_custom_all_gather>`, the public hook for a custom
+collective) first overwrites the rank's slice of its input, FSDP's own copy of the layer's
+shards, with the rank's rows of ``θ′``, then gathers as before. Every rank makes its rows of
+``θ′`` from its shard of ``w``, its rows of ``ξ`` and the step's ``h × h`` factors of the
+order-2 endpoint (``G′ = G (I + s B_G) + ξ_G C_G``, :mod:`~geosharp.geometry.gl_endpoint`,
+summed over the ranks once per loss before the forward): a row-wise product, nothing gathered
+but the layer FSDP gathers anyway. The forward and the backward (which gathers the layer again)
+see ``θ′``; FSDP's reduce-scattered gradient is ``∂L/∂θ′``, pulled back to ``ξ`` after the
+backward as before. While the loss runs the blocks' base point is not needed, and its memory is
+given back (the storage resized to nothing and read again from the shards after the backward).
+
+:class:`GatheredEndpoint` serves order-2 geodesics of GL-type blocks (GL(h), rotary, LoRA), with
+blocks held fixed (key-bias translations) and the rest coordinates of the projections; anything
+else (the exact geodesic, diagonal pairs, a module with several parameter groups, parameters
+offloaded or with FSDP tensor extensions) keeps θ′ written into the shards. With one rank FSDP
+gathers nothing (it copies each shard into the unsharded parameter): the parameters holding
+block rows then hand it a copy of their shard with ``θ′`` written into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from geosharp.estimators.assembly import read_parts
+from geosharp.geometry import FixedGeometry, GLGeometry
+from geosharp.geometry.gl_endpoint import _add_eye, _order2_matrices
+
+__all__ = ["GatheredEndpoint"]
+
+
+class _Slot(NamedTuple):
+    """Where a parameter's rank shard lies in its FSDP module's all-gather input."""
+
+    param: int  # position among the shards' parameters
+    offset: int  # in elements of the input
+    numel: int
+    shape: torch.Size
+
+
+class _Part(NamedTuple):
+    """The rows of one GL piece component that lie in one parameter: ``θ′`` rows to write."""
+
+    piece: int
+    comp: int  # 0: G, 1: H
+    heads: slice
+    rows: slice
+    part: Any  # the assembly's _Part (its view of the parameter)
+
+
+def _comm_class() -> type:
+    """:class:`_EndpointComm`, made on first use (FSDP's ``AllGather`` is imported lazily)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class _EndpointComm(AllGather):
+        """FSDP's all-gather of one module, the rank's ``θ′`` rows written into its input first."""
+
+        def __init__(self, inner: Any, slots: list[_Slot], owner: GatheredEndpoint) -> None:
+            self.inner, self.slots, self.owner = inner, slots, owner
+
+        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device):
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.owner._fill(self.slots, input_tensor)
+            return self.inner(
+                output_tensor=output_tensor,
+                input_tensor=input_tensor,
+                group=group,
+                async_op=async_op,
+            )
+
+    return _EndpointComm
+
+
+class GatheredEndpoint:
+    """The order-2 endpoint of a sharded model's blocks, written into FSDP's all-gather inputs.
+
+    Built by :meth:`build` (``None`` where unsupported); per loss: :meth:`step` with the moved
+    pieces (the factors of ``θ′``), then the forward and backward inside :meth:`during_loss`.
+    """
+
+    def __init__(self, shards: Any, pert: Any, comms: list[tuple[Any, list[_Slot]]]) -> None:
+        self.shards, self.pert = shards, pert
+        names = pert.space.param_names
+        merged = {**shards.base, **shards.padding}  # the shards (w) and the padding rows
+        #: every parameter of the rank's space, by position: the shards hold ``w`` throughout
+        self.tensors = [merged[n] for n in names]
+        at = {n: j for j, n in enumerate(names)}
+        #: the shards' position of every parameter of the space that is a shard
+        self._shard_of = {at[n]: i for i, n in enumerate(shards.names)}
+        #: the slots, their parameters renumbered from the shards' order to the space's
+        self._comms = [
+            (module, [s._replace(param=at[shards.names[s.param]]) for s in slots])
+            for module, slots in comms
+        ]
+        asm = pert._assembly
+        #: per parameter position, the GL rows it holds
+        self.parts: dict[int, list[_Part]] = {}
+        self.gl = [k for k in asm.sym_pieces if isinstance(pert.pieces[k].geometry, GLGeometry)]
+        for k, factors in zip(asm.sym_pieces, asm.plan, strict=True):
+            if k not in self.gl:
+                continue
+            for c, factor in enumerate(factors):
+                for h0, h1, r0, r1, part in factor.ranges():
+                    self.parts.setdefault(part.param, []).append(
+                        _Part(k, c, slice(h0, h1), slice(r0, r1), part)
+                    )
+        #: the rest coordinates inside those parameters: (parameter, local positions, rest comp)
+        self.mixed = [(j, local, asm.mixed[m]) for m, (j, local) in enumerate(asm.mixed_local)]
+        rest = pert._rest_piece
+        self._rest_moves = rest is not None and pert.straight_rest
+        #: per GL piece, the step's (E_G, C_G, E_H, C_H) and the moved pieces (None: inactive)
+        self._factors: dict[int, tuple[Tensor, ...]] | None = None
+        self._moved: list | None = None
+
+    # -- whether it serves -------------------------------------------------------------------
+    @classmethod
+    def build(cls, shards: Any, pert: Any) -> GatheredEndpoint | None:
+        """The endpoint of ``pert`` on ``shards``'s model, or ``None`` where it does not serve."""
+        asm = pert._assembly
+        if asm.plan is None or not asm.gathered or not shards.copied:
+            return None
+        for k in asm.sym_pieces:
+            piece = pert.pieces[k]
+            geom = piece.geometry
+            if isinstance(geom, FixedGeometry):
+                continue
+            if not isinstance(geom, GLGeometry) or piece.order != 2:
+                return None
+            if geom.G.dim() != 3 or geom.H.dim() != 3:
+                return None
+        rest = pert._rest_piece
+        if asm.mixed_local and rest is not None and not pert.straight_rest:
+            if not isinstance(pert.pieces[rest].geometry, FixedGeometry):
+                return None
+        comms = _slots(shards)
+        if comms is None:
+            return None
+        return cls(shards, pert, comms)
+
+    # -- one loss ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, moved: list | None) -> None:
+        """The factors of ``θ′`` at the moved pieces (one ``h × h`` sum over ranks per piece).
+
+        ``moved``: the pieces as :meth:`~geosharp.estimators.sharded_objective` moves them (the
+        block pieces still ``ξ``, the rest's components inside the projections ``θ′``);
+        ``None`` deactivates.
+        """
+        if moved is None:
+            self._factors = self._moved = None
+            return
+        factors = {}
+        for k in self.gl:
+            geom = self.pert.pieces[k].geometry
+            dt = geom.execution.endpoint_dtype
+            G, H, xG, xH = (t.to(dt) for t in (geom.G, geom.H, *moved[k]))
+            cG, bG, cH, bH, s = _order2_matrices(
+                G, H, xG, xH, *geom._endpoint_inv, geom.metric, geom.execution.row_sum
+            )
+            factors[k] = (_add_eye(bG, s), cG, _add_eye(bH, s), cH)
+        self._factors, self._moved = factors, moved
+
+    @contextlib.contextmanager
+    def during_loss(self) -> Iterator[None]:
+        """Within: FSDP gathers ``θ′``; the blocks' base point's memory is given back."""
+        installed: list[tuple[Any, Any]] = []
+        swapped: list[tuple[Any, type]] = []
+        try:
+            for module, slots in self._comms:
+                group = _group(module)
+                if self.shards.world > 1:
+                    installed.append((group, group._all_gather_comm))
+                    group._all_gather_comm = _comm_class()(group._all_gather_comm, slots, self)
+                    continue
+                # one rank: FSDP copies each shard into its unsharded parameter, no collective;
+                # the shard it copies is made θ′ first (a copy of it: the shard keeps w)
+                params = {id(fp.sharded_param): fp for fp in group.fsdp_params}
+                for slot in slots:
+                    fp = params[id(self.shards.params[self._shard_of[slot.param]])]
+                    swapped.append((fp, type(fp)))
+                    fp.__class__ = _theta_param_class(type(fp))
+                    fp._geosharp_theta = (self, slot)
+            with self._released():
+                yield
+        finally:
+            for group, inner in installed:
+                group._all_gather_comm = inner
+            for fp, cls in swapped:
+                fp.__class__ = cls
+                del fp._geosharp_theta
+
+    def _fill(self, slots: list[_Slot], inp: Tensor) -> None:
+        """Write the rank's rows of ``θ′`` into the all-gather input ``inp`` (if active)."""
+        if self._factors is None:
+            return
+        for slot in slots:
+            if slot.param in self.parts or any(j == slot.param for j, _, _ in self.mixed):
+                dest = inp.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                self._theta(slot.param, dest)
+
+    @torch.no_grad()
+    def _theta(self, j: int, dest: Tensor) -> None:
+        """``θ′`` of parameter ``j``'s rank shard written into ``dest`` (which holds ``w``)."""
+        w = self.tensors[j]
+        moved, factors = self._moved, self._factors
+        for p in self.parts.get(j, ()):
+            geom = self.pert.pieces[p.piece].geometry
+            dt = geom.execution.endpoint_dtype
+            x = moved[p.piece][p.comp][p.heads, p.rows]
+            rows = p.part.view(w).reshape(x.shape).to(dt)
+            E, C = factors[p.piece][2 * p.comp], factors[p.piece][2 * p.comp + 1]
+            out = torch.baddbmm(rows @ E[p.heads], x.to(dt), C[p.heads])
+            view = p.part.view(dest)
+            view.copy_(out.to(geom.dtype).view(view.shape))
+        if self._rest_moves:
+            rest = moved[self.pert._rest_piece]
+            for jj, local, c in self.mixed:
+                if jj == j:
+                    flat = dest.view(-1)
+                    flat[local.to(flat.device)] = rest[c].reshape(-1).to(flat.dtype)
+
+    # -- the blocks' base point, given back while the loss runs -------------------------------
+    @contextlib.contextmanager
+    def _released(self) -> Iterator[None]:
+        """The GL pieces' base point (and its adaptive-norm twin) freed, then read back."""
+        asm = self.pert._assembly
+        plan = dict(zip(asm.sym_pieces, asm.plan, strict=True))
+        own: list[tuple[Tensor, Any]] = []  # (point component, its factor)
+        twins: list[tuple[Tensor, Tensor]] = []  # (a tensor of its own storage, its source)
+        seen: set[int] = set()
+        for k in self.gl:
+            piece = self.pert.pieces[k]
+            for c, t in enumerate(piece.geometry.point):
+                own.append((t, plan[k][c]))
+                seen.add(_ptr(t))
+            geom = piece.geometry
+            norm = piece.norm_geometry.point if piece.norm_geometry is not geom else None
+            for group in (getattr(geom, "_held", None), norm):
+                for c, t in enumerate(group or ()):  # (G, H) again, widened or as they are
+                    if _ptr(t) not in seen:
+                        twins.append((t, geom.point[c]))
+                        seen.add(_ptr(t))
+        sizes = [(t, t.untyped_storage().nbytes()) for t, _ in own] + [
+            (t, t.untyped_storage().nbytes()) for t, _ in twins
+        ]
+        for t, _ in sizes:
+            t.untyped_storage().resize_(0)
+        try:
+            yield
+        finally:
+            for t, n in sizes:
+                t.untyped_storage().resize_(n)
+            for t, factor in own:
+                read_parts(factor, self.tensors, t.shape, t.dtype, t.device, out=t)
+            for t, src in twins:
+                t.copy_(src)
+
+
+_THETA_CLASSES: dict[type, type] = {}
+
+
+def _theta_param_class(base: type) -> type:
+    """FSDP's parameter class whose all-gather input is ``θ′`` (a world of one rank).
+
+    With one rank FSDP gathers nothing: it copies :attr:`all_gather_inputs` (the shard) into
+    the unsharded parameter. This subclass, given to the parameters holding block rows while
+    the loss runs, returns a copy of the shard with the rank's rows of ``θ′`` written into it.
+    """
+    if base not in _THETA_CLASSES:
+
+        class _ThetaParam(base):  # type: ignore[misc, valid-type]
+            @property
+            def all_gather_inputs(self) -> list[Tensor]:
+                out = base.all_gather_inputs.fget(self)
+                owner, slot = self._geosharp_theta
+                if owner._factors is None:
+                    return out
+                data = out[0]
+                buf = data.clone() if _ptr(data) == _ptr(self._sharded_param_data) else data
+                owner._theta(slot.param, buf.narrow(0, 0, slot.numel).view(slot.shape))
+                return [buf]
+
+        _THETA_CLASSES[base] = _ThetaParam
+    return _THETA_CLASSES[base]
+
+
+def _ptr(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _group(module: Any) -> Any:
+    """The one FSDP parameter group of ``module``."""
+    (group,) = module._get_fsdp_state()._fsdp_param_groups
+    return group
+
+
+def _slots(shards: Any) -> list[tuple[Any, list[_Slot]]] | None:
+    """Per FSDP module, where its trainable parameters' shards lie in its all-gather input.
+
+    ``None`` where the input is not the shards themselves laid end to end in one dtype: a
+    module with several parameter groups, a shard that is not the first elements of FSDP's
+    padded flat shard, a parameter offloaded to the CPU, with an FSDP tensor extension, or
+    of another all-gather dtype.
+    """
+    index = {id(p): j for j, p in enumerate(shards.params)}
+    out = []
+    for module in shards.modules:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            return None
+        if not groups:
+            continue
+        slots, offset, dtypes = [], 0, set()
+        cast = getattr(groups[0].mp_policy, "param_dtype", None)  # FSDP's mixed precision
+        for fp in groups[0].fsdp_params:
+            data = fp._sharded_param_data  # the all-gather input: the padded shard, flat
+            if fp.offload_to_cpu or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+                return None
+            dtypes.add(cast or fp.sharded_param.dtype)
+            j = index.get(id(fp.sharded_param))
+            if j is not None:
+                t = shards.locals[j]
+                # the shard is the input's first elements, in its own shape (any dimension)
+                if t.numel() and (not t.is_contiguous() or t.data_ptr() != data.data_ptr()):
+                    return None
+                slots.append(_Slot(j, offset, t.numel(), t.shape))
+            offset += data.numel()
+        if len(dtypes) > 1:
+            return None
+        out.append((module, slots))
+    return out
