@@ -35,7 +35,7 @@ from torch import Tensor
 
 from geosharp.estimators.assembly import read_parts
 from geosharp.geometry import FixedGeometry, GLGeometry
-from geosharp.geometry.gl_endpoint import _add_eye, _order2_matrices
+from geosharp.geometry.gl_endpoint import _add_eye, _order2_matrices, order2_adjoint
 
 __all__ = ["GatheredEndpoint"]
 
@@ -121,8 +121,12 @@ class GatheredEndpoint:
         self.mixed = [(j, local, asm.mixed[m]) for m, (j, local) in enumerate(asm.mixed_local)]
         rest = pert._rest_piece
         self._rest_moves = rest is not None and pert.straight_rest
+        #: the parameters whose shard is not ``θ′`` as it is
+        self._writes = set(self.parts) | {j for j, _, _ in self.mixed}
         #: per GL piece, the step's (E_G, C_G, E_H, C_H) and the moved pieces (None: inactive)
         self._factors: dict[int, tuple[Tensor, ...]] | None = None
+        #: per GL piece, the step's (C_G, C_H, s), for :meth:`pull_back`
+        self._adjoint: dict[int, tuple[Tensor, Tensor, float]] = {}
         self._moved: list | None = None
 
     # -- whether it serves -------------------------------------------------------------------
@@ -145,7 +149,10 @@ class GatheredEndpoint:
         if asm.mixed_local and rest is not None and not pert.straight_rest:
             if not isinstance(pert.pieces[rest].geometry, FixedGeometry):
                 return None
-        comms = _slots(shards)
+        try:
+            comms = _slots(shards)
+        except AttributeError:  # FSDP's internals moved: θ′ is written over the shards
+            comms = None
         if comms is None:
             return None
         return cls(shards, pert, comms)
@@ -159,10 +166,10 @@ class GatheredEndpoint:
         block pieces still ``ξ``, the rest's components inside the projections ``θ′``);
         ``None`` deactivates.
         """
-        if moved is None:
+        if moved is None:  # the fill is off; the adjoint's factors stay for pull_back
             self._factors = self._moved = None
             return
-        factors = {}
+        factors, self._adjoint = {}, {}
         for k in self.gl:
             geom = self.pert.pieces[k].geometry
             dt = geom.execution.endpoint_dtype
@@ -171,7 +178,47 @@ class GatheredEndpoint:
                 G, H, xG, xH, *geom._endpoint_inv, geom.metric, geom.execution.row_sum
             )
             factors[k] = (_add_eye(bG, s), cG, _add_eye(bH, s), cH)
+            self._adjoint[k] = (cG, cH, s)
         self._factors, self._moved = factors, moved
+
+    @torch.no_grad()
+    def pull_back(self, grads: dict[str, Tensor], moved: list) -> list:
+        """``∂L/∂ξ`` from the shards' gradient ``∂L/∂θ′`` (by name), at the step's ``moved``.
+
+        The GL pieces' rows of ``∂L/∂θ′`` read through the assembly's views, then the endpoint's
+        adjoint (:func:`~geosharp.geometry.gl_endpoint.order2_adjoint`) with the factors of
+        :meth:`step` (no second forward of the endpoint: its four contractions summed once);
+        the rest coordinates' gradient is their shards' (zero where held fixed), as are the
+        fixed pieces'.
+        """
+        pert, asm = self.pert, self.pert._assembly
+        names = pert.space.param_names
+        g = [grads[n] for n in names]
+        plan = dict(zip(asm.sym_pieces, asm.plan, strict=True))
+        out: list = []
+        for k, (piece, x) in enumerate(zip(pert.pieces, moved, strict=True)):
+            if k in self._adjoint:
+                geom = piece.geometry
+                ex, (G, H) = geom.execution, geom.point
+                dt = ex.endpoint_dtype
+                gG, gH = (
+                    read_parts(plan[k][c], g, t.shape, dt, t.device) for c, t in enumerate((G, H))
+                )
+                inputs = (x[0].to(dt), x[1].to(dt), G.to(dt), H.to(dt), *geom._endpoint_inv)
+                dx = order2_adjoint(inputs, self._adjoint[k], geom.metric, gG, gH, ex.row_sum)
+                out.append(tuple(d.to(t.dtype) for d, t in zip(dx, x, strict=True)))
+            elif k == pert._rest_piece and self._rest_moves:
+                comps = []
+                for (j, local), t in zip(pert._layout, x, strict=True):
+                    gj = g[j]
+                    comps.append(
+                        gj.view(t.shape) if local is None else gj.reshape(-1)[local.to(gj.device)]
+                    )
+                out.append(tuple(comps))
+            else:  # held fixed: the loss does not move with it
+                out.append(tuple(torch.zeros_like(t) for t in x))
+        self._adjoint = {}
+        return out
 
     @contextlib.contextmanager
     def during_loss(self) -> Iterator[None]:
@@ -180,10 +227,13 @@ class GatheredEndpoint:
         swapped: list[tuple[Any, type]] = []
         try:
             for module, slots in self._comms:
+                slots = [slot for slot in slots if slot.param in self._writes]
+                if not slots:  # no block row in this module (the root's embeddings, …)
+                    continue
                 group = _group(module)
-                if self.shards.world > 1:
-                    installed.append((group, group._all_gather_comm))
-                    group._all_gather_comm = _comm_class()(group._all_gather_comm, slots, self)
+                if self.shards.world > 1:  # FSDP's public hook for a custom all-gather
+                    installed.append((module, group._all_gather_comm))
+                    module.set_custom_all_gather(_comm_class()(group._all_gather_comm, slots, self))
                     continue
                 # one rank: FSDP copies each shard into its unsharded parameter, no collective;
                 # the shard it copies is made θ′ first (a copy of it: the shard keeps w)
@@ -196,8 +246,8 @@ class GatheredEndpoint:
             with self._released():
                 yield
         finally:
-            for group, inner in installed:
-                group._all_gather_comm = inner
+            for module, inner in installed:
+                module.set_custom_all_gather(inner)
             for fp, cls in swapped:
                 fp.__class__ = cls
                 del fp._geosharp_theta
@@ -207,7 +257,7 @@ class GatheredEndpoint:
         if self._factors is None:
             return
         for slot in slots:
-            if slot.param in self.parts or any(j == slot.param for j, _, _ in self.mixed):
+            if slot.param in self._writes:
                 dest = inp.narrow(0, slot.offset, slot.numel).view(slot.shape)
                 self._theta(slot.param, dest)
 

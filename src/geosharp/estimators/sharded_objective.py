@@ -75,7 +75,7 @@ def objective_class(shards: ShardedParams) -> type:
             before the forward, the blocks' base point given back while the loss runs, and the
             gradient pulled back through the endpoint after the backward.
             """
-            pert, gather, grad, g = self.pert, shards.gather, None, None
+            gather, grad, g = shards.gather, None, None
             with self._applied(xi) as moved:
                 gather.step(moved)
                 shards.reshard()  # nothing gathered before: every layer gathers θ′
@@ -95,11 +95,7 @@ def objective_class(shards: ShardedParams) -> type:
                     gather.step(None)
                     shards.reshard()  # nothing gathered after: a later forward gathers w
                 if g is not None:
-                    leaves = [tuple(t.detach().requires_grad_(True) for t in x) for x in moved]
-                    with torch.enable_grad():
-                        ends = pert.endpoint_params(leaves, applied=True)
-                        grad = self._pull_back(g, ends, leaves)
-                    del ends
+                    grad = gather.pull_back(g, moved)
             return value, grad
 
         @contextlib.contextmanager

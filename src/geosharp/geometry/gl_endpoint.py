@@ -158,15 +158,37 @@ class _Order2Endpoint(torch.autograd.Function):
             cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
         gG = torch.zeros_like(G) if gG is None else gG
         gH = torch.zeros_like(H) if gH is None else gH
-        dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
-        dBG, dBH = s * dBG, s * dBH
-        if metric == "inv":
-            dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
-            dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
-        else:
-            dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
-            dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
-        # accumulated into the fresh g C^T (no copy of an n × h tensor)
-        dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
-        dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
+        dxG, dxH = order2_adjoint(
+            (xG, xH, G, H, MG_inv, MH_inv), (cG, cH, s), metric, gG, gH, row_sum
+        )
         return dxG, dxH, None, None, None, None, None, None
+
+
+def order2_adjoint(
+    inputs: tuple[Tensor, ...],
+    factors: tuple[Tensor, Tensor, float],
+    metric: str,
+    gG: Tensor,
+    gH: Tensor,
+    row_sum: RowSum | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(∂L/∂ξ_G, ∂L/∂ξ_H)`` from ``g = ∂L/∂(G′, H′)`` (:class:`_Order2Endpoint`'s backward).
+
+    ``inputs``: ``(ξ_G, ξ_H, G, H, M_G⁻¹, M_H⁻¹)`` of the forward; ``factors``: its ``C_G``,
+    ``C_H`` and ``s``. Four contractions summed over the ranks in one ``row_sum``; the rest is
+    row-wise.
+    """
+    xG, xH, G, H, MG_inv, MH_inv = inputs
+    cG, cH, s = factors
+    dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
+    dBG, dBH = s * dBG, s * dBH
+    if metric == "inv":
+        dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
+        dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
+    else:
+        dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
+        dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
+    # accumulated into the fresh g C^T (no copy of an n × h tensor)
+    dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
+    dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
+    return dxG, dxH
