@@ -25,7 +25,9 @@ norms and pairings of Auto-PGD are sums over ranks of local sums (one scalar all
 ascent step, :attr:`~geosharp.estimators.perturbation.Perturbation.reduce`), so every rank
 takes the same step decisions and gets the same result. When the call ends the model's shards
 hold their values again, bit for bit: subtracted exactly (:meth:`ShardedParams.shift`, adaptive
-sharpness at ``ρ ≤ 0.4``), or written back from a copy of the base point.
+sharpness at ``ρ ≤ 0.4``), never written (the attention projections of an order-2 geodesic,
+whose ``θ′`` is made where FSDP gathers each layer,
+:mod:`~geosharp.estimators.sharded_gather`), or written back from a copy of the base point.
 
 Every sharpness measure is measured so: the element-wise ones (adaptive and Euclidean, ℓ2 or
 ℓ∞ balls), geodesic sharpness and the attention-only measures at order 1, 2 or exact (their

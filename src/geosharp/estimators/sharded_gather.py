@@ -100,6 +100,12 @@ class GatheredEndpoint:
         at = {n: j for j, n in enumerate(names)}
         #: the shards' position of every parameter of the space that is a shard
         self._shard_of = {at[n]: i for i, n in enumerate(shards.names)}
+        #: the shapes of every GL piece's point (known while the point is given back)
+        self._shapes = {
+            k: tuple(t.shape for t in pert.pieces[k].geometry.point)
+            for k in pert._assembly.sym_pieces
+            if isinstance(pert.pieces[k].geometry, GLGeometry)
+        }
         #: the slots, their parameters renumbered from the shards' order to the space's
         self._comms = [
             (module, [s._replace(param=at[shards.names[s.param]]) for s in slots])
@@ -182,30 +188,53 @@ class GatheredEndpoint:
         self._factors, self._moved = factors, moved
 
     @torch.no_grad()
-    def pull_back(self, grads: dict[str, Tensor], moved: list) -> list:
-        """``∂L/∂ξ`` from the shards' gradient ``∂L/∂θ′`` (by name), at the step's ``moved``.
+    def read_rows(self, grads: dict[str, Tensor]) -> dict[int, list[Tensor]]:
+        """The GL pieces' rows of ``∂L/∂θ′``, read from the shards' gradient (by name).
 
-        The GL pieces' rows of ``∂L/∂θ′`` read through the assembly's views, then the endpoint's
-        adjoint (:func:`~geosharp.geometry.gl_endpoint.order2_adjoint`) with the factors of
-        :meth:`step` (no second forward of the endpoint: its four contractions summed once);
-        the rest coordinates' gradient is their shards' (zero where held fixed), as are the
-        fixed pieces'.
+        Through the assembly's views, in the endpoint's dtype; the projections' own gradients
+        are then let go (FSDP's buffers of those layers with them: the rest of their gradients
+        was cloned, :meth:`~geosharp.estimators.sharded.ShardedParams.backward`). Called before
+        the blocks' base point is read back, so the two are not held together with FSDP's.
         """
         pert, asm = self.pert, self.pert._assembly
         names = pert.space.param_names
-        g = [grads[n] for n in names]
+        g = [grads.get(n) for n in names]
         plan = dict(zip(asm.sym_pieces, asm.plan, strict=True))
+        rows: dict[int, list[Tensor]] = {}
+        for k in self._adjoint:
+            geom = pert.pieces[k].geometry
+            dt = geom.execution.endpoint_dtype
+            rows[k] = [
+                read_parts(plan[k][c], g, shape, dt, geom.point[c].device)
+                for c, shape in enumerate(self._shapes[k])
+            ]
+        del g
+        mixed = {j for j, _, _ in self.mixed}
+        for j, n in enumerate(names):
+            if j in self.parts and j not in mixed:
+                grads.pop(n, None)
+        return rows
+
+    @torch.no_grad()
+    def pull_back(self, rows: dict, grads: dict[str, Tensor], moved: list) -> list:
+        """``∂L/∂ξ`` from :meth:`read_rows` and the rest of the shards' gradient ``∂L/∂θ′``.
+
+        The endpoint's adjoint (:func:`~geosharp.geometry.gl_endpoint.order2_adjoint`) with
+        the factors of :meth:`step` (no second forward of the endpoint: its four contractions
+        summed once) on the GL pieces' rows; the rest coordinates' gradient is their shards'
+        (zero where held fixed), as are the fixed pieces'.
+        """
+        pert = self.pert
+        names = pert.space.param_names
+        g = [grads.get(n) for n in names]
         out: list = []
         for k, (piece, x) in enumerate(zip(pert.pieces, moved, strict=True)):
             if k in self._adjoint:
                 geom = piece.geometry
                 ex, (G, H) = geom.execution, geom.point
                 dt = ex.endpoint_dtype
-                gG, gH = (
-                    read_parts(plan[k][c], g, t.shape, dt, t.device) for c, t in enumerate((G, H))
-                )
                 inputs = (x[0].to(dt), x[1].to(dt), G.to(dt), H.to(dt), *geom._endpoint_inv)
-                dx = order2_adjoint(inputs, self._adjoint[k], geom.metric, gG, gH, ex.row_sum)
+                dx = order2_adjoint(inputs, self._adjoint[k], geom.metric, rows.pop(k), ex.row_sum)
                 out.append(tuple(d.to(t.dtype) for d, t in zip(dx, x, strict=True)))
             elif k == pert._rest_piece and self._rest_moves:
                 comps = []

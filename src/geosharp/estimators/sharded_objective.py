@@ -1,9 +1,11 @@
 r"""The objective of a model sharded by FSDP2: one loss at ``θ′(ξ)`` on the rank's shards.
 
 The rank's shard of ``θ′`` is written into (or, in place, added into) the model's own local
-shards, the model runs its forward on the rank's rows of the batch and its backward (FSDP
-reduce-scatters the gradient), and the gradient is pulled back to ``ξ``'s shard through the
-endpoint map (:mod:`geosharp.estimators.sharded` holds the shards and the steps around this).
+shards, or, for the attention projections of an order-2 geodesic, made where FSDP gathers each
+layer (:mod:`~geosharp.estimators.sharded_gather`); the model runs its forward on the rank's
+rows of the batch and its backward (FSDP reduce-scatters the gradient), and the gradient is
+pulled back to ``ξ``'s shard through the endpoint map (:mod:`geosharp.estimators.sharded` holds
+the shards and the steps around this).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def objective_class(shards: ShardedParams) -> type:
             before the forward, the blocks' base point given back while the loss runs, and the
             gradient pulled back through the endpoint after the backward.
             """
-            gather, grad, g = shards.gather, None, None
+            gather, grad, g, rows = shards.gather, None, None, None
             with self._applied(xi) as moved:
                 gather.step(moved)
                 shards.reshard()  # nothing gathered before: every layer gathers θ′
@@ -91,11 +93,13 @@ def objective_class(shards: ShardedParams) -> type:
                                 if not callable(need_grad) or need_grad(value):
                                     g = shards.backward(loss)
                                 del loss
+                            if g is not None:  # before the base point is read back
+                                rows = gather.read_rows(g)
                 finally:
                     gather.step(None)
                     shards.reshard()  # nothing gathered after: a later forward gathers w
                 if g is not None:
-                    grad = gather.pull_back(g, moved)
+                    grad = gather.pull_back(rows, g, moved)
             return value, grad
 
         @contextlib.contextmanager

@@ -159,7 +159,7 @@ class _Order2Endpoint(torch.autograd.Function):
         gG = torch.zeros_like(G) if gG is None else gG
         gH = torch.zeros_like(H) if gH is None else gH
         dxG, dxH = order2_adjoint(
-            (xG, xH, G, H, MG_inv, MH_inv), (cG, cH, s), metric, gG, gH, row_sum
+            (xG, xH, G, H, MG_inv, MH_inv), (cG, cH, s), metric, [gG, gH], row_sum
         )
         return dxG, dxH, None, None, None, None, None, None
 
@@ -168,18 +168,20 @@ def order2_adjoint(
     inputs: tuple[Tensor, ...],
     factors: tuple[Tensor, Tensor, float],
     metric: str,
-    gG: Tensor,
-    gH: Tensor,
+    g: list[Tensor],
     row_sum: RowSum | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(∂L/∂ξ_G, ∂L/∂ξ_H)`` from ``g = ∂L/∂(G′, H′)`` (:class:`_Order2Endpoint`'s backward).
+    """``(∂L/∂ξ_G, ∂L/∂ξ_H)`` from ``g = [∂L/∂G′, ∂L/∂H′]`` (:class:`_Order2Endpoint`'s backward).
 
     ``inputs``: ``(ξ_G, ξ_H, G, H, M_G⁻¹, M_H⁻¹)`` of the forward; ``factors``: its ``C_G``,
     ``C_H`` and ``s``. Four contractions summed over the ranks in one ``row_sum``; the rest is
-    row-wise.
+    row-wise. ``g`` is emptied and ``∂L/∂G′`` let go once ``∂L/∂ξ_G`` is made: where the
+    caller holds no other reference, its memory serves ``∂L/∂ξ_H``.
     """
     xG, xH, G, H, MG_inv, MH_inv = inputs
     cG, cH, s = factors
+    gG, gH = g
+    g.clear()
     dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
     dBG, dBH = s * dBG, s * dBH
     if metric == "inv":
@@ -190,5 +192,6 @@ def order2_adjoint(
         dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
     # accumulated into the fresh g C^T (no copy of an n × h tensor)
     dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
+    del gG
     dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
     return dxG, dxH

@@ -209,6 +209,59 @@ class Claim:
     translations: list[TranslationSpec] = field(default_factory=list)
 
 
+def _checked_slice(
+    shape: tuple[int, ...], piece: ParamSlice, heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """``(axis, start, stop, length selected)`` of a slice, checked as :func:`slice_positions`.
+
+    Raises:
+        ValueError: As :func:`slice_positions`.
+    """
+    if not shape:
+        raise ValueError(f"parameter {piece.param!r} is a scalar; it cannot carry heads")
+    ndim = len(shape)
+    if not -ndim <= piece.axis < ndim:
+        raise ValueError(
+            f"axis {piece.axis} is out of range for parameter {piece.param!r} of shape {shape}"
+        )
+    axis = piece.axis % ndim
+    start = 0 if piece.start is None else piece.start
+    stop = shape[axis] if piece.stop is None else piece.stop
+    if not 0 <= start < stop <= shape[axis]:
+        raise ValueError(
+            f"slice [{start}:{stop}] along axis {axis} is out of range for parameter "
+            f"{piece.param!r} of shape {shape}"
+        )
+    length = stop - start
+    if piece.parts != 1 or piece.part != 0:
+        p0, p1 = piece.part_range
+        unit = piece.parts * head_dim
+        if piece.parts < 1 or not 0 <= p0 < p1 <= piece.parts or (stop - start) % unit:
+            raise ValueError(
+                f"slice [{start}:{stop}] along axis {axis} of parameter {piece.param!r} cannot "
+                f"be viewed as units of parts={piece.parts} × head_dim={head_dim} with parts "
+                f"[{p0}:{p1}] selected"
+            )
+        length = (stop - start) // unit * (p1 - p0) * head_dim
+    if heads < 1 or head_dim < 1 or length % (heads * head_dim):
+        raise ValueError(
+            f"slice [{start}:{stop}] (length {length} selected) along axis {axis} of parameter "
+            f"{piece.param!r} cannot be cut into heads={heads} blocks of head_dim={head_dim}: "
+            f"the length must be a multiple of heads·head_dim = {heads * head_dim}"
+        )
+    return axis, start, stop, length
+
+
+def slice_shape(
+    shape: Sequence[int], piece: ParamSlice, heads: int, head_dim: int
+) -> tuple[int, int, int]:
+    """The shape of :func:`slice_positions` (its checks, no tensor made)."""
+    shape = tuple(int(s) for s in shape)
+    axis, _, _, length = _checked_slice(shape, piece, heads, head_dim)
+    rows = math.prod(shape) // shape[axis]
+    return heads, length // (heads * head_dim) * rows, head_dim
+
+
 def slice_positions(
     shape: Sequence[int],
     piece: ParamSlice,
@@ -239,39 +292,11 @@ def slice_positions(
                 [2, 5]])
     """
     shape = tuple(int(s) for s in shape)
-    if not shape:
-        raise ValueError(f"parameter {piece.param!r} is a scalar; it cannot carry heads")
-    ndim = len(shape)
-    if not -ndim <= piece.axis < ndim:
-        raise ValueError(
-            f"axis {piece.axis} is out of range for parameter {piece.param!r} of shape {shape}"
-        )
-    axis = piece.axis % ndim
-    start = 0 if piece.start is None else piece.start
-    stop = shape[axis] if piece.stop is None else piece.stop
-    if not 0 <= start < stop <= shape[axis]:
-        raise ValueError(
-            f"slice [{start}:{stop}] along axis {axis} is out of range for parameter "
-            f"{piece.param!r} of shape {shape}"
-        )
+    axis, start, stop, length = _checked_slice(shape, piece, heads, head_dim)
     along = torch.arange(start, stop, device=device)
     if piece.parts != 1 or piece.part != 0:
         p0, p1 = piece.part_range
-        unit = piece.parts * head_dim
-        if piece.parts < 1 or not 0 <= p0 < p1 <= piece.parts or (stop - start) % unit:
-            raise ValueError(
-                f"slice [{start}:{stop}] along axis {axis} of parameter {piece.param!r} cannot "
-                f"be viewed as units of parts={piece.parts} × head_dim={head_dim} with parts "
-                f"[{p0}:{p1}] selected"
-            )
         along = along.view(-1, piece.parts, head_dim)[:, p0:p1].reshape(-1)
-    length = int(along.numel())
-    if heads < 1 or head_dim < 1 or length % (heads * head_dim):
-        raise ValueError(
-            f"slice [{start}:{stop}] (length {length} selected) along axis {axis} of parameter "
-            f"{piece.param!r} cannot be cut into heads={heads} blocks of head_dim={head_dim}: "
-            f"the length must be a multiple of heads·head_dim = {heads * head_dim}"
-        )
     k = length // (heads * head_dim)
     local = torch.arange(math.prod(shape), dtype=torch.long, device=device).view(shape)
     sliced = local.index_select(axis, along).movedim(axis, -1).reshape(-1, length)
