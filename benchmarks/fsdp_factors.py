@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-import tempfile
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_memory as FM
@@ -46,6 +44,15 @@ def _nbytes(obj: object, seen: set[int]) -> int:
 
 
 def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
+    try:
+        queue.put((rank, _factors(rank, world, store, args)))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def _factors(rank: int, world: int, store: str, args: dict) -> dict[str, float]:
+    """The rank's factor and base-point bytes, in units of ``P · 4 / world``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from geosharp.estimators.harness import perturbation_of
@@ -81,17 +88,9 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         shards.gather.step(pert.zeros())
         step = sum(_nbytes(v, set()) for v in shards.gather._factors.values())
         shards.gather.step(None)
-    unit = n_params * 4 / world
-    if rank == 0:
-        print(
-            f"{args['model']} {args['measure']} world {world}: base-point factors "
-            f"{base / 1e6:.2f} MB = {base / unit:.3f}, step factors {step / 1e6:.2f} MB = "
-            f"{step / unit:.3f}, together {(base + step) / unit:.3f} units; the blocks' base "
-            f"point {point / unit:.3f}",
-            flush=True,
-        )
-    queue.put(rank)
     dist.destroy_process_group()
+    unit = n_params * 4 / world
+    return {"base": base, "step": step, "point": point, "unit": unit}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,20 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         for measure in a.measures.split(","):
             for world in (int(w) for w in a.worlds.split(",")):
                 args = {**SHAPE, "model": model, "measure": measure}
-                ctx = mp.get_context("spawn")
-                queue = ctx.Queue()
-                store = tempfile.NamedTemporaryFile(delete=False).name
-                os.unlink(store)
-                procs = [
-                    ctx.Process(target=rank_main, args=(r, world, store, args, queue))
-                    for r in range(world)
-                ]
-                for p in procs:
-                    p.start()
-                for _ in procs:
-                    queue.get(timeout=900)
-                for p in procs:
-                    p.join(timeout=60)
+                r = FM.run_world(rank_main, world, args)[0]
+                if isinstance(r, str):
+                    print(f"{model} {measure} world {world}: rank 0 failed:\n{r}")
+                    continue
+                base, step, unit = r["base"], r["step"], r["unit"]
+                print(
+                    f"{model} {measure} world {world}: base-point factors {base / 1e6:.2f} MB = "
+                    f"{base / unit:.3f}, step factors {step / 1e6:.2f} MB = {step / unit:.3f}, "
+                    f"together {(base + step) / unit:.3f} units; the blocks' base point "
+                    f"{r['point'] / unit:.3f}"
+                )
     return 0
 
 

@@ -235,6 +235,25 @@ def rank_main(rank: int, world: int, store: str, args: dict, queue) -> None:
         raise
 
 
+def run_world(target, world: int, args: dict) -> dict:
+    """Spawn ``world`` ranks of ``target(rank, world, store, args, queue)`` (gloo, a file store).
+
+    Returns what each rank put on the queue as ``(rank, report)``, by rank (a traceback string
+    where it failed).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = tempfile.NamedTemporaryFile(delete=False).name
+    os.unlink(store)
+    procs = [ctx.Process(target=target, args=(r, world, store, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    ranks = dict(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="1,2,4")
@@ -265,20 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args = vars(a)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    ctx = mp.get_context("spawn")
     out = {}
     for world in (int(w) for w in a.worlds.split(",")):
-        queue = ctx.Queue()
-        store = tempfile.NamedTemporaryFile(delete=False).name
-        os.unlink(store)
-        procs = [
-            ctx.Process(target=rank_main, args=(r, world, store, args, queue)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        ranks = dict(queue.get(timeout=900) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
+        ranks = run_world(rank_main, world, args)
         out[world] = ranks
         for rank, r in sorted(ranks.items()):
             if isinstance(r, str):

@@ -9,7 +9,7 @@ the perturbed parameters by name, ready for :func:`torch.func.functional_call`; 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,62 +67,57 @@ class _Factor:
     #: concatenated (:attr:`SymmetryBlock.batch_flat`; ``sizes`` are then their numbers).
     flat: tuple[torch.Size, ...] | None = None
 
-    def ranges(self) -> list[tuple[int, int, int, int | None, _Part]]:
-        """Where :meth:`split`'s views lie: ``(head_lo, head_hi, row_lo, row_hi, part)`` each.
+    def _walk(self) -> Iterator[tuple[int, slice, slice | None, _Part]]:
+        """``(block, heads, rows, part)`` of every part, in order: where its view lies.
 
-        The heads along dimension 0 of the component and the rows along dimension 1, in the
-        order of :meth:`split` (not for :attr:`flat` components, whose views are reshaped).
+        ``heads`` along dimension 0 of the block's tensor, ``rows`` along dimension 1 (``None``
+        for a whole parameter: the block itself).
         """
-        if self.flat is not None:
-            raise ValueError("a flat component's parts are no ranges of heads and rows")
-        out = []
-        head = 0
-        for size, rows, parts in zip(self.sizes, self.rows, self.parts, strict=True):
+        heads_of = [s[0] for s in self.flat] if self.flat is not None else self.sizes
+        for b, (size, rows, parts) in enumerate(zip(heads_of, self.rows, self.parts, strict=True)):
             if parts[0].piece is None:
-                out.append((head, head + size, 0, None, parts[0]))
-                head += size
+                yield b, slice(None), None, parts[0]
                 continue
             it = iter(parts)
             row = 0
             for n in rows:
                 part = next(it)
                 if part.span is None:
-                    out.append((head, head + size, row, row + n, part))
+                    yield b, slice(None), slice(row, row + n), part
                 else:
                     while True:  # the heads of a set of rows, range by range
                         lo, hi = part.span
-                        out.append((head + lo, head + hi, row, row + n, part))
+                        yield b, slice(lo, hi), slice(row, row + n), part
                         if hi == size:
                             break
                         part = next(it)
                 row += n
-            head += size
+
+    def ranges(self) -> list[tuple[slice, slice | None, _Part]]:
+        """Where :meth:`split`'s views lie in the component: ``(heads, rows, part)`` each.
+
+        The heads along dimension 0 of the component and the rows along dimension 1 (``None``:
+        all of them), in the order of :meth:`split` (not for :attr:`flat` components, whose
+        views are reshaped).
+        """
+        if self.flat is not None:
+            raise ValueError("a flat component's parts are no ranges of heads and rows")
+        starts = [sum(self.sizes[:b]) for b in range(len(self.sizes))]
+        out = []
+        for b, h, r, part in self._walk():
+            lo = starts[b] + (h.start or 0)
+            hi = starts[b] + (self.sizes[b] if h.stop is None else h.stop)
+            out.append((slice(lo, hi), r, part))
         return out
 
     def split(self, t: Tensor) -> list[tuple[Tensor, _Part]]:
         """The part tensors of ``t`` (views), each with its part."""
-        out = []
         blocks = torch.split(t, self.sizes, dim=0) if len(self.sizes) > 1 else (t,)
         if self.flat is not None:
             blocks = tuple(b.view(s) for b, s in zip(blocks, self.flat, strict=True))
-        for blk, rows, parts in zip(blocks, self.rows, self.parts, strict=True):
-            if parts[0].piece is None:
-                out.append((blk, parts[0]))
-                continue
-            pieces = torch.split(blk, rows, dim=1) if len(rows) > 1 else (blk,)
-            it = iter(parts)
-            for rows_t in pieces:
-                part = next(it)
-                if part.span is None:
-                    out.append((rows_t, part))
-                    continue
-                while True:  # the heads of a set of rows, range by range
-                    lo, hi = part.span
-                    out.append((rows_t[lo:hi], part))
-                    if hi == rows_t.shape[0]:
-                        break
-                    part = next(it)
-        return out
+        return [
+            (blocks[b] if r is None else blocks[b][h, r], part) for b, h, r, part in self._walk()
+        ]
 
 
 def _factor_plan(space: ParameterSpace, blocks: Sequence[SymmetryBlock]) -> list[_Factor] | None:
@@ -244,7 +239,7 @@ class _Assembly:
         rest_piece: int | None,
         layout: Sequence[tuple[int, Tensor | None]],
         devices: torch.device | Sequence[torch.device],
-        groups: Sequence[Sequence[SymmetryBlock]] | None = None,
+        plans: Sequence[list[_Factor] | None] | None = None,
     ) -> None:
         self.names, self.shapes = list(space.param_names), list(space.shapes)
         sizes = [math.prod(s) for s in self.shapes]
@@ -294,9 +289,8 @@ class _Assembly:
         on = [
             sum(self.gathered_sizes[g] for g in gathered) for *_, gathered in self.sources.values()
         ]
-        plan = None if groups is None else [_factor_plan(space, blocks) for blocks in groups]
-        if plan is not None and None in plan:
-            plan = None
+        # each symmetry piece's view plan, made with its base point (pieces._block_pieces)
+        plan = None if plans is None or None in plans else list(plans)
         if plan is not None and sum(on) > _CHECK_LIMIT:
             # past the limit the plan is not compared with a gather index (a 1.1 B Llama's
             # index and its comparison took 28 s and 2 int32 per block coordinate); the same

@@ -146,7 +146,7 @@ class Perturbation:
         self._rest_piece: int | None = built.rest
         self._layout = built.layout
         self._assembly = _Assembly(
-            space, self.pieces, self._rest_piece, self._layout, devices, built.groups
+            space, self.pieces, self._rest_piece, self._layout, devices, built.plans
         )
 
     # -- tangent-vector arithmetic -------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from geosharp.estimators.assembly import _factor_plan, batched_shapes, read_parts
+from geosharp.estimators.assembly import _Factor, _factor_plan, batched_shapes, read_parts
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.gl_rows import RowSum
@@ -243,20 +243,22 @@ def _block_pieces(
     corrected_norm: bool,
     work_dtype: torch.dtype | None,
     row_sum: RowSum | None = None,
-) -> list[Piece]:
+) -> tuple[list[Piece], list[list[_Factor] | None]]:
     """One piece per group of symmetry blocks, its geometry made on the group's device.
 
-    See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
+    Returned with each piece's view plan (:func:`~geosharp.estimators.assembly._factor_plan`,
+    ``None`` where its blocks' layout is no view of the parameters), which the assembly uses
+    too. See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
     """
     split = {} if row_sum is None else {"row_sum": row_sum}  # rows split over ranks
-    if not groups:
-        return []
-    pieces = []
+    pieces: list[Piece] = []
+    plans: list[list[_Factor] | None] = []
     dtype = _flat_dtype(params)  # the dtype of θ₀ as one vector
     for device, blocks in groups:
         cls = type(blocks[0])
         at = device if device is not None else params[0].device
         plan = _factor_plan(space, blocks)
+        plans.append(plan)
         if plan is not None:  # the blocks' slices are views of the parameters: no position
             shapes = batched_shapes(blocks)
             point = tuple(
@@ -282,7 +284,7 @@ def _block_pieces(
             norm_geom = ElementwiseGeometry(tuple(p.to(wide) for p in point))
         name = blocks[0].name if len(blocks) == 1 else getattr(geom, "name", cls.__name__)
         pieces.append(Piece(name, _block_positions(cls, blocks, at), geom, norm_geom, piece_order))
-    return pieces
+    return pieces, plans
 
 
 class Built(NamedTuple):
@@ -291,7 +293,8 @@ class Built(NamedTuple):
     pieces: list[Piece]
     rest: int | None  #: the position of the piece of the coordinates in no block
     layout: list[tuple[int, Tensor | None]]  #: the rest piece's components (rest_layout)
-    groups: list[list[SymmetryBlock]] | None  #: each block piece's blocks (None: no blocks)
+    #: each block piece's view plan (None where its layout is no view; None: no blocks)
+    plans: list[list[_Factor] | None] | None
 
 
 def build_pieces(
@@ -328,7 +331,7 @@ def build_pieces(
         index = _rest_positions(space, layout, devices)
         return Built([Piece(f"all parameters ({measure})", index, g, g, 1)], 0, layout, None)
     groups = _group_blocks(space, devices)
-    pieces = _block_pieces(
+    pieces, plans = _block_pieces(
         space,
         [params[n] for n in names],
         groups,
@@ -363,4 +366,4 @@ def build_pieces(
             f"the symmetry blocks and the rest cover {covered} coordinates of "
             f"{space.numel()}: the ParameterSpace is inconsistent"
         )
-    return Built(pieces, rest, layout, [b for _, b in groups])
+    return Built(pieces, rest, layout, plans)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from geosharp.estimators.assembly import read_parts
 from geosharp.geometry import FixedGeometry, GLGeometry
-from geosharp.geometry.gl_endpoint import _add_eye, _order2_matrices, order2_adjoint
+from geosharp.geometry.gl_endpoint import _add_eye, _add_mm, _order2_matrices, order2_adjoint
 
 __all__ = ["GatheredEndpoint"]
 
@@ -47,6 +47,7 @@ class _Slot(NamedTuple):
     offset: int  # in elements of the input
     numel: int
     shape: torch.Size
+    fsdp_param: Any  # FSDP's record of the parameter (its all-gather input, one rank)
 
 
 class _Part(NamedTuple):
@@ -98,37 +99,34 @@ class GatheredEndpoint:
         #: every parameter of the rank's space, by position: the shards hold ``w`` throughout
         self.tensors = [merged[n] for n in names]
         at = {n: j for j, n in enumerate(names)}
-        #: the shards' position of every parameter of the space that is a shard
-        self._shard_of = {at[n]: i for i, n in enumerate(shards.names)}
-        #: the shapes of every GL piece's point (known while the point is given back)
-        self._shapes = {
-            k: tuple(t.shape for t in pert.pieces[k].geometry.point)
-            for k in pert._assembly.sym_pieces
+        asm = pert._assembly
+        #: the GL pieces and their assembly plans (where their rows lie in the parameters)
+        self.plans = {
+            k: factors
+            for k, factors in zip(asm.sym_pieces, asm.plan, strict=True)
             if isinstance(pert.pieces[k].geometry, GLGeometry)
         }
-        #: the slots, their parameters renumbered from the shards' order to the space's
-        self._comms = [
-            (module, [s._replace(param=at[shards.names[s.param]]) for s in slots])
-            for module, slots in comms
-        ]
-        asm = pert._assembly
         #: per parameter position, the GL rows it holds
         self.parts: dict[int, list[_Part]] = {}
-        self.gl = [k for k in asm.sym_pieces if isinstance(pert.pieces[k].geometry, GLGeometry)]
-        for k, factors in zip(asm.sym_pieces, asm.plan, strict=True):
-            if k not in self.gl:
-                continue
+        for k, factors in self.plans.items():
             for c, factor in enumerate(factors):
-                for h0, h1, r0, r1, part in factor.ranges():
-                    self.parts.setdefault(part.param, []).append(
-                        _Part(k, c, slice(h0, h1), slice(r0, r1), part)
-                    )
+                for heads, rows, part in factor.ranges():
+                    rows = slice(None) if rows is None else rows
+                    self.parts.setdefault(part.param, []).append(_Part(k, c, heads, rows, part))
         #: the rest coordinates inside those parameters: (parameter, local positions, rest comp)
         self.mixed = [(j, local, asm.mixed[m]) for m, (j, local) in enumerate(asm.mixed_local)]
         rest = pert._rest_piece
         self._rest_moves = rest is not None and pert.straight_rest
         #: the parameters whose shard is not ``θ′`` as it is
         self._writes = set(self.parts) | {j for j, _, _ in self.mixed}
+        #: per FSDP module, the slots of those parameters, renumbered from the shards' order to
+        #: the space's (modules with none left out: the root's embeddings, …)
+        self._comms = []
+        for module, slots in comms:
+            mine = [s._replace(param=at[shards.names[s.param]]) for s in slots]
+            mine = [s for s in mine if s.param in self._writes]
+            if mine:
+                self._comms.append((module, mine))
         #: per GL piece, the step's (E_G, C_G, E_H, C_H) and the moved pieces (None: inactive)
         self._factors: dict[int, tuple[Tensor, ...]] | None = None
         #: per GL piece, the step's (C_G, C_H, s), for :meth:`pull_back`
@@ -176,7 +174,7 @@ class GatheredEndpoint:
             self._factors = self._moved = None
             return
         factors, self._adjoint = {}, {}
-        for k in self.gl:
+        for k in self.plans:
             geom = self.pert.pieces[k].geometry
             dt = geom.execution.endpoint_dtype
             G, H, xG, xH = (t.to(dt) for t in (geom.G, geom.H, *moved[k]))
@@ -196,17 +194,16 @@ class GatheredEndpoint:
         was cloned, :meth:`~geosharp.estimators.sharded.ShardedParams.backward`). Called before
         the blocks' base point is read back, so the two are not held together with FSDP's.
         """
-        pert, asm = self.pert, self.pert._assembly
+        pert = self.pert
         names = pert.space.param_names
         g = [grads.get(n) for n in names]
-        plan = dict(zip(asm.sym_pieces, asm.plan, strict=True))
         rows: dict[int, list[Tensor]] = {}
-        for k in self._adjoint:
+        for k in self._adjoint:  # the point's storage is given back, its shape is not
             geom = pert.pieces[k].geometry
             dt = geom.execution.endpoint_dtype
             rows[k] = [
-                read_parts(plan[k][c], g, shape, dt, geom.point[c].device)
-                for c, shape in enumerate(self._shapes[k])
+                read_parts(self.plans[k][c], g, t.shape, dt, t.device)
+                for c, t in enumerate(geom.point)
             ]
         del g
         mixed = {j for j, _, _ in self.mixed}
@@ -256,19 +253,15 @@ class GatheredEndpoint:
         swapped: list[tuple[Any, type]] = []
         try:
             for module, slots in self._comms:
-                slots = [slot for slot in slots if slot.param in self._writes]
-                if not slots:  # no block row in this module (the root's embeddings, …)
-                    continue
-                group = _group(module)
                 if self.shards.world > 1:  # FSDP's public hook for a custom all-gather
-                    installed.append((module, group._all_gather_comm))
-                    module.set_custom_all_gather(_comm_class()(group._all_gather_comm, slots, self))
+                    inner = _group(module)._all_gather_comm
+                    installed.append((module, inner))
+                    module.set_custom_all_gather(_comm_class()(inner, slots, self))
                     continue
                 # one rank: FSDP copies each shard into its unsharded parameter, no collective;
                 # the shard it copies is made θ′ first (a copy of it: the shard keeps w)
-                params = {id(fp.sharded_param): fp for fp in group.fsdp_params}
                 for slot in slots:
-                    fp = params[id(self.shards.params[self._shard_of[slot.param]])]
+                    fp = slot.fsdp_param
                     swapped.append((fp, type(fp)))
                     fp.__class__ = _theta_param_class(type(fp))
                     fp._geosharp_theta = (self, slot)
@@ -286,9 +279,7 @@ class GatheredEndpoint:
         if self._factors is None:
             return
         for slot in slots:
-            if slot.param in self._writes:
-                dest = inp.narrow(0, slot.offset, slot.numel).view(slot.shape)
-                self._theta(slot.param, dest)
+            self._theta(slot.param, inp.narrow(0, slot.offset, slot.numel).view(slot.shape))
 
     @torch.no_grad()
     def _theta(self, j: int, dest: Tensor) -> None:
@@ -301,7 +292,7 @@ class GatheredEndpoint:
             x = moved[p.piece][p.comp][p.heads, p.rows]
             rows = p.part.view(w).reshape(x.shape).to(dt)
             E, C = factors[p.piece][2 * p.comp], factors[p.piece][2 * p.comp + 1]
-            out = torch.baddbmm(rows @ E[p.heads], x.to(dt), C[p.heads])
+            out = _add_mm(rows @ E[p.heads], x.to(dt), C[p.heads], inplace=True)  # as the forward
             view = p.part.view(dest)
             view.copy_(out.to(geom.dtype).view(view.shape))
         if self._rest_moves:
@@ -315,15 +306,13 @@ class GatheredEndpoint:
     @contextlib.contextmanager
     def _released(self) -> Iterator[None]:
         """The GL pieces' base point (and its adaptive-norm twin) freed, then read back."""
-        asm = self.pert._assembly
-        plan = dict(zip(asm.sym_pieces, asm.plan, strict=True))
         own: list[tuple[Tensor, Any]] = []  # (point component, its factor)
         twins: list[tuple[Tensor, Tensor]] = []  # (a tensor of its own storage, its source)
         seen: set[int] = set()
-        for k in self.gl:
+        for k, factors in self.plans.items():
             piece = self.pert.pieces[k]
-            for c, t in enumerate(piece.geometry.point):
-                own.append((t, plan[k][c]))
+            for t, factor in zip(piece.geometry.point, factors, strict=True):
+                own.append((t, factor))
                 seen.add(_ptr(t))
             geom = piece.geometry
             norm = piece.norm_geometry.point if piece.norm_geometry is not geom else None
@@ -332,9 +321,7 @@ class GatheredEndpoint:
                     if _ptr(t) not in seen:
                         twins.append((t, geom.point[c]))
                         seen.add(_ptr(t))
-        sizes = [(t, t.untyped_storage().nbytes()) for t, _ in own] + [
-            (t, t.untyped_storage().nbytes()) for t, _ in twins
-        ]
+        sizes = [(t, t.untyped_storage().nbytes()) for t, _ in (*own, *twins)]
         for t, _ in sizes:
             t.untyped_storage().resize_(0)
         try:
@@ -415,7 +402,7 @@ def _slots(shards: Any) -> list[tuple[Any, list[_Slot]]] | None:
                 # the shard is the input's first elements, in its own shape (any dimension)
                 if t.numel() and (not t.is_contiguous() or t.data_ptr() != data.data_ptr()):
                     return None
-                slots.append(_Slot(j, offset, t.numel(), t.shape))
+                slots.append(_Slot(j, offset, t.numel(), t.shape, fp))
             offset += data.numel()
         if len(dtypes) > 1:
             return None

@@ -156,18 +156,12 @@ class Positions:
             slice_shape(shape, piece, hi - lo, self._head_dim)
             for (shape, piece, _), (lo, hi) in zip(self._parts, self.head_ranges, strict=True)
         ]
-        rows = 0
+        rows = 0  # the sets of rows stack along dimension 1, each set's parts tile the heads
         for slot in slots(self.head_ranges, self._heads):
             if len({shapes[i][1] for i in slot}) > 1:
                 raise ValueError("the parts of one set of rows differ in their number of rows")
             rows += shapes[slot[0]][1]
-        return torch.Size(
-            [
-                sum(shapes[i][0] for i in slots(self.head_ranges, self._heads)[0]),
-                rows,
-                self._head_dim,
-            ]
-        )
+        return torch.Size([self._heads, rows, self._head_dim])
 
     def _build(self) -> Tensor:
         """The positions, built on the host (on the device named, never the default one)."""
