@@ -75,6 +75,18 @@ EXACT = {
     "geodesic-inv-exact-blocks": {"measure": "geodesic", "order": "exact", "perturb": "blocks"},
 }
 EXACT = {m: {**kw, "exact_steps": 4} for m, kw in EXACT.items()}
+#: label → a geodesic measure with an option that changes where its base point lives: the
+#: blocks' products in the model's dtype (``low_memory``: the geometry holds the point it would
+#: read from the shards) and the ablation without the corrected norm (its ball is another
+#: geometry's: θ′ is written over the shards)
+OPTIONS = {
+    "geodesic-mix-low-memory": {"measure": "geodesic", "metric": "mix", "low_memory": True},
+    "geodesic-inv-uncorrected-norm": {"measure": "geodesic", "corrected_norm": False},
+}
+OPTION_CASES = {
+    "bert/float64/0.05": tuple(OPTIONS),
+    "llama-gqa-lora/float64/0.05": tuple(OPTIONS),
+}
 #: case key → the exact measures it is measured with too (llama-gqa: rotary blocks)
 EXACT_CASES = {
     "bert/float64/0.05": tuple(EXACT),
@@ -257,11 +269,18 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
             k = key(name, dt, rho)
             random = measure_random(model, mine, rho, RANDOM_CASES.get(k, ()))
             exact = measure_random(model, mine, rho, EXACT_CASES.get(k, ()), EXACT)
+            options = measure_random(model, mine, rho, OPTION_CASES.get(k, ()), OPTIONS)
             same = all(
                 torch.equal(a, p._local_tensor)
                 for a, p in zip(before, model.parameters(), strict=True)
             )
-            out[k] = {"values": values, "random": random, "exact": exact, "shards_identical": same}
+            out[k] = {
+                "values": values,
+                "random": random,
+                "exact": exact,
+                "options": options,
+                "shards_identical": same,
+            }
             del model
         queue.put((rank, out))
         dist.destroy_process_group()
@@ -304,7 +323,7 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
     def on(data: list) -> list:
         return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
 
-    ref, random, exact = {}, {}, {}
+    ref, random, exact, options = {}, {}, {}, {}
     for name, dt, rho in CASES + REFERENCE_ONLY:
         model, k = build(name, getattr(torch, dt)).to(dev), key(name, dt, rho)
         ref[k] = measure_all(model, on(batches()), rho)
@@ -314,7 +333,15 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
         cpu = model if device == "cpu" else build(name, getattr(torch, dt))
         random[k] = measure_random(cpu, batches(), rho, RANDOM_CASES.get(k, ()))
         exact[k] = measure_random(model, on(batches()), rho, EXACT_CASES.get(k, ()), EXACT)
-    result = {"reference": ref, "random": random, "exact": exact, "worlds": {}, "device": device}
+        options[k] = measure_random(model, on(batches()), rho, OPTION_CASES.get(k, ()), OPTIONS)
+    result = {
+        "reference": ref,
+        "random": random,
+        "exact": exact,
+        "options": options,
+        "worlds": {},
+        "device": device,
+    }
     for i, world in enumerate(worlds):
         procs, queue = first if i == 0 else _start(ctx, world, device)
         result["worlds"][world] = _collect(procs, queue)

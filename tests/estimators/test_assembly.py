@@ -271,3 +271,35 @@ def test_the_ranges_of_a_factor_are_where_its_split_views_lie(name):
             for (v, part), (heads, rows, p) in zip(views, ranges, strict=True):
                 assert p is part
                 assert torch.equal(v, comp[heads] if rows is None else comp[heads, rows])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_heads_read_from_the_parameters_are_slices_of_the_point(name):
+    """``read_heads`` (what a sharded model's geometry reads its point through, a chunk of heads
+    at a time) equals the heads of the blocks' base point, for chunks cutting the parts'
+    ranges of heads anywhere, in the point's dtype and widened."""
+    model = MODELS[name]().build()
+    space, pert = _perturbation(model)
+    asm = pert._assembly
+    if asm.plan is None:
+        pytest.skip("no plan")
+    named = dict(model.named_parameters())
+    tensors = [named[n].detach() for n in space.param_names]
+    checked = 0
+    for k, factors in zip(asm.sym_pieces, asm.plan, strict=True):
+        for factor, point in zip(factors, pert.pieces[k].geometry.point, strict=True):
+            if factor.flat is not None or point.dim() != 3:
+                continue
+            n = point.shape[0]
+            for per in (1, 2, 3, n):
+                for lo in range(0, n, per):
+                    sl = slice(lo, min(lo + per, n))
+                    got = assembly.read_heads(factor, tensors, sl, point.shape, point.dtype, "cpu")
+                    assert torch.equal(got, point[sl])
+                    checked += 1
+            wide = assembly.read_heads(
+                factor, tensors, slice(None), point.shape, torch.float64, "cpu"
+            )
+            assert torch.equal(wide, point.double())
+    if not checked:
+        pytest.skip("no (heads, rows, h) component")

@@ -190,3 +190,81 @@ def test_gram_matrices_in_chunks_equal_the_widened_copy(monkeypatch, kind, metri
     assert all(
         torch.allclose(x.double(), y, rtol=1e-6, atol=1e-7) for x, y in zip(a, b, strict=True)
     )
+
+
+# -- the base point read a chunk of heads at a time (the sharded endpoint, SPEC §10.7) ---------
+@pytest.mark.parametrize("kind", ["gl", "rotary"])
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_point_read_by_chunks_equals_the_held_point(kind, metric, chunk):
+    """A geometry whose point's memory is freed, reading ``G``, ``H`` through a reader a chunk
+    of heads at a time, projects bit for bit as the one holding them; the order-2 endpoint's
+    factors and its adjoint (in place) by chunks equal the batched ones and the autograd
+    gradient of the one-process endpoint, on rows split over three ranks and on all rows; a
+    random tangent drawn from the Gram matrices read by chunks equals the held point's."""
+    from geosharp.geometry.gl_endpoint import (
+        _order2_matrices,
+        order2_adjoint_by_chunks,
+        order2_factors_by_chunks,
+    )
+
+    G, H, g = random_block((B,), N, M, h, seed=11)
+    xi = tuple(0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (G, H))
+    up = tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (G, H))
+    full = make(kind, G, H, metric)
+    leaves = tuple(t.clone().requires_grad_(True) for t in xi)
+    want_back = torch.autograd.grad(full.geodesic(leaves, order=2), leaves, up)
+
+    def read_by_chunks(Gr, Hr, x, upr, row_sum) -> tuple:
+        xGr, xHr = x
+        ref = make(kind, Gr, Hr, metric, row_sum, chunk)
+        want = (ref.horizontal_grad(x), ref.project(x), ref.ascent_direction(x))
+        draw = ref.random_tangent(torch.Generator().manual_seed(5))
+        geom = make(kind, Gr.clone(), Hr.clone(), metric, row_sum, chunk)
+        reads: list[slice] = []
+
+        def reader(heads: slice, dtype: torch.dtype) -> tuple:
+            reads.append(heads)
+            return Gr[heads].to(dtype), Hr[heads].to(dtype)
+
+        geom.read_point_from(reader)
+        for t in geom.point:  # nothing of the point is read again
+            t.untyped_storage().resize_(0)
+        got = (geom.horizontal_grad(x), geom.project(x), geom.ascent_direction(x))
+        assert all(
+            torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got[2][0], want[2][0], strict=True))
+        assert torch.equal(got[2][1], want[2][1])
+        got_draw = geom.random_tangent(torch.Generator().manual_seed(5))  # Gram matrices read
+        assert all(close(a, b) for a, b in zip(got_draw, draw, strict=True))
+        if len(geom._slices) > 1:
+            assert slice(None) not in reads  # one chunk of heads at a time
+        inv, rows_of = geom._endpoint_inv, geom.point_rows
+        f = order2_factors_by_chunks(rows_of, geom._slices, xGr, xHr, *inv, metric, row_sum)
+        f_want = _order2_matrices(Gr, Hr, xGr, xHr, *inv, metric, row_sum)
+        assert all(close(a, b) for a, b in zip(f[:4], f_want[:4], strict=True))
+        assert f[4] == f_want[4]
+        gr = tuple(t.clone() for t in upr)
+        back = order2_adjoint_by_chunks(
+            rows_of, geom._slices, (xGr, xHr, *inv), (f[0], f[2], f[4]), metric, gr, row_sum
+        )
+        assert back[0] is gr[0] and back[1] is gr[1]  # overwritten in place
+        return back
+
+    for c, b in enumerate(read_by_chunks(G, H, xi, up, None)):  # all rows: chunk by chunk
+        assert close(b, want_back[c]), c
+    ring = ThreadSum(3)
+    parts = [
+        rows(t, s) for t, s in ((G, SPLIT_G), (H, SPLIT_H), (xi[0], SPLIT_G), (xi[1], SPLIT_H))
+    ]
+    ups = [rows(up[0], SPLIT_G), rows(up[1], SPLIT_H)]
+
+    def rank(r: int) -> tuple:
+        x, upr = (parts[2][r], parts[3][r]), (ups[0][r], ups[1][r])
+        return read_by_chunks(parts[0][r], parts[1][r], x, upr, ring.for_rank(r))
+
+    for r, back in enumerate(on_ranks(rank, ring)):
+        for c, split in enumerate((SPLIT_G, SPLIT_H)):
+            assert close(back[c], rows(want_back[c], split)[r]), (c, r)
+    assert len(set(ring.calls)) == 1  # every rank made the same collectives

@@ -197,6 +197,34 @@ def read_parts(
     return buf
 
 
+def read_heads(
+    factor: _Factor,
+    tensors: Sequence[Tensor],
+    heads: slice,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """The heads ``heads`` (a slice of dimension 0) of one block component, as :func:`read_parts`.
+
+    ``shape`` is the whole component's; only the parts' views that hold those heads are read,
+    each cut to them along its first dimension (its heads; the rows may span several).
+    """
+    lo, hi, _ = heads.indices(shape[0])
+    out = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
+    for span, rows, part in factor.ranges():
+        a, b = max(span.start, lo), min(span.stop, hi)
+        if a >= b:
+            continue
+        dst = out[a - lo : b - lo] if rows is None else out[a - lo : b - lo, rows]
+        src = part.view(tensors[part.param])  # heads first, its rows maybe in several dims
+        if src.dim() < 2 or src.shape[0] != span.stop - span.start:
+            src = src.view(span.stop - span.start, *dst.shape[1:])
+        src = src[a - span.start : b - span.start]
+        dst.view(src.shape).copy_(src)
+    return out
+
+
 def batched_shapes(blocks: Sequence[SymmetryBlock]) -> tuple[torch.Size, ...]:
     """The shapes of :meth:`SymmetryBlock.batch` of ``blocks``, without building a position.
 

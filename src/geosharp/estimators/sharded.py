@@ -273,7 +273,7 @@ class ShardedParams:
     def to_base(self) -> None:
         """Put the base point in the shards: subtract a pending shift, or write it back."""
         self.unshift()
-        if not self.copied:
+        if not self.copied or self.gathered:  # gathered: θ′ never written over the shards
             self.reshard()
             return
         if self.in_place == "rest":

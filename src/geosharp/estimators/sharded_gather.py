@@ -13,15 +13,18 @@ order-2 endpoint (``G′ = G (I + s B_G) + ξ_G C_G``, :mod:`~geosharp.geometry.
 summed over the ranks once per loss before the forward): a row-wise product, nothing gathered
 but the layer FSDP gathers anyway. The forward and the backward (which gathers the layer again)
 see ``θ′``; FSDP's reduce-scattered gradient is ``∂L/∂θ′``, pulled back to ``ξ`` after the
-backward as before. While the loss runs the blocks' base point is not needed, and its memory is
-given back (the storage resized to nothing and read again from the shards after the backward).
+backward. The blocks' base point is held nowhere but in the shards: the GL geometry reads its
+rows from them a chunk of heads at a time (:meth:`GLGeometry.read_point_from
+<geosharp.geometry.GLGeometry.read_point_from>`) in the projection, the step's factors and the
+pullback, which overwrites the rows of ``∂L/∂θ′`` with those of ``∂L/∂ξ``.
 
 :class:`GatheredEndpoint` serves order-2 geodesics of GL-type blocks (GL(h), rotary, LoRA), with
 blocks held fixed (key-bias translations) and the rest coordinates of the projections; anything
-else (the exact geodesic, diagonal pairs, a module with several parameter groups, parameters
-offloaded or with FSDP tensor extensions) keeps θ′ written into the shards. With one rank FSDP
-gathers nothing (it copies each shard into the unsharded parameter): the parameters holding
-block rows then hand it a copy of their shard with ``θ′`` written into it.
+else (the exact geodesic, diagonal pairs, the ablation without the corrected norm, a module with
+several parameter groups, parameters offloaded or with FSDP tensor extensions) keeps θ′ written
+into the shards. With one rank FSDP gathers nothing (it copies each shard into the unsharded
+parameter): the parameters holding block rows then hand it a copy of their shard with ``θ′``
+written into it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from geosharp.estimators.assembly import read_parts
+from geosharp.estimators.assembly import read_heads, read_parts
 from geosharp.geometry import FixedGeometry, GLGeometry
-from geosharp.geometry.gl_endpoint import _add_eye, _add_mm, _order2_matrices, order2_adjoint
+from geosharp.geometry.gl_endpoint import (
+    _add_eye,
+    _add_mm,
+    order2_adjoint_by_chunks,
+    order2_factors_by_chunks,
+)
 
 __all__ = ["GatheredEndpoint"]
 
@@ -132,6 +140,7 @@ class GatheredEndpoint:
         #: per GL piece, the step's (C_G, C_H, s), for :meth:`pull_back`
         self._adjoint: dict[int, tuple[Tensor, Tensor, float]] = {}
         self._moved: list | None = None
+        self._read_from_shards()
 
     # -- whether it serves -------------------------------------------------------------------
     @classmethod
@@ -146,6 +155,8 @@ class GatheredEndpoint:
             if isinstance(geom, FixedGeometry):
                 continue
             if not isinstance(geom, GLGeometry) or piece.order != 2:
+                return None
+            if piece.norm_geometry is not geom:  # the ablation's norm reads the point
                 return None
             if geom.G.dim() != 3 or geom.H.dim() != 3:
                 return None
@@ -176,23 +187,28 @@ class GatheredEndpoint:
         factors, self._adjoint = {}, {}
         for k in self.plans:
             geom = self.pert.pieces[k].geometry
-            dt = geom.execution.endpoint_dtype
-            G, H, xG, xH = (t.to(dt) for t in (geom.G, geom.H, *moved[k]))
-            cG, bG, cH, bH, s = _order2_matrices(
-                G, H, xG, xH, *geom._endpoint_inv, geom.metric, geom.execution.row_sum
+            ex = geom.execution
+            xG, xH = (t.to(ex.endpoint_dtype) for t in moved[k])
+            cG, bG, cH, bH, s = order2_factors_by_chunks(
+                geom.point_rows,
+                geom._slices,
+                xG,
+                xH,
+                *geom._endpoint_inv,
+                geom.metric,
+                self._sum(ex),
             )
             factors[k] = (_add_eye(bG, s), cG, _add_eye(bH, s), cH)
             self._adjoint[k] = (cG, cH, s)
         self._factors, self._moved = factors, moved
 
     @torch.no_grad()
-    def read_rows(self, grads: dict[str, Tensor]) -> dict[int, list[Tensor]]:
+    def _read_rows(self, grads: dict[str, Tensor]) -> dict[int, list[Tensor]]:
         """The GL pieces' rows of ``∂L/∂θ′``, read from the shards' gradient (by name).
 
         Through the assembly's views, in the endpoint's dtype; the projections' own gradients
         are then let go (FSDP's buffers of those layers with them: the rest of their gradients
-        was cloned, :meth:`~geosharp.estimators.sharded.ShardedParams.backward`). Called before
-        the blocks' base point is read back, so the two are not held together with FSDP's.
+        was cloned, :meth:`~geosharp.estimators.sharded.ShardedParams.backward`).
         """
         pert = self.pert
         names = pert.space.param_names
@@ -213,25 +229,33 @@ class GatheredEndpoint:
         return rows
 
     @torch.no_grad()
-    def pull_back(self, rows: dict, grads: dict[str, Tensor], moved: list) -> list:
-        """``∂L/∂ξ`` from :meth:`read_rows` and the rest of the shards' gradient ``∂L/∂θ′``.
+    def pull_back(self, grads: dict[str, Tensor], moved: list) -> list:
+        """``∂L/∂ξ`` from the shards' gradient ``∂L/∂θ′`` (by name).
 
-        The endpoint's adjoint (:func:`~geosharp.geometry.gl_endpoint.order2_adjoint`) with
-        the factors of :meth:`step` (no second forward of the endpoint: its four contractions
-        summed once) on the GL pieces' rows; the rest coordinates' gradient is their shards'
-        (zero where held fixed), as are the fixed pieces'.
+        The endpoint's adjoint (:func:`~geosharp.geometry.gl_endpoint.order2_adjoint_by_chunks`)
+        with the factors of :meth:`step` (no second forward of the endpoint) on the GL pieces'
+        rows of ``∂L/∂θ′``, read once and overwritten with ``∂L/∂ξ``; the rest coordinates'
+        gradient is their shards' (zero where held fixed), as are the fixed pieces'.
         """
+        rows = self._read_rows(grads)
         pert = self.pert
         names = pert.space.param_names
         g = [grads.get(n) for n in names]
         out: list = []
         for k, (piece, x) in enumerate(zip(pert.pieces, moved, strict=True)):
-            if k in self._adjoint:
+            if k in self._adjoint:  # the rows of dL/dθ′ become those of dL/dξ (in place)
                 geom = piece.geometry
-                ex, (G, H) = geom.execution, geom.point
-                dt = ex.endpoint_dtype
-                inputs = (x[0].to(dt), x[1].to(dt), G.to(dt), H.to(dt), *geom._endpoint_inv)
-                dx = order2_adjoint(inputs, self._adjoint[k], geom.metric, rows.pop(k), ex.row_sum)
+                ex = geom.execution
+                inputs = (*(t.to(ex.endpoint_dtype) for t in x), *geom._endpoint_inv)
+                dx = order2_adjoint_by_chunks(
+                    geom.point_rows,
+                    geom._slices,
+                    inputs,
+                    self._adjoint[k],
+                    geom.metric,
+                    tuple(rows.pop(k)),
+                    self._sum(ex),
+                )
                 out.append(tuple(d.to(t.dtype) for d, t in zip(dx, x, strict=True)))
             elif k == pert._rest_piece and self._rest_moves:
                 comps = []
@@ -246,9 +270,13 @@ class GatheredEndpoint:
         self._adjoint = {}
         return out
 
+    def _sum(self, execution: Any) -> Any:
+        """The geometry's sum over ranks, ``None`` with one rank (every row is here)."""
+        return execution.row_sum if self.shards.world > 1 else None
+
     @contextlib.contextmanager
     def during_loss(self) -> Iterator[None]:
-        """Within: FSDP gathers ``θ′``; the blocks' base point's memory is given back."""
+        """Within: FSDP gathers ``θ′`` (the shards keep ``w``)."""
         installed: list[tuple[Any, Any]] = []
         swapped: list[tuple[Any, type]] = []
         try:
@@ -265,8 +293,7 @@ class GatheredEndpoint:
                     swapped.append((fp, type(fp)))
                     fp.__class__ = _theta_param_class(type(fp))
                     fp._geosharp_theta = (self, slot)
-            with self._released():
-                yield
+            yield
         finally:
             for module, inner in installed:
                 module.set_custom_all_gather(inner)
@@ -302,37 +329,42 @@ class GatheredEndpoint:
                     flat = dest.view(-1)
                     flat[local.to(flat.device)] = rest[c].reshape(-1).to(flat.dtype)
 
-    # -- the blocks' base point, given back while the loss runs -------------------------------
-    @contextlib.contextmanager
-    def _released(self) -> Iterator[None]:
-        """The GL pieces' base point (and its adaptive-norm twin) freed, then read back."""
-        own: list[tuple[Tensor, Any]] = []  # (point component, its factor)
-        twins: list[tuple[Tensor, Tensor]] = []  # (a tensor of its own storage, its source)
+    # -- the blocks' base point: read from the shards, held nowhere ----------------------------
+    def _read_from_shards(self) -> None:
+        """The GL pieces read their base point from the shards; its tensors' memory is freed.
+
+        Each piece's geometry reads a chunk of heads at a time through the assembly's views
+        (:meth:`GLGeometry.read_point_from <geosharp.geometry.GLGeometry.read_point_from>`): the
+        projection, the step's factors and the pullback hold one chunk of ``G``, ``H``. The
+        point's tensors (and a widened copy the geometry holds) keep their shapes and lose their
+        storage: nothing of this call reads them again (the order-2 endpoint is :meth:`_theta`).
+        """
         seen: set[int] = set()
         for k, factors in self.plans.items():
-            piece = self.pert.pieces[k]
-            for t, factor in zip(piece.geometry.point, factors, strict=True):
-                own.append((t, factor))
-                seen.add(_ptr(t))
-            geom = piece.geometry
-            norm = piece.norm_geometry.point if piece.norm_geometry is not geom else None
-            for group in (getattr(geom, "_held", None), norm):
-                for c, t in enumerate(group or ()):  # (G, H) again, widened or as they are
-                    if _ptr(t) not in seen:
-                        twins.append((t, geom.point[c]))
-                        seen.add(_ptr(t))
-        sizes = [(t, t.untyped_storage().nbytes()) for t, _ in (*own, *twins)]
-        for t, _ in sizes:
-            t.untyped_storage().resize_(0)
-        try:
-            yield
-        finally:
-            for t, n in sizes:
-                t.untyped_storage().resize_(n)
-            for t, factor in own:
-                read_parts(factor, self.tensors, t.shape, t.dtype, t.device, out=t)
-            for t, src in twins:
-                t.copy_(src)
+            geom = self.pert.pieces[k].geometry
+            held = getattr(geom, "_held", None) or ()
+            geom.read_point_from(self._reader(factors, geom.point))
+            for t in (*geom.point, *held):
+                if _ptr(t) not in seen and not self._shares_shards(t):
+                    seen.add(_ptr(t))
+                    t.untyped_storage().resize_(0)
+
+    def _reader(self, factors: Sequence[Any], point: Sequence[Tensor]) -> Any:
+        """``point_rows(heads, dtype)`` of one piece: its components read from the shards."""
+        tensors = self.tensors
+        shapes = [(t.shape, t.device) for t in point]
+
+        def read(heads: slice, dtype: torch.dtype) -> tuple[Tensor, ...]:
+            return tuple(
+                read_heads(f, tensors, heads, shape, dtype, device)
+                for f, (shape, device) in zip(factors, shapes, strict=True)
+            )
+
+        return read
+
+    def _shares_shards(self, t: Tensor) -> bool:
+        """Whether ``t`` is (a view of) a shard: its memory is the model's, not to free."""
+        return any(_ptr(w) == _ptr(t) for w in self.tensors if w.numel())
 
 
 _THETA_CLASSES: dict[type, type] = {}

@@ -74,10 +74,10 @@ def objective_class(shards: ShardedParams) -> type:
             """The loss with ``θ′`` of the blocks made where FSDP gathers (the shards hold ``w``).
 
             :class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`: the step's factors
-            before the forward, the blocks' base point given back while the loss runs, and the
-            gradient pulled back through the endpoint after the backward.
+            before the forward, and the gradient pulled back through the endpoint after the
+            backward.
             """
-            gather, grad, g, rows = shards.gather, None, None, None
+            gather, grad, g = shards.gather, None, None
             with self._applied(xi) as moved:
                 gather.step(moved)
                 shards.reshard()  # nothing gathered before: every layer gathers θ′
@@ -93,13 +93,11 @@ def objective_class(shards: ShardedParams) -> type:
                                 if not callable(need_grad) or need_grad(value):
                                     g = shards.backward(loss)
                                 del loss
-                            if g is not None:  # before the base point is read back
-                                rows = gather.read_rows(g)
                 finally:
                     gather.step(None)
                     shards.reshard()  # nothing gathered after: a later forward gathers w
                 if g is not None:
-                    grad = gather.pull_back(rows, g, moved)
+                    grad = gather.pull_back(g, moved)
             return value, grad
 
         @contextlib.contextmanager

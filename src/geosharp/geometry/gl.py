@@ -44,7 +44,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -70,6 +70,9 @@ from geosharp.geometry.gl_factors import (
     sampling_roots,
 )
 from geosharp.geometry.gl_rows import contract
+
+#: Reads ``(G, H)`` of some flattened heads in a dtype (:meth:`GLGeometry.read_point_from`).
+PointReader = Callable[[slice, torch.dtype], tuple[Tensor, Tensor]]
 
 __all__ = ["DEFAULT_EPS", "GLGeometry"]
 
@@ -179,6 +182,8 @@ class GLGeometry(Geometry):
                 H.to(ex.work_dtype) if Hf is None else ex.work_point(H, Hf),
             )
         del Gf, Hf
+        #: Reads a chunk of heads of the base point (:meth:`read_point_from`), or ``None``.
+        self._reader: PointReader | None = None
         self._flat = by_head(G.dim() - 2)
         #: The chunks of the flattened heads, and the factors of each (views).
         self._slices = ex.head_slices(G, H)
@@ -213,7 +218,47 @@ class GLGeometry(Geometry):
 
     def _point(self) -> tuple[Tensor, Tensor]:
         """The base point in the work dtype: the held copy, or cast for this call."""
+        if self._reader is not None:
+            return self._reader(slice(None), self.execution.work_dtype)
         return self._held if self._held is not None else self.execution.widen(self.G, self.H)
+
+    def read_point_from(self, reader: PointReader) -> None:
+        """Read the base point through ``reader``, a chunk of heads at a time, from now on.
+
+        ``reader(heads, dtype)`` returns ``(G, H)`` of the flattened heads ``heads`` (a slice)
+        as fresh tensors in ``dtype``. The per-step products (the projection, the horizontal
+        gradient, the vertical-space solve) then read no tensor of :attr:`point` and hold no
+        copy of it, so the caller may give their memory back: a model sharded by FSDP2 reads
+        the rows from its shards
+        (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`). The order-2 endpoint,
+        the sampler and :meth:`vertical` still read :attr:`point`.
+        """
+        self._reader = reader
+        self._held = None
+
+    def _read_grams(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(GᵀG, HᵀH)`` in ``dtype``, read a chunk of heads at a time, summed over the ranks."""
+        parts = []
+        for sl in self._slices:
+            G, H = self.point_rows(sl, dtype)
+            parts.append(torch.stack(contract((G, G), (H, H))))
+        out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        if self.execution.row_sum is not None:
+            out = self.execution.row_sum(out)
+        lead = self.G.shape[:-2]
+        return tuple(t.reshape(*lead, *t.shape[-2:]) for t in out.unbind(0))
+
+    def point_rows(self, heads: slice, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """``(G, H)`` of the flattened heads ``heads``, in ``dtype`` (default: the work dtype).
+
+        Slices of the held copy or of :attr:`point` (no copy where the dtype is theirs), or
+        what :meth:`read_point_from`'s reader reads.
+        """
+        dtype = dtype or self.execution.work_dtype
+        if self._reader is not None:
+            return self._reader(heads, dtype)
+        Gs, Hs = (self._flat(t) for t in (self._held or self.point))
+        return Gs[heads].to(dtype), Hs[heads].to(dtype)
 
     def _check_tangent(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, Tensor]:
         """Validate a tangent pair; return it in the work dtype."""
@@ -324,14 +369,13 @@ class GLGeometry(Geometry):
         unrounded chunks.
         """
         ex = self.execution
-        Gs, Hs = (self._flat(t) for t in (self._held or self.point))
         xG, xH = self._flat(xi[0]), self._flat(xi[1])
         outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
         outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
         oG, oH = self._flat(outG), self._flat(outH)
         split = ex.row_sum is not None and len(self._slices) > 1
-        lams = self._split_lams(Gs, Hs, xG, xH, grad) if split else None
-        for c, (sl, F, eG, eH, g, h, G, H) in enumerate(self._chunks(Gs, Hs, xG, xH, grad)):
+        lams = self._split_lams(xG, xH, grad) if split else None
+        for c, (sl, F, eG, eH, g, h, G, H) in enumerate(self._chunks(xG, xH, grad)):
             L = self._lam(F, G, H, g, h) if lams is None else lams[c]
             # the Riemannian gradient is a fresh temporary: P may accumulate into it
             pG, pH = gl_math.horizontal_projection(G, H, g, h, L, inplace=grad and ex.inplace)
@@ -341,9 +385,7 @@ class GLGeometry(Geometry):
             oG[sl], oH[sl] = pG, pH
         return outG, outH
 
-    def _chunks(
-        self, Gs: Tensor, Hs: Tensor, xG: Tensor, xH: Tensor, grad: bool
-    ) -> Iterator[tuple]:
+    def _chunks(self, xG: Tensor, xH: Tensor, grad: bool) -> Iterator[tuple]:
         """The chunks of heads, each widened once: ``(slice, factors, e_G, e_H, g, h, G, H)``.
 
         ``(g, h)`` is ``e`` itself, or with ``grad`` its Riemannian gradient.
@@ -352,11 +394,9 @@ class GLGeometry(Geometry):
         for sl, F in zip(self._slices, self._chunk_factors, strict=True):
             eG, eH = ex.widen(xG[sl], xH[sl])
             g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
-            yield (sl, F, eG, eH, g, h, *ex.widen(Gs[sl], Hs[sl]))
+            yield (sl, F, eG, eH, g, h, *self.point_rows(sl))
 
-    def _split_lams(
-        self, Gs: Tensor, Hs: Tensor, xG: Tensor, xH: Tensor, grad: bool
-    ) -> list[Tensor]:
+    def _split_lams(self, xG: Tensor, xH: Tensor, grad: bool) -> list[Tensor]:
         """Every chunk's ``Λ`` when the rows are split over ranks, with one collective.
 
         The chunks of heads are this rank's (its rows decide them), so a collective per chunk
@@ -365,8 +405,7 @@ class GLGeometry(Geometry):
         then widens each chunk again for its row-wise products.
         """
         parts = [
-            torch.stack(contract((h, H), (G, g)))
-            for *_, g, h, G, H in self._chunks(Gs, Hs, xG, xH, grad)
+            torch.stack(contract((h, H), (G, g))) for *_, g, h, G, H in self._chunks(xG, xH, grad)
         ]
         XH, GX = self.execution.row_sum(torch.cat(parts, dim=1)).unbind(0)  # one sum
         return [
@@ -492,8 +531,12 @@ class GLGeometry(Geometry):
         held = self.__dict__.get("_sampler_pair")
         if held is None:
             ex = self.execution
-            G, H = self.G.to(ex.factor_dtype), self.H.to(ex.factor_dtype)
-            pair = sampling_roots(G, H, self.metric, self.eps, ex.row_sum)
+            if self._reader is not None:  # the Gram matrices a chunk of heads at a time
+                grams = self._read_grams(ex.factor_dtype)
+                pair = sampling_roots(self.G, self.H, self.metric, self.eps, grams=grams)
+            else:
+                G, H = self.G.to(ex.factor_dtype), self.H.to(ex.factor_dtype)
+                pair = sampling_roots(G, H, self.metric, self.eps, ex.row_sum)
             held = tuple(t.to(ex.work_dtype) for t in pair)
             self.__dict__["_sampler_pair"] = held
         return held

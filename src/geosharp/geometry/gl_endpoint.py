@@ -10,7 +10,7 @@ compare it with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -57,6 +57,16 @@ def _order2_matrices(
     ranks in one ``row_sum`` (rows split over ranks, SPEC §10.2).
     """
     XG, XH, KG, KH = contract((xG, G), (xH, H), (xG, xG), (xH, xH), row_sum=row_sum)
+    return _order2_from(XG, XH, KG, KH, MG_inv, MH_inv, metric)
+
+
+def _order2_from(
+    XG: Tensor, XH: Tensor, KG: Tensor, KH: Tensor, MG_inv: Tensor, MH_inv: Tensor, metric: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """:func:`_order2_matrices` from its contractions.
+
+    ``XG = ξ_Gᵀ G``, ``XH = ξ_Hᵀ H``, ``KG = ξ_Gᵀ ξ_G``, ``KH = ξ_Hᵀ ξ_H``, summed over every row.
+    """
     eye = _eye_like(XG)
     if metric == "inv":
         cG = eye + 0.5 * (MG_inv @ (XG + XG.mT))
@@ -183,6 +193,29 @@ def order2_adjoint(
     gG, gH = g
     g.clear()
     dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
+    SG, TG, SH, TH = _adjoint_from(dCG, dBG, dCH, dBH, s, MG_inv, MH_inv, metric)
+    # accumulated into the fresh g C^T (no copy of an n × h tensor)
+    dxG = _add_mm(_add_mm(gG @ cG.mT, G, SG, inplace=True), xG, TG, inplace=True)
+    del gG
+    dxH = _add_mm(_add_mm(gH @ cH.mT, H, SH, inplace=True), xH, TH, inplace=True)
+    return dxG, dxH
+
+
+def _adjoint_from(
+    dCG: Tensor,
+    dBG: Tensor,
+    dCH: Tensor,
+    dBH: Tensor,
+    s: float,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(sym ∂S_G, sym ∂T_G, sym ∂S_H, sym ∂T_H)`` of :class:`_Order2Endpoint`'s backward.
+
+    From its contractions ``ξ_Gᵀ g_G``, ``Gᵀ g_G``, ``ξ_Hᵀ g_H``, ``Hᵀ g_H`` (summed over every
+    row): ``∂ξ_G = g_G C_Gᵀ + G·sym ∂S_G + ξ_G·sym ∂T_G``, the same for H.
+    """
     dBG, dBH = s * dBG, s * dBH
     if metric == "inv":
         dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
@@ -190,8 +223,83 @@ def order2_adjoint(
     else:
         dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
         dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
-    # accumulated into the fresh g C^T (no copy of an n × h tensor)
-    dxG = _add_mm(_add_mm(gG @ cG.mT, G, _sym(dSG), inplace=True), xG, _sym(dTG), inplace=True)
-    del gG
-    dxH = _add_mm(_add_mm(gH @ cH.mT, H, _sym(dSH), inplace=True), xH, _sym(dTH), inplace=True)
-    return dxG, dxH
+    return _sym(dSG), _sym(dTG), _sym(dSH), _sym(dTH)
+
+
+def _stacked_sum(parts: list[Tensor], row_sum: RowSum | None) -> list[Tensor]:
+    """Chunks of heads' stacked contractions ``(k, heads, h, h)`` joined, summed over ranks.
+
+    The chunks are the rank's own (its rows decide them): joined along the heads first, so that
+    every rank makes one collective of the same shape.
+    """
+    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    parts.clear()  # the caller's list: its chunks let go
+    return list((out if row_sum is None else row_sum(out)).unbind(0))
+
+
+def order2_factors_by_chunks(
+    point_rows: Callable[[slice, torch.dtype], tuple[Tensor, Tensor]],
+    chunks: Sequence[slice],
+    xG: Tensor,
+    xH: Tensor,
+    MG_inv: Tensor,
+    MH_inv: Tensor,
+    metric: str,
+    row_sum: RowSum | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """:func:`_order2_matrices` with ``G``, ``H`` read a chunk of heads at a time.
+
+    ``point_rows(heads, dtype)``: ``(G, H)`` of the flattened heads ``heads``; ``ξ`` has its
+    heads flattened (``(heads, n, h)``) and the dtype they are read in. No ``n × h`` tensor of
+    the point is held whole; one ``row_sum`` for the four contractions.
+    """
+    parts = []
+    for sl in chunks:
+        G, H = point_rows(sl, xG.dtype)
+        pairs = (xG[sl], G), (xH[sl], H), (xG[sl], xG[sl]), (xH[sl], xH[sl])
+        parts.append(torch.stack(contract(*pairs)))
+        del G, H, pairs
+    return _order2_from(*_stacked_sum(parts, row_sum), MG_inv, MH_inv, metric)
+
+
+def order2_adjoint_by_chunks(
+    point_rows: Callable[[slice, torch.dtype], tuple[Tensor, Tensor]],
+    chunks: Sequence[slice],
+    inputs: tuple[Tensor, ...],
+    factors: tuple[Tensor, Tensor, float],
+    metric: str,
+    g: tuple[Tensor, Tensor],
+    row_sum: RowSum | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`order2_adjoint` with ``G``, ``H`` read a chunk of heads at a time, in place.
+
+    ``inputs``: ``(ξ_G, ξ_H, M_G⁻¹, M_H⁻¹)`` (heads flattened); ``g = (∂L/∂G′, ∂L/∂H′)`` in
+    ``ξ``'s dtype, overwritten chunk by chunk with ``(∂L/∂ξ_G, ∂L/∂ξ_H)`` and returned: no
+    ``n × h`` tensor but ``g`` and ``ξ`` is held whole. With every row here (``row_sum``
+    ``None``) each chunk is done on its own, the point read once; with rows on other ranks,
+    two passes (every chunk's four contractions, one ``row_sum``; then the row-wise products).
+    """
+    xG, xH, MG_inv, MH_inv = inputs
+    cG, cH, s = factors
+    gG, gH = g
+    dt = xG.dtype
+
+    def contractions(sl: slice, G: Tensor, H: Tensor) -> Tensor:
+        return torch.stack(contract((xG[sl], gG[sl]), (G, gG[sl]), (xH[sl], gH[sl]), (H, gH[sl])))
+
+    def rows(sl: slice, G: Tensor, H: Tensor, SG: Tensor, TG: Tensor, SH: Tensor, TH: Tensor):
+        for gX, cX, X, SX, xX, TX in ((gG, cG, G, SG, xG, TG), (gH, cH, H, SH, xH, TH)):
+            out = _add_mm(gX[sl] @ cX[sl].mT, X, SX, inplace=True)
+            gX[sl] = _add_mm(out, xX[sl], TX, inplace=True)
+
+    if row_sum is None:
+        for sl in chunks:
+            G, H = point_rows(sl, dt)
+            d = contractions(sl, G, H).unbind(0)
+            rows(sl, G, H, *_adjoint_from(*d, s, MG_inv[sl], MH_inv[sl], metric))
+        return gG, gH
+    parts = [contractions(sl, *point_rows(sl, dt)) for sl in chunks]
+    S = _adjoint_from(*_stacked_sum(parts, row_sum), s, MG_inv, MH_inv, metric)
+    for sl in chunks:
+        rows(sl, *point_rows(sl, dt), *(t[sl] for t in S))
+    return gG, gH

@@ -34,9 +34,14 @@ __all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
 RankCheck = Callable[[str, Tensor], None]
 
 
-def _gram(X: Tensor, eps: float, row_sum: RowSum | None = None) -> Tensor:
-    """Damped Gram matrix ``XᵀX + εI`` (batched; ``XᵀX`` summed over ranks by ``row_sum``)."""
-    (M,) = contract((X, X), row_sum=row_sum)
+def _gram(
+    X: Tensor, eps: float, row_sum: RowSum | None = None, gram: Tensor | None = None
+) -> Tensor:
+    """Damped Gram matrix ``XᵀX + εI`` (batched; ``XᵀX`` summed over ranks by ``row_sum``).
+
+    ``gram``: ``XᵀX`` already summed over every row (``X`` and ``row_sum`` are then unused).
+    """
+    (M,) = contract((X, X), row_sum=row_sum) if gram is None else (gram,)
     if eps:
         M = M + eps * _eye_like(M)
     return M
@@ -168,15 +173,22 @@ def factorize(
 
 
 def sampling_roots(
-    G: Tensor, H: Tensor, metric: str, eps: float, row_sum: RowSum | None = None
+    G: Tensor,
+    H: Tensor,
+    metric: str,
+    eps: float,
+    row_sum: RowSum | None = None,
+    grams: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The square roots an isotropic Gaussian in the metric is multiplied by (SPEC §6).
 
     inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. The same operations as
-    :func:`factorize` on the same inputs, so the same Gram spectra.
+    :func:`factorize` on the same inputs, so the same Gram spectra. ``grams``: ``(GᵀG, HᵀH)``
+    summed over every row, made by the caller (``G`` and ``H`` are then unused).
     """
-    lg, Ug = _spd_funcs(_gram(G, eps, row_sum))
-    lh, Uh = _spd_funcs(_gram(H, eps, row_sum))
+    gG, gH = (None, None) if grams is None else grams
+    lg, Ug = _spd_funcs(_gram(G, eps, row_sum, gG))
+    lh, Uh = _spd_funcs(_gram(H, eps, row_sum, gH))
     if metric == "inv":
         return _apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt())
     return _apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt())
