@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fsdp_memory import sharded_call, sharded_setup
+from fsdp_memory import run_world, sharded_call, sharded_setup
 
 
 def _allocations(prof) -> list[tuple[int, int, int, tuple[str, ...]]]:
@@ -135,19 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=3, help="frames shown per allocation site")
     ap.add_argument("--warm-call", action="store_true", help="one call before the profiled one")
     a = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store = tempfile.NamedTemporaryFile(delete=False).name
-    os.unlink(store)
-    procs = [
-        ctx.Process(target=rank_main, args=(r, a.world, store, vars(a), queue))
-        for r in range(a.world)
-    ]
-    for p in procs:
-        p.start()
-    failed = [r for r in (queue.get(timeout=900) for _ in procs) if r[1] != "ok"]
-    for p in procs:
-        p.join(timeout=60)
+    ranks = run_world(rank_main, a.world, vars(a))
+    failed = [(rank, tb) for rank, tb in sorted(ranks.items()) if tb != "ok"]
     for rank, tb in failed:
         print(f"rank {rank} failed:\n{tb}")
     return 1 if failed else 0
