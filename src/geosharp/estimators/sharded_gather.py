@@ -336,7 +336,8 @@ class GatheredEndpoint:
         Each piece's geometry reads a chunk of heads at a time through the assembly's views
         (:meth:`GLGeometry.read_point_from <geosharp.geometry.GLGeometry.read_point_from>`): the
         projection, the step's factors and the pullback hold one chunk of ``G``, ``H``. The
-        point's tensors (and a widened copy the geometry holds) keep their shapes and lose their
+        point's tensors (copies read through the assembly's plan, ``_block_pieces``, never the
+        shards themselves) and a widened copy the geometry holds keep their shapes and lose their
         storage: nothing of this call reads them again (the order-2 endpoint is :meth:`_theta`).
         """
         seen: set[int] = set()
@@ -345,7 +346,7 @@ class GatheredEndpoint:
             held = getattr(geom, "_held", None) or ()
             geom.read_point_from(self._reader(factors, geom.point))
             for t in (*geom.point, *held):
-                if _ptr(t) not in seen and not self._shares_shards(t):
+                if _ptr(t) not in seen:
                     seen.add(_ptr(t))
                     t.untyped_storage().resize_(0)
 
@@ -361,10 +362,6 @@ class GatheredEndpoint:
             )
 
         return read
-
-    def _shares_shards(self, t: Tensor) -> bool:
-        """Whether ``t`` is (a view of) a shard: its memory is the model's, not to free."""
-        return any(_ptr(w) == _ptr(t) for w in self.tensors if w.numel())
 
 
 _THETA_CLASSES: dict[type, type] = {}

@@ -69,7 +69,7 @@ from geosharp.geometry.gl_factors import (
     gram_matrices,
     sampling_roots,
 )
-from geosharp.geometry.gl_rows import contract
+from geosharp.geometry.gl_rows import contract, sum_chunks
 
 #: Reads ``(G, H)`` of some flattened heads in a dtype (:meth:`GLGeometry.read_point_from`).
 PointReader = Callable[[slice, torch.dtype], tuple[Tensor, Tensor]]
@@ -238,15 +238,13 @@ class GLGeometry(Geometry):
 
     def _read_grams(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(GᵀG, HᵀH)`` in ``dtype``, read a chunk of heads at a time, summed over the ranks."""
-        parts = []
-        for sl in self._slices:
-            G, H = self.point_rows(sl, dtype)
-            parts.append(torch.stack(contract((G, G), (H, H))))
-        out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        if self.execution.row_sum is not None:
-            out = self.execution.row_sum(out)
+        parts = [
+            torch.stack(contract(*((X, X) for X in self.point_rows(sl, dtype))))
+            for sl in self._slices
+        ]
         lead = self.G.shape[:-2]
-        return tuple(t.reshape(*lead, *t.shape[-2:]) for t in out.unbind(0))
+        MG, MH = sum_chunks(parts, self.execution.row_sum)
+        return MG.reshape(*lead, *MG.shape[-2:]), MH.reshape(*lead, *MH.shape[-2:])
 
     def point_rows(self, heads: slice, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """``(G, H)`` of the flattened heads ``heads``, in ``dtype`` (default: the work dtype).
@@ -407,7 +405,7 @@ class GLGeometry(Geometry):
         parts = [
             torch.stack(contract((h, H), (G, g))) for *_, g, h, G, H in self._chunks(xG, xH, grad)
         ]
-        XH, GX = self.execution.row_sum(torch.cat(parts, dim=1)).unbind(0)  # one sum
+        XH, GX = sum_chunks(parts, self.execution.row_sum)  # one sum
         return [
             self._lam_from(F, XH[sl], GX[sl])
             for sl, F in zip(self._slices, self._chunk_factors, strict=True)
@@ -531,12 +529,7 @@ class GLGeometry(Geometry):
         held = self.__dict__.get("_sampler_pair")
         if held is None:
             ex = self.execution
-            if self._reader is not None:  # the Gram matrices a chunk of heads at a time
-                grams = self._read_grams(ex.factor_dtype)
-                pair = sampling_roots(self.G, self.H, self.metric, self.eps, grams=grams)
-            else:
-                G, H = self.G.to(ex.factor_dtype), self.H.to(ex.factor_dtype)
-                pair = sampling_roots(G, H, self.metric, self.eps, ex.row_sum)
+            pair = sampling_roots(self._read_grams(ex.factor_dtype), self.metric, self.eps)
             held = tuple(t.to(ex.work_dtype) for t in pair)
             self.__dict__["_sampler_pair"] = held
         return held

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from geosharp.geometry.gl_rows import RowSum, contract
+from geosharp.geometry.gl_rows import RowSum, contract, sum_chunks
 
 __all__: list[str] = []
 
@@ -194,11 +194,15 @@ def order2_adjoint(
     g.clear()
     dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
     SG, TG, SH, TH = _adjoint_from(dCG, dBG, dCH, dBH, s, MG_inv, MH_inv, metric)
-    # accumulated into the fresh g C^T (no copy of an n × h tensor)
-    dxG = _add_mm(_add_mm(gG @ cG.mT, G, SG, inplace=True), xG, TG, inplace=True)
+    dxG = _adjoint_rows(gG, cG, G, SG, xG, TG)
     del gG
-    dxH = _add_mm(_add_mm(gH @ cH.mT, H, SH, inplace=True), xH, TH, inplace=True)
+    dxH = _adjoint_rows(gH, cH, H, SH, xH, TH)
     return dxG, dxH
+
+
+def _adjoint_rows(g: Tensor, c: Tensor, X: Tensor, S: Tensor, x: Tensor, T: Tensor) -> Tensor:
+    """``∂ξ_X = g Cᵀ + X·S + ξ_X·T``, accumulated into the fresh ``g Cᵀ`` (no copy of ``g``)."""
+    return _add_mm(_add_mm(g @ c.mT, X, S, inplace=True), x, T, inplace=True)
 
 
 def _adjoint_from(
@@ -226,17 +230,6 @@ def _adjoint_from(
     return _sym(dSG), _sym(dTG), _sym(dSH), _sym(dTH)
 
 
-def _stacked_sum(parts: list[Tensor], row_sum: RowSum | None) -> list[Tensor]:
-    """Chunks of heads' stacked contractions ``(k, heads, h, h)`` joined, summed over ranks.
-
-    The chunks are the rank's own (its rows decide them): joined along the heads first, so that
-    every rank makes one collective of the same shape.
-    """
-    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    parts.clear()  # the caller's list: its chunks let go
-    return list((out if row_sum is None else row_sum(out)).unbind(0))
-
-
 def order2_factors_by_chunks(
     point_rows: Callable[[slice, torch.dtype], tuple[Tensor, Tensor]],
     chunks: Sequence[slice],
@@ -259,7 +252,7 @@ def order2_factors_by_chunks(
         pairs = (xG[sl], G), (xH[sl], H), (xG[sl], xG[sl]), (xH[sl], xH[sl])
         parts.append(torch.stack(contract(*pairs)))
         del G, H, pairs
-    return _order2_from(*_stacked_sum(parts, row_sum), MG_inv, MH_inv, metric)
+    return _order2_from(*sum_chunks(parts, row_sum), MG_inv, MH_inv, metric)
 
 
 def order2_adjoint_by_chunks(
@@ -288,9 +281,8 @@ def order2_adjoint_by_chunks(
         return torch.stack(contract((xG[sl], gG[sl]), (G, gG[sl]), (xH[sl], gH[sl]), (H, gH[sl])))
 
     def rows(sl: slice, G: Tensor, H: Tensor, SG: Tensor, TG: Tensor, SH: Tensor, TH: Tensor):
-        for gX, cX, X, SX, xX, TX in ((gG, cG, G, SG, xG, TG), (gH, cH, H, SH, xH, TH)):
-            out = _add_mm(gX[sl] @ cX[sl].mT, X, SX, inplace=True)
-            gX[sl] = _add_mm(out, xX[sl], TX, inplace=True)
+        gG[sl] = _adjoint_rows(gG[sl], cG[sl], G, SG, xG[sl], TG)
+        gH[sl] = _adjoint_rows(gH[sl], cH[sl], H, SH, xH[sl], TH)
 
     if row_sum is None:
         for sl in chunks:
@@ -299,7 +291,7 @@ def order2_adjoint_by_chunks(
             rows(sl, G, H, *_adjoint_from(*d, s, MG_inv[sl], MH_inv[sl], metric))
         return gG, gH
     parts = [contractions(sl, *point_rows(sl, dt)) for sl in chunks]
-    S = _adjoint_from(*_stacked_sum(parts, row_sum), s, MG_inv, MH_inv, metric)
+    S = _adjoint_from(*sum_chunks(parts, row_sum), s, MG_inv, MH_inv, metric)
     for sl in chunks:
         rows(sl, *point_rows(sl, dt), *(t[sl] for t in S))
     return gG, gH

@@ -34,17 +34,15 @@ __all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
 RankCheck = Callable[[str, Tensor], None]
 
 
-def _gram(
-    X: Tensor, eps: float, row_sum: RowSum | None = None, gram: Tensor | None = None
-) -> Tensor:
-    """Damped Gram matrix ``XᵀX + εI`` (batched; ``XᵀX`` summed over ranks by ``row_sum``).
+def _gram(X: Tensor, eps: float, row_sum: RowSum | None = None) -> Tensor:
+    """Damped Gram matrix ``XᵀX + εI`` (batched; ``XᵀX`` summed over ranks by ``row_sum``)."""
+    (M,) = contract((X, X), row_sum=row_sum)
+    return _damped(M, eps)
 
-    ``gram``: ``XᵀX`` already summed over every row (``X`` and ``row_sum`` are then unused).
-    """
-    (M,) = contract((X, X), row_sum=row_sum) if gram is None else (gram,)
-    if eps:
-        M = M + eps * _eye_like(M)
-    return M
+
+def _damped(M: Tensor, eps: float) -> Tensor:
+    """``M + εI`` (``M`` itself at ``ε = 0``)."""
+    return M + eps * _eye_like(M) if eps else M
 
 
 def _spd_funcs(M: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,8 +152,7 @@ def factorize(
     factors are then in their dtype.
     """
     MG, MH = grams if grams is not None else contract((G, G), (H, H), row_sum=row_sum)
-    if eps:
-        MG, MH = MG + eps * _eye_like(MG), MH + eps * _eye_like(MH)
+    MG, MH = _damped(MG, eps), _damped(MH, eps)
     lg, Ug = _spd_funcs(MG)
     lh, Uh = _spd_funcs(MH)
     check("G", lg)
@@ -172,23 +169,15 @@ def factorize(
     return GLFactors(MG, MH, MG_inv, MH_inv, S=MH_sqrt @ Q, S_inv=S_inv, eig=d)
 
 
-def sampling_roots(
-    G: Tensor,
-    H: Tensor,
-    metric: str,
-    eps: float,
-    row_sum: RowSum | None = None,
-    grams: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+def sampling_roots(grams: tuple[Tensor, Tensor], metric: str, eps: float) -> tuple[Tensor, Tensor]:
     """The square roots an isotropic Gaussian in the metric is multiplied by (SPEC §6).
 
-    inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. The same operations as
-    :func:`factorize` on the same inputs, so the same Gram spectra. ``grams``: ``(GᵀG, HᵀH)``
-    summed over every row, made by the caller (``G`` and ``H`` are then unused).
+    inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``, from ``grams``
+    ``(GᵀG, HᵀH)`` summed over every row. The same operations as :func:`factorize` on the same
+    Gram matrices, so the same spectra.
     """
-    gG, gH = (None, None) if grams is None else grams
-    lg, Ug = _spd_funcs(_gram(G, eps, row_sum, gG))
-    lh, Uh = _spd_funcs(_gram(H, eps, row_sum, gH))
+    lg, Ug = _spd_funcs(_damped(grams[0], eps))
+    lh, Uh = _spd_funcs(_damped(grams[1], eps))
     if metric == "inv":
         return _apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt())
     return _apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt())

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["RowSum", "contract"]
+__all__ = ["RowSum", "contract", "sum_chunks"]
 
 #: Sums a stack of ``h × h`` contractions (any leading dimensions) over the ranks holding the
 #: other rows, differentiably (the adjoint of a sum over ranks is a sum over ranks).
@@ -34,3 +34,16 @@ def contract(*pairs: tuple[Tensor, Tensor], row_sum: RowSum | None = None) -> li
     if row_sum is None:
         return out
     return list(row_sum(torch.stack(out)).unbind(0))
+
+
+def sum_chunks(parts: list[Tensor], row_sum: RowSum | None) -> list[Tensor]:
+    """Chunks of heads' stacked contractions ``(k, heads, h, h)``, joined and summed over ranks.
+
+    The chunks are the rank's own (its rows decide them), so a collective per chunk would not
+    pair up across ranks: they are joined along the heads first, and every rank makes one
+    collective of the same shape. ``parts`` (the caller's list) is emptied, letting its chunks
+    go; the result is the ``k`` contractions over every head.
+    """
+    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    parts.clear()
+    return list((out if row_sum is None else row_sum(out)).unbind(0))
