@@ -6,8 +6,13 @@ wheel, with hyperparameters drawn at random from the distributions fixed in
 ``PREREGISTRATION.md`` (the table ``draw`` implements), saves every model with
 ``save_pretrained`` (tokenizer too), evaluates its train and held-out errors and appends a row
 to ``OUT/manifest.csv`` in the format ``geosharp study MANIFEST`` reads (``model``, ``name``,
-``train_error``, ``test_error``, ``train_loss``, ``test_loss``, then the hyperparameters).
-A model that did not train (the exclusion rule) goes to ``OUT/excluded.csv`` instead.
+``train_error``, ``test_error``, ``train_loss``, ``test_loss``, then the hyperparameters, with
+the label noise as applied: ``label_noise`` the fraction of the training labels flipped and
+``label_flips`` how many; a training set of 1,024 is the sharpness sample alone, whose labels
+are never flipped, so its models are clean whatever noise was drawn; the drawn rate is
+``train_log.jsonl``'s ``label_noise_drawn``). Two shards may append at once
+(``records.append``: the header once, on line 1). A model that did not train (the exclusion
+rule) goes to ``OUT/excluded.csv`` instead.
 
 It also writes ``OUT/sharpness.csv`` (``text``, ``label``): the 1,024 clean training snippets
 that are in every model's training set, the ``--data`` of the study.
@@ -42,6 +47,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from geosharp.data import load_rotten_tomatoes  # noqa: E402
 from geosharp.models import minilm_path  # noqa: E402
+from records import append, applied_noise, noisy_labels  # noqa: E402  (this folder)
 
 # -- fixed by PREREGISTRATION.md ---------------------------------------------------------------
 N_MODELS = 64
@@ -64,7 +70,7 @@ MAX_HELDOUT_ERROR = 0.40  # exclusion: not better than ~the majority class (0.42
 MANIFEST_COLUMNS = [
     "name", "model", "train_error", "test_error", "train_loss", "test_loss",
     "lr", "weight_decay", "epochs", "batch_size", "label_smoothing", "warmup", "dropout",
-    "seed", "n_train", "label_noise",
+    "seed", "n_train", "label_noise", "label_flips",
 ]  # fmt: skip
 EXCLUDED_COLUMNS = ["name", "why", *MANIFEST_COLUMNS[2:]]
 
@@ -97,17 +103,6 @@ def split(n_heldout: int, seed: int = SEED) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(perm[:n_heldout]), perm[n_heldout:]
 
 
-def noisy_labels(labels: np.ndarray, noise: float, protect: int, seed: int) -> np.ndarray:
-    """Flip round(noise · (n − protect)) labels among positions ≥ protect (seeded by the model)."""
-    out = labels.copy()
-    n_flip = int(round(noise * (len(labels) - protect)))
-    if n_flip:
-        rng = np.random.default_rng([seed, 1])
-        idx = protect + rng.choice(len(labels) - protect, size=n_flip, replace=False)
-        out[idx] = 1 - out[idx]
-    return out
-
-
 @torch.no_grad()
 def evaluate(model, tok, texts: list[str], labels: np.ndarray) -> tuple[float, float]:
     """Error rate and mean cross-entropy (eval mode, batches sorted by length)."""
@@ -133,17 +128,6 @@ def done_names(out: Path) -> set[str]:
             with open(out / f, newline="") as fh:
                 names |= {row["name"] for row in csv.DictReader(fh)}
     return names
-
-
-def append(path: Path, columns: list[str], row: dict) -> None:
-    new = not path.is_file()
-    with open(path, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow(row)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def main() -> None:
@@ -190,7 +174,9 @@ def main() -> None:
         if args.smoke:
             hp["n_train"] = 16
         idx = pool[: hp["n_train"]]
-        y_train = noisy_labels(labels_all[idx], hp["label_noise"], n_sharp, hp["seed"])
+        y_train, n_flip = noisy_labels(labels_all[idx], hp["label_noise"], n_sharp, hp["seed"])
+        drawn = hp["label_noise"]
+        hp = applied_noise(hp, n_flip)  # the manifest records what was applied
         train_texts = list(texts_all[idx])
         enc = tok(train_texts, truncation=True, max_length=MAX_LENGTH)
         # a list of dicts is a map-style dataset for the Trainer (no `datasets` needed)
@@ -256,8 +242,9 @@ def main() -> None:
             **hp,
         }
         finite = all(math.isfinite(v) for v in (result.training_loss, train_loss, test_loss))
-        log = {**row, "train_s": round(t_train, 1), "total_s": round(t_all, 1),
-               "steps": result.global_step, "final_train_loss": result.training_loss}
+        log = {**row, "label_noise_drawn": drawn, "train_s": round(t_train, 1),
+               "total_s": round(t_all, 1), "steps": result.global_step,
+               "final_train_loss": result.training_loss}
         with open(out / "train_log.jsonl", "a") as fh:
             fh.write(json.dumps(log) + "\n")
         shutil.rmtree(out / "trainer-tmp", ignore_errors=True)

@@ -10,7 +10,10 @@
 # gpu/carry.py. On the device it runs from .gpu-a/snap, a `git archive` of the commit that ran
 # (the working tree there may hold a colleague's uncommitted edits).
 # SMOKE=1: 3 smoke models, 16 snippets, on whatever device there is (tries the script here).
-set -u
+# Fails loudly: every command's status is checked (set -euo pipefail), and so is every shard's
+# (training, pilot, measuring) and the merges'; a measuring shard cut by its time limit (rc 124
+# or 137, by design at the outer ρ) is said, not fatal, but a merge with no rows is.
+set -euo pipefail
 LIMIT=${1:-560}
 SMOKE=${2:-0}
 T0=$SECONDS
@@ -55,11 +58,19 @@ print('tf32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backe
 " 2>&1 | tee -a "$W/logs/study.log"
 # the model of the wheel, bit-exact (SHA-256 checked); a smoke run may use the high bytes alone
 if [ "$SMOKE" = 1 ]; then JOIN=(--smoke); else JOIN=(); fi
-set -o pipefail
 if [ -f "$SITE/minilm.json" ]; then  # else: the wheels are installed (pip), nothing to join
     $PY $HERE/gpu/carry.py join "$SITE" "$LO" "${JOIN[@]}" 2>&1 | tee -a "$W/logs/study.log" || exit 3
 fi
-set +o pipefail
+# wait_all WHAT PID...: wait for every PID; say and count each that failed
+wait_all() {
+    local what=$1 bad=0 k=0 rc; shift
+    for p in "$@"; do
+        k=$((k + 1)); rc=0
+        wait "$p" || rc=$?
+        if [ "$rc" != 0 ]; then say "$what $k of $#: failed (rc $rc)"; bad=$((bad + 1)); fi
+    done
+    return $bad
+}
 
 # 1. the population: NTRAIN training shards side by side
 per=$(( (NMODELS + NTRAIN - 1) / NTRAIN ))
@@ -85,12 +96,12 @@ for m in "${MEASURES[@]}"; do
         --json "$W/pilot" "${PS[@]}" >"$W/logs/pilot-$m.log" 2>&1 &
     ppids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p"; done
+wait_all "training shard" "${pids[@]}" || { say "training failed (logs/train-*.log)"; exit 6; }
 touch "$W/trained.flag"
 say "training done: $(($(wc -l <"$W/manifest.csv") - 1)) in the manifest, $(cat "$W/excluded.csv" 2>/dev/null | tail -n +2 | wc -l) excluded"
-for p in "${ppids[@]}"; do wait "$p"; done
+wait_all "pilot" "${ppids[@]}" || { say "the pilot failed (logs/pilot-*.log)"; exit 5; }
 say "pilot done"
-grep -h "grid\|plan" "$W"/logs/pilot-*.log | cut -c1-300 | tee -a "$W/logs/study.log"
+{ grep -h "grid\|plan" "$W"/logs/pilot-*.log || true; } | cut -c1-300 | tee -a "$W/logs/study.log"
 
 # 3. the rules: S and N_SHARP against the time left (packing and merging keep 45 s)
 budget=$(( $(left) - 45 ))
@@ -119,10 +130,24 @@ measure() {  # measure NAME SECONDS MEASURES... -- RHO...
             >"$W/logs/$name-$k.log" 2>&1 &
         spids+=($!)
     done
-    for p in "${spids[@]}"; do wait "$p"; done
+    local k=0 rc
+    for p in "${spids[@]}"; do  # cut by the time limit (124, 137 after -k): said, not fatal
+        k=$((k + 1)); rc=0
+        wait "$p" || rc=$?
+        case $rc in
+            0) ;;
+            124|137) say "$name shard $k: cut by its time limit (rc $rc)" ;;
+            *) say "$name shard $k: failed (rc $rc, logs/$name-$k.log)"; exit 7 ;;
+        esac
+    done
+    rc=0
     "${GS[@]}" merge "$W/$name" $(for k in $(seq 1 $NPROC); do echo "$W/$name-$k"; done) \
-        >"$W/logs/merge-$name.log" 2>&1
-    say "$name: $(grep -h 'measured' "$W"/logs/$name-*.log | tr '\n' ' ')"
+        >"$W/logs/merge-$name.log" 2>&1 || rc=$?
+    if [ "$rc" != 0 ]; then say "$name: the merge failed (rc $rc, logs/merge-$name.log)"; exit 8; fi
+    local rows
+    rows=$(($(wc -l <"$W/$name/results.csv") - 1))
+    if [ "$rows" -lt 1 ]; then say "$name: nothing measured"; exit 9; fi
+    say "$name: $rows rows; $(grep -h 'measured' "$W"/logs/$name-*.log | tr '\n' ' ')"
 }
 say "measuring at rho0: S = $S, N_SHARP = $N, rows per model $ROWS; rho ${RMAIN[*]}"
 measure main $(( $(left) - 45 )) "${MEASURES[@]}" -- "${RMAIN[@]}"
