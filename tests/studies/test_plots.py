@@ -81,3 +81,39 @@ def test_plot_measure_writes_the_png_it_returns(tmp_path):
     data = plot_measure(tmp_path / "a.png", "adaptive worst l2", by_rho, gaps, GAP)
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "a.png").read_bytes() == data
     assert np.frombuffer(data, dtype=np.uint8).size > 1000
+
+
+def _overlapping_tick_labels(fig):
+    """Pairs of drawn x tick labels (major or minor, any panel) whose boxes overlap."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = []
+    for ax in fig.axes:
+        lo, hi = sorted(ax.get_xlim())
+        for minor in (False, True):
+            ticks, labels = ax.get_xticks(minor=minor), ax.get_xticklabels(minor=minor)
+            for loc, label in zip(ticks, labels, strict=True):
+                if label.get_visible() and label.get_text() and lo <= loc <= hi:
+                    boxes.append((label.get_text(), label.get_window_extent(renderer)))
+    return [
+        (a, b)
+        for i, (a, box) in enumerate(boxes)
+        for b, other in boxes[i + 1 :]
+        if box.overlaps(other)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tick_labels_of_log_panels_do_not_overlap(seed):
+    """ρ = 0.316, 3.16, 31.6 on log axes: the panels spanning a decade or less labelled sparsely."""
+    rng = np.random.default_rng(seed)
+    small = 10 ** rng.uniform(-5, 0) * 10 ** rng.uniform(0, 3, 8)  # > 2 decades: log axes
+    mid, large = rng.uniform(0.3, 3, 8), rng.uniform(1.0, 9.5, 8) * 10 ** rng.integers(0, 3)
+    values = {0.316: small, 3.16: mid, 31.6: large}
+    by_rho, gaps = _cells("adaptive worst l2", values, scale=lambda rho, i: values[rho][i])
+    fig = measure_figure("adaptive worst l2", by_rho, gaps, GAP)
+    assert all(ax.get_xscale() == "log" for ax in fig.axes)
+    assert _overlapping_tick_labels(fig) == []
+    for ax in fig.axes:  # every panel keeps at least two labelled ticks in view
+        lo, hi = sorted(ax.get_xlim())
+        assert sum(lo <= t <= hi for t in ax.get_xticks()) >= 2

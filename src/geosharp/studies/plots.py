@@ -6,9 +6,9 @@ matplotlib's Agg canvas is used directly (no display, no global pyplot state).
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -108,13 +108,61 @@ def measure_figure(
             ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(_panel_title(rho, cell), fontsize=9)
         ax.set_xlabel(value_label(measure), fontsize=9)
-        ax.tick_params(labelsize=8)
+        if log and x.size:
+            _log_ticks(ax, x)
+        ax.tick_params(which="both", labelsize=8)
         ax.grid(alpha=0.3)
     if log_x(np.asarray(all_y)):
         axes[0].set_yscale("log")
     axes[0].set_ylabel(gap_label, fontsize=9)
     fig.suptitle(measure if len(measure) <= 80 else measure[:77] + "...", fontsize=10)
     return fig
+
+
+def _log_ticks(ax: Any, x: np.ndarray) -> None:
+    """Labels of a logarithmic x axis that do not run into each other.
+
+    matplotlib labels the minor ticks (2, 3, 4, 6 × 10^k in scientific notation) of a log axis
+    that spans less than about two decades, and those labels overlap on a panel a third of a
+    figure wide. Here: the decades alone over two decades or more; 1 and 3 × 10^k over one to
+    two; under one decade, at most four evenly spaced ticks labelled with just enough digits
+    to tell them apart. Minor ticks stay, unlabelled.
+    """
+    from matplotlib.ticker import (
+        Formatter,
+        LogFormatterSciNotation,
+        LogLocator,
+        MaxNLocator,
+        NullFormatter,
+    )
+
+    class Distinct(Formatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return _distinct_labels([x])[0]
+
+        def format_ticks(self, values: Sequence[float]) -> list[str]:
+            return _distinct_labels(list(values))
+
+    span = float(np.log10(x.max() / x.min()))
+    if span >= 2.0:
+        pass
+    elif span >= 1.0:
+        ax.xaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 3.0)))
+        ax.xaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=3))
+        ax.xaxis.set_major_formatter(Distinct())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _distinct_labels(values: Sequence[float]) -> list[str]:
+    """The values with the fewest significant digits (at least 2) that tell them apart."""
+    labels = [f"{v:.2g}" for v in values]
+    for digits in range(2, 10):
+        labels = [f"{v:.{digits}g}" for v in values]
+        if len(set(labels)) == len(labels):
+            break
+    return labels
 
 
 def plot_measure(
