@@ -152,3 +152,29 @@ def test_not_a_manifest(folder):
         read_manifest(folder / "m.txt")
     with pytest.raises(MeasureError, match="does not exist"):
         read_manifest(folder / "missing.csv")
+
+
+def test_a_manifest_saved_with_a_byte_order_mark(folder):
+    """Excel's "CSV UTF-8" starts the file with U+FEFF: the first column is still ``model``."""
+    path = folder / "m.csv"
+    text = "model,gap,lr\nckpt/a,0.1,1\nckpt/b,0.2,2\nckpt/c,0.3,3\n"
+    path.write_bytes("\ufeff".encode() + text.encode())
+    m = read_manifest(path)
+    assert [r.model_id for r in m.rows] == ["ckpt/a", "ckpt/b", "ckpt/c"]
+    assert m.hparam_names == ["lr"]
+
+
+def test_function_models_that_share_their_builder_are_named_by_their_weights(folder):
+    rows = [["digits_model:build", f"w/seed{i}.pt", 0.1 * i] for i in range(3)]
+    path = write_csv(folder / "m.csv", ["model", "weights", "gap"], rows)
+    m = read_manifest(path)
+    assert [r.model_id for r in m.rows] == ["w/seed0.pt", "w/seed1.pt", "w/seed2.pt"]
+    assert {r.model for r in m.rows} == {"digits_model:build"}
+    assert [r.weights for r in m.rows] == [str(folder / f"w/seed{i}.pt") for i in range(3)]
+    # a name column still names them; a true duplicate is still refused in one line
+    named = write_csv(folder / "n.csv", ["model", "weights", "gap", "name"],
+                      [[*r, f"run{i}"] for i, r in enumerate(rows)])  # fmt: skip
+    assert [r.model_id for r in read_manifest(named).rows] == ["run0", "run1", "run2"]
+    twice = write_csv(folder / "d.csv", ["model", "weights", "gap"], [*rows, rows[1]])
+    with pytest.raises(MeasureError, match=r"row 4 \(digits_model:build\): the same model as row 2"):
+        read_manifest(twice)

@@ -26,7 +26,19 @@ from torch import Tensor
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.resolve import _is_function_spec
 
-__all__ = ["data_kind", "infer_num_labels", "parse_labels", "read_table"]
+__all__ = [
+    "TEXT_ENCODING",
+    "data_kind",
+    "infer_num_labels",
+    "parse_labels",
+    "read_table",
+    "text_column",
+]
+
+#: How users' text files (CSV/TSV, JSONL/JSON, a ``.txt`` corpus, a manifest) are decoded:
+#: UTF-8, a leading byte-order mark dropped (Excel's "CSV UTF-8" and Windows editors write one,
+#: which would otherwise become part of the first column's name or the first word).
+TEXT_ENCODING = "utf-8-sig"
 
 
 def data_kind(spec: str) -> str:
@@ -72,6 +84,43 @@ def data_kind(spec: str) -> str:
     )
 
 
+def text_column(rows: Sequence[Mapping[str, Any]], col: str, where: str, what: str) -> list[str]:
+    """The cells of a text column, refusing rows where it is missing or blank.
+
+    An empty text is not an error a tokenizer notices: it becomes a sequence of special tokens
+    alone and is measured like any other row, pulling the loss toward that of no input. So
+    every such row is named, in one line, before anything is measured.
+
+    Args:
+        rows: The data rows.
+        col: The column.
+        where: The file's name, for the message.
+        what: What the column holds (``"text"``, ``"target"``), for the message.
+
+    Raises:
+        MeasureError: If the column is missing or blank (only whitespace) in any row.
+    """
+    out: list[str] = []
+    blank: list[int] = []
+    for i, r in enumerate(rows, 1):
+        v = r.get(col)
+        if v is None or not str(v).strip():
+            blank.append(i)
+        else:
+            out.append(str(v))
+    if blank:
+        shown = ", ".join(map(str, blank[:10])) + (
+            f" and {len(blank) - 10} more" if len(blank) > 10 else ""
+        )
+        rows_text = "row" if len(blank) == 1 else "rows"
+        raise MeasureError(
+            f"{where}: the {what} column {col!r} is empty in {rows_text} {shown} of {len(rows)} "
+            "(rows numbered from 1 after the header): an empty text would be measured as its "
+            "special tokens alone; remove or fill those rows"
+        )
+    return out
+
+
 def read_table(
     spec: str, *, split: str | None = None, limit: int | None = None
 ) -> tuple[list[dict[str, Any]], str]:
@@ -92,13 +141,13 @@ def read_table(
     kind = data_kind(spec)
     try:
         if kind == "csv":
-            with path.open(newline="", encoding="utf-8") as f:
+            with path.open(newline="", encoding=TEXT_ENCODING) as f:
                 delim = "\t" if path.suffix.lower() == ".tsv" else ","
                 rows = [dict(r) for r in csv.DictReader(f, delimiter=delim)]
             return rows, f"{path} (CSV)"
         if kind == "jsonl":
             rows = []
-            with path.open(encoding="utf-8") as f:
+            with path.open(encoding=TEXT_ENCODING) as f:
                 for i, line in enumerate(f, 1):
                     if line.strip():
                         try:
@@ -110,7 +159,7 @@ def read_table(
                         rows.append(row)
             return rows, f"{path} (JSONL)"
         if kind == "json":
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(path.read_text(encoding=TEXT_ENCODING))
             if isinstance(obj, dict) and isinstance(obj.get("data"), list):
                 obj = obj["data"]
             if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):

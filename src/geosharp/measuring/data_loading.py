@@ -29,6 +29,7 @@ from geosharp.measuring.data_files import (
     data_kind,
     parse_labels,
     read_table,
+    text_column,
 )
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.loaded_model import LoadedModel
@@ -106,15 +107,7 @@ def tokenize_rows(
     Returns:
         ``(batches, warnings)``; the warning counts the truncated rows.
     """
-    texts = []
-    for c in text_cols:
-        col = []
-        for i, r in enumerate(rows, 1):
-            v = r.get(c)
-            if v is None:
-                raise MeasureError(f"{where}, row {i}: the text column {c!r} is empty")
-            col.append(str(v))
-        texts.append(col)
+    texts = [text_column(rows, c, where, "text") for c in text_cols]
     pairs = texts[1] if len(texts) > 1 else None
     warns = []
     lengths = [

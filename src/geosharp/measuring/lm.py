@@ -39,7 +39,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.measuring.data_files import _columns, data_kind, read_table
+from geosharp.measuring.data_files import (
+    TEXT_ENCODING,
+    _columns,
+    data_kind,
+    read_table,
+    text_column,
+)
 from geosharp.measuring.data_loading import DataSet, _check_batch_size, _load_function
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.loaded_model import LoadedModel
@@ -154,18 +160,12 @@ def _encode(tok: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
 
 
 def _texts(rows: list[dict[str, Any]], col: str, where: str, what: str) -> list[str]:
-    out = []
-    for i, r in enumerate(rows, 1):
-        v = r.get(col)
-        if v is None:
-            raise MeasureError(f"{where}, row {i}: the {what} column {col!r} is empty")
-        out.append(str(v))
-    return out
+    return text_column(rows, col, where, what)
 
 
 def _read_txt(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding=TEXT_ENCODING)
     except (OSError, UnicodeDecodeError) as err:
         raise MeasureError(f"cannot read {path}: {err}") from err
 

@@ -19,6 +19,7 @@ A missing path, a checkpoint whose keys do not match, a folder without a task he
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -137,15 +138,36 @@ def _load_file(path: Path) -> tuple[nn.Module, str, list[str]]:
 def check_model_spec(spec: str) -> None:
     """Raise a clear error at once if ``spec`` is neither a path that exists nor module:function.
 
+    A folder's ``config.json`` and ``adapter_config.json`` are read too (a few bytes): a
+    corrupt one is found here, before any data is read or any other model measured.
+
     Raises:
-        MeasureError: If the model cannot be found.
+        MeasureError: If the model cannot be found, or its folder's configuration is not JSON.
     """
-    if not Path(spec).expanduser().exists() and not _is_function_spec(spec):
+    path = Path(spec).expanduser()
+    if not path.exists() and not _is_function_spec(spec):
         raise MeasureError(
             f"model not found: {spec!r} is neither an existing file or folder nor "
             "module:function. Expected a Hugging Face model folder (with config.json), a file "
             "written by torch.save(model) or torch.jit.save, or module:function with --weights"
         )
+    if path.is_dir():
+        for name in ("config.json", "adapter_config.json"):
+            _check_json(path / name)
+
+
+def _check_json(path: Path) -> None:
+    if not path.is_file():
+        return
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise MeasureError(
+            f"{path} is not valid JSON ({err}): the folder's model cannot be loaded; "
+            "save it again (save_pretrained writes this file)"
+        ) from err
+    except OSError as err:
+        raise MeasureError(f"cannot read {path}: {err}") from err
 
 
 def load_model(

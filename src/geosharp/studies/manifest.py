@@ -7,7 +7,8 @@ A manifest is a ``.csv``, ``.jsonl`` or ``.parquet`` file. Its columns:
   the manifest's folder;
 * ``base`` (optional): the base model of a PEFT adapter (or ``--base`` for every row);
   ``weights`` (optional): the weights file of a ``module:function`` model;
-* ``name`` or ``id`` (optional): the model's name in the results (default: ``model``);
+* ``name`` or ``id`` (optional): the model's name in the results (default: ``model``; for
+  rows whose ``module:function`` is shared and whose ``weights`` differ, the ``weights`` cell);
 * the generalization gap, by one of the rules of :data:`GAP_RULES`: a ``gap`` column, or
   ``train_error`` and ``test_error``, or ``train_accuracy`` and ``test_accuracy``, or
   ``train_loss`` and ``test_loss``; when several fit, the first in that order is used unless
@@ -22,6 +23,7 @@ one line that names the row; with ``skip_bad`` a bad row is set aside (and liste
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +180,17 @@ def _resolve(spec: str, folder: Path) -> str:
     return spec
 
 
+def _default_name(row: Mapping[str, Any], label: str, builders: Counter[str]) -> str:
+    """A row's name when no name column gives one.
+
+    Its ``model`` cell; or its ``weights`` cell when several rows load their weights into the
+    same ``module:function`` (``model`` is then the same in each; the weights tell them apart).
+    """
+    if builders[label] > 1 and not _blank(row.get("weights")):
+        return str(row["weights"]).strip()
+    return label
+
+
 def _choose_rule(columns: Sequence[str], gap: str | None, where: str) -> tuple[GapRule, list[str]]:
     present = [r for r in GAP_RULES if all(c in columns for c in r.columns)]
     keys = [r.key for r in present]
@@ -243,6 +256,9 @@ def read_manifest(
     skipped: list[tuple[int, str, str]] = []
     seen: dict[tuple[str, str | None, str | None], int] = {}
     ids: dict[str, int] = {}
+    builders = Counter(
+        str(r.get("model") or "").strip() for r in raw if not _blank(r.get("weights"))
+    )
 
     for line, r in enumerate(raw, 1):
         label = str(r.get("model") or "").strip()
@@ -270,7 +286,9 @@ def read_manifest(
                     f"{where} row {line} ({label}): the same model as row {seen[key]} "
                     "(a model is measured once)"
                 )
-            model_id = str(r[id_col]).strip() if id_col and not _blank(r.get(id_col)) else label
+            model_id = _default_name(r, label, builders)
+            if id_col and not _blank(r.get(id_col)):
+                model_id = str(r[id_col]).strip()
             if model_id in ids:
                 raise MeasureError(
                     f"{where} row {line}: the name {model_id!r} is also row {ids[model_id]}'s"

@@ -323,15 +323,20 @@ class PopulationStudy(Study):
 
         self.say(f"{row.model_id}: loading {row.model}")
         source = ModelSource(row.model, weights=row.weights, base=row.base)
-        ready = load_for_measure(source, self.options, say=self.say, warn=self.say)
-        checked = prepare_measurement(
-            ready.model,
-            ready.batches,
-            ready.loss,
-            check=self.cfg.check,
-            seed=self.cfg.seed,
-            say=self.say,
-        )
+        try:
+            ready = load_for_measure(source, self.options, say=self.say, warn=self.say)
+            checked = prepare_measurement(
+                ready.model,
+                ready.batches,
+                ready.loss,
+                check=self.cfg.check,
+                seed=self.cfg.seed,
+                say=self.say,
+            )
+        except MeasureError as err:  # the row, as read_manifest names it
+            raise MeasureError(
+                f"{self.manifest.path.name} row {row.line} ({row.model_id}): {err}"
+            ) from err
         self._models[row.model_id] = {
             "model": ready.loaded.name,
             "kind": ready.loaded.kind,
