@@ -34,7 +34,7 @@ def test_a_data_file_saved_with_a_byte_order_mark(tmp_path, name, text):
 
 def test_a_corpus_saved_with_a_byte_order_mark(tmp_path):
     path = tmp_path / "c.txt"
-    path.write_bytes(BOM + "the cat sat\n".encode())
+    path.write_bytes(BOM + b"the cat sat\n")
     assert _read_txt(path) == "the cat sat\n"
 
 

@@ -176,5 +176,6 @@ def test_function_models_that_share_their_builder_are_named_by_their_weights(fol
                       [[*r, f"run{i}"] for i, r in enumerate(rows)])  # fmt: skip
     assert [r.model_id for r in read_manifest(named).rows] == ["run0", "run1", "run2"]
     twice = write_csv(folder / "d.csv", ["model", "weights", "gap"], [*rows, rows[1]])
-    with pytest.raises(MeasureError, match=r"row 4 \(digits_model:build\): the same model as row 2"):
+    same = r"row 4 \(digits_model:build\): the same model as row 2"
+    with pytest.raises(MeasureError, match=same):
         read_manifest(twice)
