@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"reused {summary.reused} rows in {summary.time_s:.1f} s"
             )
             if summary.report is not None:
+                print(" ".join(summary.report.headline))
                 print(f"report: {summary.report.html}")
                 print(f"tau table: {summary.report.tau_table}")
                 print(f"results: {out / 'results.csv'}")

@@ -329,7 +329,8 @@ def test_measures_with_their_own_rho_grids_get_one_column_per_grid_position(tmp_
         tmp_path, title="t", models=models, measurements=kept + shifted + flat, settings={}, **FAST
     )
     lines = paths.tau_table.read_text().splitlines()
-    assert lines[2] == "| measure | smallest ρ | largest ρ |"
+    assert lines[2] == f"**{' '.join(paths.headline)}**"  # the headline, then the table
+    assert lines[4] == "| measure | smallest ρ | largest ρ |"
     (row,) = [x for x in lines if x.startswith(f"| {MEASURES[1]} |")]
     cells = row.split(" | ")[1:]
     assert cells[0].startswith("ρ = 1: ") and cells[1].startswith("ρ = 10: ")
@@ -342,7 +343,7 @@ def test_measures_with_their_own_rho_grids_get_one_column_per_grid_position(tmp_
     same = write_report(
         tmp_path / "same", title="t", models=models, measurements=kept, settings={}, **FAST
     )
-    assert same.tau_table.read_text().splitlines()[2] == "| measure | ρ = 0.01 | ρ = 0.1 |"
+    assert same.tau_table.read_text().splitlines()[4] == "| measure | ρ = 0.01 | ρ = 0.1 |"
 
 
 def test_geodesic_is_compared_with_adaptive_model_by_model(written):

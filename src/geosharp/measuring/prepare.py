@@ -72,6 +72,7 @@ def prepare_measurement(
     seed: int = 0,
     say: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    say_blocks: Callable[[str, str], None] | None = None,
 ) -> CheckedModel:
     """Everything :func:`measure` does before its first measurement, for one model.
 
@@ -79,6 +80,9 @@ def prepare_measurement(
     flushed (on a copy), the symmetry blocks found and proven on batch 0, the clean loss of
     every batch checked finite, and the self-check (a random re-parametrization of every
     block must leave the outputs unchanged). A population study runs it for every model.
+
+    ``say_blocks(summary, adaptive_note)`` says the symmetry blocks found (default: ``say``
+    each); a population study says them once for models that share them.
 
     ``check=False`` (``--no-check``) skips the self-check alone: the blocks are still proven
     on batch 0 (a claim that fails is dropped, as with ``check``), so the same blocks are
@@ -104,8 +108,11 @@ def prepare_measurement(
     # same blocks and values; ``check`` is the self-check alone (refuse when it fails).
     space = _symmetry_space(model, space, inputs0, say)
     summary, note = space.summary(), adaptive_note(space)
-    say(summary)
-    say(note)
+    if say_blocks is not None:
+        say_blocks(summary, note)
+    else:
+        say(summary)
+        say(note)
     if space.numel() == 0:
         raise MeasureError("the model has no trainable parameters (all have requires_grad=False)")
     clean = clean_pass(model, loss_fn, batches)

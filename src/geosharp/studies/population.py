@@ -25,6 +25,7 @@ sharded over the ranks (:mod:`geosharp.studies.population_fsdp`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,7 @@ from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
 from geosharp.studies.manifest import Manifest, ManifestRow, read_manifest
 from geosharp.studies.population_radii import RadiusPlan, parse_rho
-from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE
+from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE, batches_used
 from geosharp.studies.runner import (
     Prepared,
     RunSummary,
@@ -137,6 +138,8 @@ class PopulationStudy(Study):
         self.gap_label = self.manifest.gap_line()
         self.grids: dict[str, tuple[float, ...]] = {}
         self._models: dict[str, dict[str, Any]] = {}
+        #: ``(summary, adaptive note)`` → the first model whose blocks were said in full so.
+        self._blocks_said: dict[tuple[str, str], str] = {}
 
     # -- checks before any work --------------------------------------------------------------
     def _check_model(self, row: ManifestRow) -> None:
@@ -262,6 +265,11 @@ class PopulationStudy(Study):
             for line, label, why in self.manifest.skipped
         ]
 
+    def train_line(self, todo: int, total: int) -> str:
+        """Nothing is trained: the manifest's models are recorded, then measured."""
+        before = f"; {total - todo} recorded before" if todo < total else ""
+        return f"measuring {total} models of the manifest (nothing is trained{before})"
+
     def population(self) -> list[tuple[str, dict[str, Any]]]:  # noqa: D102
         return [(r.model_id, dict(r.hparams)) for r in self.manifest.rows]
 
@@ -332,6 +340,7 @@ class PopulationStudy(Study):
                 check=self.cfg.check,
                 seed=self.cfg.seed,
                 say=self.say,
+                say_blocks=lambda summary, note: self._say_blocks(row.model_id, summary, note),
             )
         except MeasureError as err:  # the row, as read_manifest names it
             raise MeasureError(
@@ -344,16 +353,54 @@ class PopulationStudy(Study):
             "blocks": ", ".join(f"{n} {k}" for k, n in block_counts(checked.space).items())
             or "none (every coordinate adaptive)",
             "clean_loss": sum(checked.clean_losses) / len(checked.clean_losses),
+            **{k: ready.settings()[k] for k in ("batch_size", "samples", "max_length")},
         }
         return Prepared(checked.model, checked.batches, checked.loss_fn, {"space": checked.space})
 
+    def _say_blocks(self, model_id: str, summary: str, note: str) -> None:
+        """The symmetry blocks in full once, then a line for each model that has the same.
+
+        "The same": the same listing but for the deviation measured when the blocks were
+        verified on the model's first batch, which the short line gives.
+        """
+        key = (_VERIFIED.sub(r"\1…", summary), note)
+        if key in self._blocks_said:
+            verified = [m.group(0).strip() for m in _VERIFIED.finditer(summary)]
+            said = f"symmetry blocks: the same as {self._blocks_said[key]}'s (listed above)"
+            self.say("; ".join([said, *verified]))
+            return
+        self._blocks_said[key] = model_id
+        self.say(summary)
+        self.say(note)
+
     def write_models(self, out: Path) -> None:
-        """``OUT/models.json``: the architecture and blocks of every model measured this run."""
+        """``OUT/models.json``: the architecture, blocks and batches of every model measured.
+
+        The report's settings then say the batches as they were cut (the samples the data
+        held, the length each model accepts), not only as asked.
+        """
         if not self.writes:
             return
         old = _read_json(out / MODELS_FILE)
         old.update(self._models)
         atomic_write_text(out / MODELS_FILE, json.dumps(old, indent=1) + "\n")
+        o = self.options
+        used = batches_used(old, o.batch_size, o.samples, o.max_length)
+        if used is not None and (out / "study.sqlite").is_file():
+            from geosharp.studies.store import Store
+
+            with Store(out / "study.sqlite", None, None) as store:
+                info = json.loads(store.meta().get("report", "{}"))
+                info.setdefault("settings", {})["batches"] = used
+                with store.conn:
+                    store.conn.execute(
+                        "INSERT OR REPLACE INTO meta (key, value) VALUES ('report', ?)",
+                        (json.dumps(info, default=str),),
+                    )
+
+
+#: The line of a symmetry summary that differs between models of the same architecture.
+_VERIFIED = re.compile(r"(symmetry claims verified on the example batch: .*?moved by ≤ )\S+")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

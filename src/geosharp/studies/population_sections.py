@@ -28,13 +28,54 @@ from geosharp.stats import cmi_score, granulated_kendall
 from geosharp.studies.formatting import fmt
 from geosharp.studies.sections import Section
 
-__all__ = ["MANIFEST_FILE", "MODELS_FILE", "hyperparameter_rows", "population_sections"]
+__all__ = [
+    "MANIFEST_FILE",
+    "MODELS_FILE",
+    "batches_used",
+    "hyperparameter_rows",
+    "population_sections",
+]
 
 #: What a manifest study records of its manifest in its folder (gap rule, hyperparameters,
 #: skipped rows, the ρ rule's grids); its presence makes :func:`population_sections` run.
 MANIFEST_FILE = "manifest.json"
 #: The architecture, task and symmetry blocks of every model measured (model id → record).
 MODELS_FILE = "models.json"
+
+
+def batches_used(
+    models: Mapping[str, Mapping[str, Any]], batch_size: int, samples: int | None, max_length: int
+) -> str | None:
+    """The report's "batches" setting as the models were measured (``models.json``).
+
+    Each model's data are cut by ``geosharp measure``'s own path: at most the samples the file
+    holds, at most the length the model accepts. Says the values used (a range when the models
+    differ) and, where they differ, what was asked; ``None`` when no model recorded them.
+    """
+    used = [
+        m for m in models.values() if all(k in m for k in ("batch_size", "samples", "max_length"))
+    ]
+    if not used:
+        return None
+
+    def span(key: str) -> str:
+        lo, hi = min(m[key] for m in used), max(m[key] for m in used)
+        return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+    asked = [
+        text
+        for key, value, text in (
+            ("batch_size", batch_size, f"{batch_size} per batch"),
+            ("samples", samples, f"{samples} samples"),
+            ("max_length", max_length, f"max length {max_length}"),
+        )
+        if value is not None and span(key) != str(value)
+    ]
+    text = (
+        f"{span('batch_size')} per batch, {span('samples')} samples, "
+        f"max length {span('max_length')}"
+    )
+    return text + (f" (asked: {', '.join(asked)})" if asked else "")
 
 
 def _varying(hparams: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -123,7 +164,11 @@ def population_sections(out_dir: str | Path, gaps: Mapping[str, float]) -> list[
             granulated,
             "ψ_k = mean τ-a (measure vs. gap) over the groups of models that differ in "
             "hyperparameter k only (groups where k takes one value are skipped; nan: no such "
-            "group); Ψ = mean of the defined ψ_k (Jiang et al. 2020, SPEC §2.5).",
+            "group); Ψ = mean of the defined ψ_k (Jiang et al. 2020, SPEC §2.5). In plain words: "
+            "ψ for a hyperparameter asks, of two models trained alike but for it, whether the "
+            "sharper one also has the larger gap: +1 always, −1 always the reverse, 0 no more "
+            "often than not; nan: no two models differ in it alone. A measure that tracks the "
+            "gap itself, not one hyperparameter that moves both, has ψ > 0 for each of them.",
         ),
         Section(
             "Conditional mutual information score (PGDL)",
@@ -135,7 +180,10 @@ def population_sections(out_dir: str | Path, gaps: Mapping[str, float]) -> list[
             "different gaps, V = sign of the pairwise difference, U_S = both models' values of "
             "S (Jiang et al. 2020; the NeurIPS 2020 PGDL competition; SPEC §2.5). 1: the measure "
             "orders every pair like the gap beyond what S explains; 0: no information. It is "
-            "blind to direction: read it with τ.",
+            "blind to direction: read it with τ. In plain words: once the values of the "
+            "hyperparameters S are known, the share of the uncertainty left about which of two "
+            "models has the larger gap that the measure removes; S is the set that leaves it "
+            "least (0: the measure follows those hyperparameters and no more).",
         ),
     ]
 

@@ -69,8 +69,12 @@ def markdown_table(
     paper_col: dict[str, str] | None,
     n_total: int,
     method: str,
+    headline: Sequence[str] = (),
 ) -> str:
-    """The ``tau_table.md`` τ table: one row per measure, one column per ρ (see :func:`layout`)."""
+    """The ``tau_table.md`` τ table: one row per measure, one column per ρ (see :func:`layout`).
+
+    ``headline``: sentences said first, under the title (:func:`geosharp.studies.headline`).
+    """
 
     def esc(text: str) -> str:
         return text.replace("|", "\\|")
@@ -82,6 +86,7 @@ def markdown_table(
     lines = [
         f"# {esc(title)}: Kendall τ-a between sharpness and {esc(gap_label)}",
         "",
+        *([f"**{' '.join(headline)}**", ""] if headline else []),
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
@@ -101,6 +106,7 @@ def markdown_table(
 
 
 CSS = """
+p.headline { font-size: 1.1em; font-weight: 600; }
 td.undef { color: #8a8a8a; font-style: italic; }
 .ci { color: #555; font-size: .9em; }
 .method { color: #444; font-size: .92em; }
@@ -127,12 +133,14 @@ def html_page(
     method: str,
     version: str,
     generated_at: str,
+    headline: Sequence[str] = (),
 ) -> str:
-    """The self-contained ``report.html`` page."""
+    """The self-contained ``report.html`` page (``headline``: said first, under the title)."""
     e = html.escape
     n_total = len(models)
     out = [
         *page_start(title, CSS),
+        *([f'<p class="headline">{e(" ".join(headline))}</p>'] if headline else []),
         f"<p>{n_total} models, {len(cells)} sharpness measure(s); generalization measured by "
         f"the {e(gap_label)}. τ &lt; 0 means sharper models generalize better.</p>",
         "<h2>Settings</h2>",

@@ -75,6 +75,7 @@ from geosharp.studies.analysis import (
     measure_family,
 )
 from geosharp.studies.formatting import json_safe, rho_key, slug
+from geosharp.studies.headline import headline
 from geosharp.studies.paper import family_of, paper_columns
 from geosharp.studies.plots import plot_measure
 from geosharp.studies.render import html_page, markdown_table, method_text
@@ -114,6 +115,7 @@ class ReportPaths:
         tau_table: The Markdown τ table.
         summary_json: Every τ, CI and p-value as JSON.
         plots: Measure name → its scatter plot (PNG).
+        headline: The report's headline sentences (:func:`geosharp.studies.headline.headline`).
     """
 
     out_dir: Path
@@ -121,6 +123,7 @@ class ReportPaths:
     tau_table: Path
     summary_json: Path
     plots: dict[str, Path] = field(default_factory=dict)
+    headline: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +216,7 @@ def write_report(
         seed=seed,
         expected=expected,
     )
+    lead = headline(len(analysis.models), analysis.cells, analysis.paired, level)
     extra_sections = [*sections, *folder_sections(out, analysis.gaps)]  # as given + the folder's
     all_sections = [*paired_section(analysis.paired, level), *extra_sections]
     method = method_text(
@@ -239,6 +243,7 @@ def write_report(
             analysis.paper_col,
             len(analysis.models),
             method,
+            headline=lead,
         )
         + "".join(section.markdown() for section in all_sections),
     )
@@ -258,6 +263,7 @@ def write_report(
         version=version,
         generated_at=generated_at,
     )
+    summary = {"title": summary["title"], "headline": lead, **summary}  # said first
     summary_json = out / "summary.json"
     atomic_write_text(
         summary_json,
@@ -281,10 +287,16 @@ def write_report(
             method=method,
             version=version,
             generated_at=generated_at,
+            headline=lead,
         ),
     )
     return ReportPaths(
-        out_dir=out, html=page, tau_table=tau_table, summary_json=summary_json, plots=plots
+        out_dir=out,
+        html=page,
+        tau_table=tau_table,
+        summary_json=summary_json,
+        plots=plots,
+        headline=lead,
     )
 
 

@@ -179,6 +179,10 @@ class Study(ABC):
         """Remarks shown at the end of the report (recorded in the store with the settings)."""
         return []
 
+    def train_line(self, todo: int, total: int) -> str:
+        """What the log says before :meth:`train` records ``todo`` of ``total`` models."""
+        return f"training {todo} of {total} models ({total - todo} reused)"
+
     def included(self, row: dict[str, Any]) -> bool:
         """Whether a trained model enters the correlation analysis (default: all)."""
         return True
@@ -241,7 +245,7 @@ def run_study(
         mine = shard.take(population) if shard else population
         todo = [(mid, hp) for mid, hp in mine if store.get_model(mid) is None]
         if todo:
-            say(f"training {len(todo)} of {len(mine)} models ({len(mine) - len(todo)} reused)")
+            say(study.train_line(len(todo), len(mine)))
             study.train(todo, out, store, progress)
             summary.trained = len(todo)
         batches = study.batches()
