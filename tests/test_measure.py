@@ -558,7 +558,8 @@ def test_unconverged_ascent_is_flagged():
     model, batches = mlp_batches()
     with pytest.warns(UserWarning, match="still rising at the last of 2 Auto-PGD steps"):
         rep = gs.measure(model, batches, measures=["euclidean"], rhos=[5.0], steps=2)
-    assert "lower bound" in rep.warnings[-1]
+    assert "lower bound" in rep.warnings[0]
+    assert "rising" in rep.rows[0].flags
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ def test_rho_is_written_as_the_table_prints_it():
         rep = gs.measure(model, batches, measures=["adaptive"], rhos=[1.0, 0.1, 0.05], steps=2)
     table_rhos = [line.split()[3] for line in rep.table().splitlines()[2:]]
     csv_rhos = [r["rho"] for r in csv.DictReader(io.StringIO(rep.to_csv()))]
-    assert csv_rhos == table_rhos == ["1", "0.1", "0.05"]
+    assert csv_rhos == table_rhos == ["0.05", "0.1", "1"]  # smallest ball first (nested)
     assert [rho_text(r) for r in (2.0, 1e-05, 0.123456789)] == ["2", "1e-05", "0.123456789"]
 
 

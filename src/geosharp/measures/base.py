@@ -119,6 +119,17 @@ class Measure(ABC):
     priority: ClassVar[int] = 100
 
     @property
+    def nested_in_rho(self) -> bool:
+        """Whether its value is a maximum over a ball that contains the balls of smaller ρ.
+
+        Then a point found in a smaller ball is a point of this one, and ``gs.measure`` and the
+        studies carry it over (:func:`geosharp.measuring.flags.nest`): the values grow with ρ.
+        True for worst-case sharpness; a measure that is a mean (the average case), or has no
+        ball, says ``False``.
+        """
+        return self.uses_rho and self.kwargs().get("kind") == "worst"
+
+    @property
     def exact_geodesic(self) -> bool:
         """Whether it follows the exact (RK4) geodesic (its RK4 steps matter: ``exact_steps``)."""
         return self.kwargs().get("order") == "exact"

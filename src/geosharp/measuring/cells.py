@@ -2,17 +2,20 @@
 
 * :func:`_measure_one` — one cell: ``spec.run`` at one ρ (or none), a failure kept as the
   row's error;
-* :func:`_measure_cells` — every measure at every ρ in order, with the row warnings, a log line
-  per cell and a progress bar;
+* :func:`_measure_cells` — every measure at every ρ, smallest ρ first, with the row warnings, a
+  log line per cell and a progress bar; a worst-case cell keeps the better points of the
+  smaller balls (:func:`~geosharp.measuring.flags.nest`) and every cell gets its flags
+  (:func:`~geosharp.measuring.flags.cell_flags`);
 * :func:`_estimate` — the run's estimated time, from one cell on one batch per measure
   (:func:`geosharp.measuring.estimate.estimate_run`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.checks import loss_eps, row_warnings
 from geosharp.measuring.estimate import RunEstimate, estimate_run
+from geosharp.measuring.flags import cell_flags, nest
 from geosharp.measuring.results import MeasureRow, _g, _time
 from geosharp.symmetry import ParameterSpace
 
@@ -88,11 +92,15 @@ def _measure_cells(
     say: Callable[[str], None],
     warn: Callable[..., None],
     extra: Mapping[str, Any] | None = None,
+    reference: float | None = None,
 ) -> list[MeasureRow]:
-    """Every measure at every ρ (once without ρ), in order, warning and logging as it goes.
+    """Every measure at every ρ (once without ρ), warning and logging as it goes.
 
-    ``extra``: the estimators' settings that differ from their defaults (``low_memory``,
-    ``buffer_budget``, ``exact_steps``), as :func:`_estimate` takes them.
+    The radii of a measure run smallest first, so that a worst-case cell can keep the better
+    point of a smaller ball (:func:`checked_row`). ``extra``: the estimators' settings that
+    differ from their defaults (``low_memory``, ``buffer_budget``, ``exact_steps``), as
+    :func:`_estimate` takes them. ``reference``: the trivial predictor's loss on the batches
+    (:func:`~geosharp.measuring.flags.reference_loss`), for the ``saturated`` flag.
     """
     extra = dict(extra or {})
     exact_steps = extra.get("exact_steps", DEFAULT_RK4_STEPS)
@@ -103,7 +111,8 @@ def _measure_cells(
     bar = _progress(n_cells, progress, "measures")
     try:
         for spec in specs:
-            for rho in rhos if spec.uses_rho else [None]:
+            smaller: list[float] | None = None  # the nested per-batch values of the last ρ
+            for rho in sorted(rhos) if spec.uses_rho else [None]:
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
                 row = _measure_one(
@@ -120,6 +129,9 @@ def _measure_cells(
                     curv,
                     **extra,
                 )
+                row = checked_row(row, spec, smaller, eps_loss, reference)
+                if spec.nested_in_rho and row.error is None:
+                    smaller = row.per_batch
                 rows.append(row)
                 for msg in row_warnings(row, spec, steps, eps_loss, exact_steps):
                     warn(msg, stacklevel=4)
@@ -128,6 +140,7 @@ def _measure_cells(
                 say(
                     f"  [{done}/{n_cells}] {row.measure}, rho={_g(row.rho)}: "
                     + ("failed" if row.value is None else f"{row.value:.5g}")
+                    + (f" [{' '.join(row.flags)}]" if row.flags else "")
                     + f" in {_time(row.time_s)}"
                     + (f"; ≈ {_time(left)} left" if done < n_cells else "")
                 )
@@ -178,6 +191,49 @@ def _measure_one(
             measure=spec.name, rho=rho, value=None, time_s=time.perf_counter() - t0, error=str(err)
         )
     return MeasureRow.of(spec, res, rho)
+
+
+def checked_row(
+    row: MeasureRow,
+    spec: Measure,
+    smaller: Sequence[float] | None,
+    eps: float,
+    reference: float | None,
+) -> MeasureRow:
+    """``row`` nested over the smaller balls (a worst-case measure) and flagged.
+
+    Args:
+        row: The cell as measured.
+        spec: Its measure.
+        smaller: The nested per-batch values of the same measure at the next smaller ρ on the
+            same batches (``None``: none).
+        eps: Machine epsilon of the loss's dtype.
+        reference: The trivial predictor's loss (``None``: not known).
+    """
+    if row.error is not None:
+        return row
+    carried = 0
+    if spec.nested_in_rho and smaller is not None:
+        per_batch, carried = nest(smaller, row.per_batch, eps)
+        if per_batch != row.per_batch:
+            perturbed = [c + v for c, v in zip(row.clean_losses, per_batch, strict=True)]
+            row = dataclasses.replace(
+                row,
+                per_batch=per_batch,
+                value=sum(per_batch) / len(per_batch),
+                perturbed_losses=perturbed if row.perturbed_losses else [],
+            )
+    check = cell_flags(
+        row.traces,
+        row.clean_losses,
+        row.perturbed_losses if spec.uses_rho else [],
+        loss_eps=eps,
+        reference=reference,
+        carried=carried,
+    )
+    return dataclasses.replace(
+        row, flags=check.flags, instability=check.instability, carried=check.carried
+    )
 
 
 def this_rank_alone(err: Exception, model: nn.Module) -> bool:

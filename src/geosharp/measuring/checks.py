@@ -282,6 +282,9 @@ def self_check(
 RISE_TOL_ULPS = 16
 #: The trend is judged over this many last Auto-PGD steps.
 RISE_WINDOW = 3
+#: A rise over the window below this fraction of the whole loss rise is immaterial (the value is
+#: settled to three digits): not "still rising" (:data:`geosharp.measuring.flags.STABILITY_TOL`).
+MATERIAL_RISE = 1e-3
 
 
 def loss_eps(model: nn.Module) -> float:
@@ -296,19 +299,22 @@ def still_rising(
     *,
     ulps: float = RISE_TOL_ULPS,
     window: int = RISE_WINDOW,
+    material: float = MATERIAL_RISE,
 ) -> bool:
     """Whether an Auto-PGD loss trace was still rising at its last step (beyond rounding).
 
     A rise counts only above ``tol = ulps · eps · max|loss|``: the loss at the last step must be
     the trace's best (within ``tol``), higher than at the step before by more than ``tol``, and
     higher than ``window`` steps before by more than ``window · tol`` — a trend, not a one-ulp
-    wobble of a flat trace.
+    wobble of a flat trace — and by more than ``material`` of the whole rise (the last loss
+    less the first): a float64 ascent creeping up by 1e-10 of its value is settled.
 
     Args:
         trace: The loss at every iterate (the clean loss first).
         eps: Machine epsilon of the dtype the loss was computed in (float32 by default).
         ulps: The tolerance in units of ``eps`` relative to the loss.
         window: The number of last steps the trend is judged over.
+        material: The smallest rise over the window, as a fraction of the whole rise.
 
     Returns:
         ``True`` if more steps would likely raise the loss further.
@@ -325,7 +331,13 @@ def still_rising(
     tol = ulps * eps * max(max(abs(v) for v in values), 1e-30)
     last = values[-1]
     k = min(window, len(values) - 1)
-    return last >= max(values) - tol and last - values[-2] > tol and last - values[-1 - k] > k * tol
+    recent = last - values[-1 - k]
+    return (
+        last >= max(values) - tol
+        and last - values[-2] > tol
+        and recent > k * tol
+        and recent > material * (last - values[0])
+    )
 
 
 def _at(rho: float | None) -> str:
@@ -350,21 +362,54 @@ def row_warnings(
         exact_steps: The RK4 steps of the exact geodesic (``-exact`` measures).
 
     Returns:
-        The failure alone; or at most one of: the ascent still rising on most batches (the
-        value is a lower bound), a worst case of exactly 0 that never raised the loss; then,
-        for an ``-exact`` measure, fewer RK4 steps than ``2κ`` of its fastest head
-        (:func:`~geosharp.estimators.worst.exact_steps_warning`: the value may be inaccurate).
+        The failure alone; or at most one of: the ascent still rising on some batch (the
+        value is a lower bound), a worst case of exactly 0 that never raised the loss; then
+        one line for each of the flags ``unstable`` and ``saturated``
+        (:mod:`geosharp.measuring.flags`); then, for an ``-exact`` measure, fewer RK4 steps
+        than ``2κ`` of its fastest head (:func:`~geosharp.estimators.worst.exact_steps_warning`:
+        the value may be inaccurate).
     """
     if row.error is not None:
         return [f"{row.measure}{_at(row.rho)} failed: {row.error}"]
     rk4 = exact_steps_warning(f"{row.measure}{_at(row.rho)}", row.max_relative_speed, exact_steps)
-    return _ascent_warnings(row, spec, steps, loss_eps) + ([] if rk4 is None else [rk4])
+    return (
+        _ascent_warnings(row, spec, steps, loss_eps)
+        + _flag_warnings(row)
+        + ([] if rk4 is None else [rk4])
+    )
+
+
+def _flag_warnings(row: MeasureRow) -> list[str]:
+    """One line for ``unstable``, one for ``saturated`` (``rising`` has its own above)."""
+    out = []
+    if "unstable" in row.flags:
+        why = []
+        if row.instability is not None and row.instability > 0:
+            why.append(f"its last iterates fell back by {row.instability:.2%} of the loss rise")
+        if row.carried:
+            why.append(
+                f"on {row.carried} batch(es) a smaller ball held a better point than this "
+                "ball's ascent found (that value is kept: the values grow with rho)"
+            )
+        out.append(
+            f"{row.measure}{_at(row.rho)}: flagged unstable: the ascent did not settle ("
+            + "; ".join(why)
+            + "), so rounding, or an equivalent re-parametrization, can move the value; a "
+            "smaller rho or more --steps may settle it"
+        )
+    if "saturated" in row.flags:
+        out.append(
+            f"{row.measure}{_at(row.rho)}: flagged saturated: the perturbed loss "
+            "reaches the loss of a trivial predictor (the ball leaves the basin); it ranks how "
+            "fast a model can be destroyed, not its minimum: use a smaller rho"
+        )
+    return out
 
 
 def _ascent_warnings(row: MeasureRow, spec: Measure, steps: int, loss_eps: float) -> list[str]:
-    """The ascent still rising on most batches, or a worst case of 0 that never rose; or none."""
+    """The ascent still rising on some batch, or a worst case of 0 that never rose; or none."""
     rising = sum(still_rising(t, loss_eps) for t in row.traces)
-    if 2 * rising > len(row.traces) > 0:
+    if rising:
         return [
             f"{row.measure}{_at(row.rho)}: on {rising} of {len(row.traces)} "
             f"batch(es) the loss was still rising at the last of {steps} Auto-PGD "

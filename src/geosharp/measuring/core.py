@@ -48,6 +48,7 @@ from geosharp.measures import Measure, parse_measure
 from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.estimate import batch_sizes
+from geosharp.measuring.flags import reference_loss
 from geosharp.measuring.prepare import (
     CheckedModel,
     adaptive_note,
@@ -110,8 +111,12 @@ def measure(
 
     Steps: find the symmetry blocks; check that a random re-parametrization of them leaves the
     outputs unchanged and that the clean loss of every batch is finite (cross-entropy: labels
-    within the model's classes); then every measure at every ρ (relative flatness and the
-    curvature measures once: :func:`geosharp.curvature` with one quantity each). A
+    within the model's classes); then every measure at every ρ, smallest first (relative
+    flatness and the curvature measures once: :func:`geosharp.curvature` with one quantity
+    each). A worst-case batch keeps the better point of a smaller ball (the balls are nested,
+    so the values never fall as ρ grows), and every row carries its ``flags`` — ``rising``,
+    ``unstable``, ``saturated`` — when its value cannot be trusted as it is
+    (:mod:`geosharp.measuring.flags`; one warning line each). A
     measurement that fails (e.g. the loss becomes infinite inside a large ball) is recorded
     with its error and the others go on. The model's weights are not written to; if some
     weights are so small that ``1/w²`` overflows (:func:`unrepresentable_weights`), a copy with
@@ -220,6 +225,7 @@ def measure(
             eps=eps, seed=seed, space=space, extra=extra,
         )  # fmt: skip
 
+    reference = None if sharded else reference_loss(model, loss_fn, batches)
     rows = _measure_cells(
         model,
         loss_fn,
@@ -235,6 +241,7 @@ def measure(
         say,
         _warn,
         extra=extra,
+        reference=reference,
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -243,6 +250,7 @@ def measure(
         "eps": eps,
         "seed": seed,
         "loss": loss_name,
+        "reference_loss": reference,
         "check": check,
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),

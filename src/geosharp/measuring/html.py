@@ -89,6 +89,18 @@ _READING = (
     "results</i> (docs/reading-results.md in the geosharp repository) says how to choose ρ and "
     "read each measure.</p>"
 )
+#: What each flag of a cell means (geosharp.measuring.flags).
+_FLAGS = (
+    "<p><b>Flags.</b> A cell without a flag is sound. <i>rising</i>: on some batch the loss "
+    "was still rising at the last Auto-PGD step, so the value is a lower bound (more steps may "
+    "find more). <i>unstable</i>: the ascent did not settle — its last iterates fell back by "
+    "more than 0.1 % of the loss rise, or a smaller ball held a better point (that value is "
+    "kept, so the values grow with ρ); rounding, or an equivalent re-parametrization of the "
+    "weights, can then move the value by a large fraction. <i>saturated</i>: the perturbed "
+    "loss reaches the loss of a trivial predictor (all-zero outputs): the ball has left the "
+    "basin, and the value ranks how fast the model can be destroyed rather than the shape of "
+    "its minimum. Compare models on sound cells; use a smaller ρ where cells saturate.</p>"
+)
 _NOTE_ROW = re.compile(r"^  (?P<pattern>\S+)\s+(?P<count>[\d,]+)$")
 
 
@@ -231,13 +243,13 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
         "<table>",
         "<tr><th>measure</th><th>ρ</th><th>value</th><th>std over batches</th>"
         "<th>min</th><th>max</th><th>time (s)</th><th>forward / backward</th>"
-        "<th>HVPs</th><th>s.e. (trace)</th></tr>",
+        "<th>HVPs</th><th>s.e. (trace)</th><th>flags</th></tr>",
     ]
     for r in report.rows:
         if r.error is not None:
             out.append(
                 f"<tr><th>{e(r.measure)}</th><td class='num'>{e(_num(r.rho))}</td>"
-                f"<td colspan='8' class='fail'>failed: {e(r.error)}</td></tr>"
+                f"<td colspan='9' class='fail'>failed: {e(r.error)}</td></tr>"
             )
             continue
         out.append(
@@ -247,10 +259,18 @@ def write_html(report: MeasureReport, path: str | Path, title: str = "geosharp m
             f"<td class='num'>{r.time_s:.1f}</td>"
             f"<td class='num'>{r.n_forward} / {r.n_backward}</td>"
             f"<td class='num'>{r.n_hvp or '–'}</td><td class='num'>{e(_num(r.stderr, 3))}</td>"
+            f"<td class='{'warn' if r.flags else ''}'>{e(' '.join(r.flags))}</td>"
             "</tr>"
         )
     out.append("</table>")
+    n_flagged = sum(bool(r.flags) for r in report.rows)
+    if n_flagged:
+        out.append(
+            f"<p class='warn'>{n_flagged} of {len(report.rows)} cells are flagged: their values "
+            "cannot be trusted as they are (see <i>Flags</i> below).</p>"
+        )
     out.append(_READING)
+    out.append(_FLAGS)
 
     out.append("<h2>Self-check</h2>")
     inv = report.invariance

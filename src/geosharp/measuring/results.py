@@ -47,6 +47,13 @@ class MeasureRow:
         max_relative_speed: ``-exact`` measures only: the largest relative speed ``κ`` of a
             GL(h) head at a reported perturbation or noise sample (RK4 needs about ``2κ`` steps;
             :attr:`geosharp.SharpnessResult.settings`); ``None`` otherwise.
+        flags: Why the value cannot be trusted, a subset of ``("rising", "unstable",
+            "saturated")`` (:mod:`geosharp.measuring.flags`); empty when the cell is sound.
+        instability: How far the ascent's last iterates fell back, relative to the loss rise,
+            the largest over the batches (:func:`geosharp.measuring.flags.instability`; above
+            ``1e-3`` the cell is ``unstable``); ``None`` without traces.
+        carried: Batches whose value is that of a smaller ball of the same measure, which held
+            a better point than this ball's ascent found (:func:`geosharp.measuring.flags.nest`).
     """
 
     measure: str
@@ -63,6 +70,14 @@ class MeasureRow:
     stderr: float | None = None
     n_hvp: int = 0
     max_relative_speed: float | None = None
+    flags: tuple[str, ...] = ()
+    instability: float | None = None
+    carried: int = 0
+
+    @property
+    def sound(self) -> bool:
+        """Measured and not flagged."""
+        return self.error is None and not self.flags
 
     @property
     def std(self) -> float | None:
@@ -140,6 +155,9 @@ class MeasureRow:
             "n_hvp": self.n_hvp,
             "stderr": self.stderr,
             "max_relative_speed": self.max_relative_speed,
+            "flags": list(self.flags),
+            "instability": self.instability,
+            "carried": self.carried,
             "error": self.error,
             "per_batch": self.per_batch,
             "clean_losses": self.clean_losses,
@@ -162,6 +180,9 @@ _CSV_FIELDS = (
     "n_hvp",
     "stderr",
     "max_relative_speed",
+    "flags",
+    "instability",
+    "carried",
     "error",
     "per_batch",
     "steps",
@@ -263,17 +284,17 @@ class MeasureReport:
         return [r for r in self.rows if r.error is not None]
 
     def table(self) -> str:
-        """The results as an aligned plain-text table (measure, ρ, value, spread, time).
+        """The results as an aligned plain-text table (measure, ρ, value, spread, time, flags).
 
         A curvature row's spread also gives the trace's standard error (Hutchinson) and the
         number of Hessian-vector products.
         """
-        header = ("measure", "rho", "value", "per-batch spread", "time")
+        header = ("measure", "rho", "value", "per-batch spread", "time", "flags")
         rows = []
         for r in self.rows:
             if r.error is not None:
                 spread = "failed: " + (r.error if len(r.error) <= 60 else r.error[:57] + "...")
-                rows.append((r.measure, _g(r.rho), "–", spread, _time(r.time_s)))
+                rows.append((r.measure, _g(r.rho), "–", spread, _time(r.time_s), ""))
                 continue
             n = len(r.per_batch)
             spread = (
@@ -285,7 +306,8 @@ class MeasureReport:
                 spread += f"; s.e. {_g(r.stderr, 2)}"
             if r.n_hvp:
                 spread += f"; {r.n_hvp} HVPs"
-            rows.append((r.measure, _g(r.rho), _g(r.value, 5), spread, _time(r.time_s)))
+            flags = " ".join(r.flags)
+            rows.append((r.measure, _g(r.rho), _g(r.value, 5), spread, _time(r.time_s), flags))
         widths = [max(len(x[j]) for x in [header, *rows]) for j in range(len(header))]
         right = {1, 2, 4}
 
@@ -367,6 +389,7 @@ class MeasureReport:
         for r in self.rows:
             d = _json_safe(r.to_dict())
             d["per_batch"] = json.dumps(d["per_batch"])
+            d["flags"] = " ".join(r.flags)
             d["rho"] = rho_text(r.rho)
             d.update(sizes)
             writer.writerow({k: "" if d[k] is None else d[k] for k in _CSV_FIELDS})
