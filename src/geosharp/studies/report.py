@@ -74,6 +74,7 @@ from geosharp.studies.analysis import (
     geodesic_vs_adaptive,
     measure_family,
 )
+from geosharp.studies.flagged import flags_section, flags_sentence
 from geosharp.studies.formatting import json_safe, rho_key, slug
 from geosharp.studies.headline import headline
 from geosharp.studies.paper import family_of, paper_columns
@@ -217,7 +218,14 @@ def write_report(
         expected=expected,
     )
     lead = headline(len(analysis.models), analysis.cells, analysis.paired, level)
-    extra_sections = [*sections, *folder_sections(out, analysis.gaps)]  # as given + the folder's
+    flagged = flags_sentence(measurements)
+    if flagged is not None:
+        lead.append(flagged)
+    flag_table = flags_section(
+        measurements, analysis.gaps, level=level, n_boot=n_boot, n_perm=n_perm, seed=seed
+    )
+    # as given, the flagged cells (when recorded), the folder's
+    extra_sections = [*sections, *flag_table, *folder_sections(out, analysis.gaps)]
     all_sections = [*paired_section(analysis.paired, level), *extra_sections]
     method = method_text(
         n_total=len(analysis.models),

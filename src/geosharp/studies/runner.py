@@ -9,6 +9,7 @@ killed run restarts where it stopped and never recomputes or loses a finished ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -24,8 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from geosharp._version import __version__
+from geosharp.estimators.sharded_check import is_sharded
 from geosharp.measures import Measure, from_kwargs
-from geosharp.measuring.cells import this_rank_alone
+from geosharp.measures.base import Outcome
+from geosharp.measuring.cells import checked_row, this_rank_alone
+from geosharp.measuring.checks import loss_eps
+from geosharp.measuring.flags import reference_loss
+from geosharp.measuring.results import MeasureRow
 from geosharp.studies.report import ReportPaths
 from geosharp.studies.store import Store
 from geosharp.studies.study_report import make_report
@@ -257,7 +263,7 @@ def run_study(
             if row.get("checkpoint"):
                 row["checkpoint_path"] = str(out / row["checkpoint"])
             for spec in study.plan():
-                for rho in spec.rhos:
+                for rho in sorted(spec.rhos, key=_rho_order):  # smallest ball first: nested
                     jobs.append((row, spec, rho))
         say(f"measuring {len(jobs)} (model, measure, rho) rows")
         loaded: dict[str, Prepared] = {}
@@ -270,18 +276,20 @@ def run_study(
             if row["model_id"] not in loaded:
                 loaded.clear()
                 loaded[row["model_id"]] = study.prepare(row, batches)
+                judge = CellJudge.of(loaded[row["model_id"]])
             ready = loaded[row["model_id"]]
             run_settings = {"progress": False, "key_bias": study.key_bias, **ready.settings}
             try:
-                outcome = measure.outcome(
-                    measure.run(
-                        ready.model,
-                        ready.loss_fn,
-                        ready.batches,
-                        rho=rho,
-                        **{**spec.kwargs, **run_settings},
-                    )
+                result = measure.run(
+                    ready.model,
+                    ready.loss_fn,
+                    ready.batches,
+                    rho=rho,
+                    **{**spec.kwargs, **run_settings},
                 )
+                smaller = store.nested_below(row["model_id"], measure.name, rho, settings)
+                outcome, checks = judge(measure, result, rho, smaller)
+                result = None
             except (FloatingPointError, ValueError, RuntimeError) as err:
                 if this_rank_alone(err, ready.model):  # a sharded model: the others may wait
                     raise
@@ -300,11 +308,13 @@ def run_study(
                     error=f"{type(err).__name__}: {err}",
                 )
                 continue
+            if checks.get("flags"):
+                say(f"{row['model_id']} {spec.name} rho={rho}: flagged {' '.join(checks['flags'])}")
             store.put_measurement(
                 row["model_id"],
                 spec.name,
                 rho,
-                {**settings, **outcome.stats},
+                {**settings, **outcome.stats, **checks},
                 outcome.value,
                 outcome.per_batch,
                 outcome.clean_losses,
@@ -317,6 +327,51 @@ def run_study(
             summary.report = make_report(out, store)
     summary.time_s = time.perf_counter() - t0
     return summary
+
+
+def _rho_order(rho: float | None) -> tuple[int, float]:
+    return (0, 0.0) if rho is None else (1, float(rho))
+
+
+@dataclass
+class CellJudge:
+    """Nests and flags a study's cells of one model as ``gs.measure`` does its rows.
+
+    ``judge(measure, result, rho, smaller)`` gives the outcome to store (a worst-case value
+    nested over the smaller balls: :func:`geosharp.measuring.flags.nest`) and the checks to
+    record with it (``flags``, ``instability``, ``carried``:
+    :func:`geosharp.measuring.cells.checked_row`).
+
+    Attributes:
+        eps: Machine epsilon of the model's loss.
+        reference: The trivial predictor's loss on the model's batches (``None``: a model
+            sharded by FSDP2, or a loss that does not take a tensor of predictions).
+    """
+
+    eps: float
+    reference: float | None
+
+    @classmethod
+    def of(cls, ready: Prepared) -> CellJudge:
+        """The judge of a loaded model: one forward per batch for the reference loss."""
+        model = ready.model
+        sharded = is_sharded(model)
+        ref = None if sharded else reference_loss(model, ready.loss_fn, ready.batches)
+        return cls(loss_eps(model), ref)
+
+    def __call__(
+        self, measure: Measure, result: Any, rho: float | None, smaller: list[float] | None
+    ) -> tuple[Outcome, dict[str, Any]]:
+        """The outcome to store and the checks to record of one measured cell."""
+        outcome = measure.outcome(result)
+        row = checked_row(MeasureRow.of(measure, result, rho), measure, smaller, self.eps,
+                          self.reference)  # fmt: skip
+        if row.per_batch != outcome.per_batch and row.value is not None:
+            outcome = dataclasses.replace(outcome, value=row.value, per_batch=row.per_batch)
+        if not measure.uses_rho:  # no ball, no ascent: nothing to flag (a curvature row)
+            return outcome, {}
+        checks = {"flags": list(row.flags), "instability": row.instability, "carried": row.carried}
+        return outcome, checks
 
 
 #: Keys of a row's ``settings`` that are results of the measurement (the trace's standard

@@ -62,6 +62,12 @@ CREATE TABLE IF NOT EXISTS measurements (
 """
 
 
+#: What a measurement's check found (:mod:`geosharp.measuring.flags`), kept in its settings
+#: but not part of its identity: a resumed study matches a finished row without them.
+CELL_CHECKS = ("flags", "instability", "carried")
+_NOT_KEYED = ("error", *CELL_CHECKS)
+
+
 class StudyMismatchError(ValueError):
     """The output folder holds the database of a different study."""
 
@@ -277,7 +283,7 @@ class Store:
                     model_id,
                     measure,
                     rho,
-                    _key({k: v for k, v in settings.items() if k != "error"}),
+                    _key({k: v for k, v in settings.items() if k not in _NOT_KEYED}),
                     None if error is not None else float(value),
                     json.dumps([float(v) for v in per_batch]),
                     json.dumps([float(v) for v in clean_losses]),
@@ -288,6 +294,29 @@ class Store:
                     time.time(),
                 ),
             )
+
+    def nested_below(
+        self, model_id: str, measure: str, rho: float | None, settings: Mapping[str, Any]
+    ) -> list[float] | None:
+        """The per-batch values of the largest smaller ρ measured with these settings, or None.
+
+        The same model and measure, every setting but ``rho`` equal, the measurement finished:
+        the ball it maximized over lies inside this one (:func:`geosharp.measuring.flags.nest`).
+        """
+        if rho is None:
+            return None
+        want = {k: v for k, v in settings.items() if k != "rho"}
+        cur = self.conn.execute(
+            "SELECT per_batch, settings FROM measurements WHERE model_id = ? AND measure = ? "
+            "AND rho < ? AND value IS NOT NULL ORDER BY rho DESC",
+            (model_id, measure, rho),
+        )
+        for pb, st in cur.fetchall():
+            stored = json.loads(st)
+            same = {k: v for k, v in stored.items() if k != "rho" and k in want}
+            if set(same) == set(want) and _key(same) == _key(want):
+                return [float(v) for v in json.loads(pb)]
+        return None
 
     def measurements(self) -> list[dict[str, Any]]:
         """All measurements, ordered by model, measure and ρ."""
@@ -312,6 +341,8 @@ class Store:
         ]
         for r in rows:
             r["error"] = r["settings"].pop("error", None)
+            for key in CELL_CHECKS:  # None: recorded before flags existed
+                r[key] = r["settings"].pop(key, None)
         return rows
 
     # -- export ---------------------------------------------------------------------------------
@@ -334,6 +365,7 @@ class Store:
         )
         header = ["model_id", "measure", "rho", "value", "gap", *metric_keys]
         header += [f"hp_{k}" for k in hp_keys] + ["time_s", "n_batches", "per_batch_std"]
+        header += ["flags"]
         fh = io.StringIO(newline="")
         w = csv.writer(fh)
         w.writerow(header)
@@ -346,10 +378,19 @@ class Store:
                 [r["model_id"], r["measure"], r["rho"], r["value"], m.get("gap")]
                 + [m.get(k) for k in metric_keys]
                 + [m["hparams"].get(k) for k in hp_keys]
-                + [r["time_s"], len(pb), std]
+                + [r["time_s"], len(pb), std, _flags_cell(r)]
             )
         atomic_write_text(path, fh.getvalue())
         return path
+
+
+def _flags_cell(row: Mapping[str, Any]) -> str:
+    """results.csv's ``flags``: the flags, space-separated; empty when sound or failed."""
+    if row.get("error"):
+        return ""
+    if row.get("flags") is None:
+        return "not recorded"
+    return " ".join(row["flags"])
 
 
 def _config_diff(stored: dict[str, Any], new: dict[str, Any], shown: int = 5) -> str:
