@@ -196,11 +196,22 @@ def christoffel_at(
 ) -> tuple[Tensor, Tensor]:
     """:func:`christoffel` with the damped Gram matrices of the point ``(G, H)`` itself.
 
-    The right-hand side ``−Γ_γ(γ̇, γ̇)`` of the geodesic ODE (SPEC §4.5).
+    The right-hand side ``−Γ_γ(γ̇, γ̇)`` of the geodesic ODE (SPEC §4.5). A Gram matrix that is
+    singular to working precision at a stage (a fixed-step integration that overflowed, or a
+    geodesic that left the region where the metric is defined) gives NaN for that head, as a
+    non-finite inverse does, never an exception: whether LAPACK meets an exact zero pivot or
+    an enormous one depends on the platform, and the caller tells the cases apart from the
+    non-finite endpoint (:meth:`~geosharp.geometry.base.Geometry.endpoint_trouble`).
     """
-    MG_inv = torch.linalg.inv(_gram(G, eps, row_sum))
-    MH_inv = torch.linalg.inv(_gram(H, eps, row_sum))
+    MG_inv = _inv_or_nan(_gram(G, eps, row_sum))
+    MH_inv = _inv_or_nan(_gram(H, eps, row_sum))
     return christoffel(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
+
+
+def _inv_or_nan(M: Tensor) -> Tensor:
+    """``M⁻¹`` of every matrix of the batch, NaN where it is singular (no sync, no raise)."""
+    inv, info = torch.linalg.inv_ex(M)
+    return inv.masked_fill_((info != 0)[..., None, None], float("nan"))
 
 
 def order1_endpoint(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> tuple[Tensor, Tensor]:
