@@ -211,7 +211,7 @@ def christoffel_at(
 def _inv_or_nan(M: Tensor) -> Tensor:
     """``M⁻¹`` of every matrix of the batch, NaN where it is singular (no sync, no raise)."""
     inv, info = torch.linalg.inv_ex(M)
-    return inv.masked_fill_((info != 0)[..., None, None], float("nan"))
+    return inv.masked_fill((info != 0)[..., None, None], float("nan"))  # not in place: autograd
 
 
 def order1_endpoint(G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> tuple[Tensor, Tensor]:
