@@ -55,7 +55,13 @@ from geosharp.measuring.prepare import (
     prepare_measurement,
 )
 from geosharp.measuring.results import MeasureReport
-from geosharp.measuring.sharded import SKIPPED, ShardedCheck, check_plan, check_sharded
+from geosharp.measuring.sharded import (
+    SKIPPED,
+    ShardedCheck,
+    check_plan,
+    check_sharded,
+    sharded_reference_loss,
+)
 from geosharp.symmetry import ParameterSpace
 
 __all__ = [
@@ -225,7 +231,10 @@ def measure(
             eps=eps, seed=seed, space=space, extra=extra,
         )  # fmt: skip
 
-    reference = None if sharded else reference_loss(model, loss_fn, batches)
+    if isinstance(ready, ShardedCheck):
+        reference = sharded_reference_loss(model, loss_fn, batches, ready.shards)
+    else:
+        reference = reference_loss(model, loss_fn, batches)
     rows = _measure_cells(
         model,
         loss_fn,

@@ -336,3 +336,36 @@ def _clean_pass(
         finally:
             shards.reshard()  # a forward without backward leaves the root's weights gathered
     return losses
+
+
+def sharded_reference_loss(
+    model: nn.Module, loss_fn: Callable, batches: Sequence[Any], shards: ShardedParams
+) -> float | None:
+    """The trivial predictor's loss on a sharded model's batches, the mean over ranks.
+
+    :func:`geosharp.measuring.flags.reference_loss` for a model sharded by FSDP2: one forward
+    per batch on every rank (collective), the loss of all-zero predictions of its shape on the
+    rank's rows, averaged over the ranks; ``None`` on every rank if the loss does not take a
+    tensor of predictions on any of them.
+    """
+    from geosharp.measuring.losses import _logits
+
+    device = shards.locals[0].device
+    total = 0.0
+    with eval_mode(model), torch.no_grad():
+        try:
+            for inputs, targets in batches:
+                value, error = float("nan"), None
+                try:
+                    args, kwargs = model_arguments(inputs)
+                    zeros = torch.zeros_like(_logits(model(*args, **kwargs)))
+                    loss = loss_fn(zeros, targets.to(device) if hasattr(targets, "to") else targets)
+                    value = float(loss)
+                except Exception as err:  # the loss needs the model's own output type
+                    error = f"{type(err).__name__}: {err}"
+                if any(e is not None for e in shards.exchange(error)):
+                    return None
+                total += shards.mean_loss(torch.tensor(value, dtype=torch.float64))
+        finally:
+            shards.reshard()  # a forward without backward leaves the root's weights gathered
+    return total / max(len(batches), 1)

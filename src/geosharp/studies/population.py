@@ -14,8 +14,9 @@ hyperparameters (granulated τ and the CMI score, :mod:`geosharp.studies.populat
 The radii are decided before any model is measured and recorded in the study's configuration:
 one grid for every measure (``--rho 0.01 0.1 1``), one per measure or family
 (``--rho adaptive=0.1,0.316,1 geodesic=0.01,0.0316,0.1``), or the ρ rule of the built-in studies
-on a pilot model (``--rho auto``: the manifest's first model, ``auto:NAME`` another), which looks
-at the pilot's sharpness only — never at a gap or a τ.
+on a pilot model (``--rho auto``: a typical model — the median gap, skipping models at chance,
+:mod:`geosharp.studies.pilot` — or ``auto:NAME`` a named one), which looks at the pilot's
+sharpness only — never at a τ.
 
 :func:`geosharp.studies.population_call.study` is the same in one Python call; the radii
 are :mod:`geosharp.studies.population_radii`'s; under ``torchrun`` with ``--fsdp`` every model is
@@ -40,6 +41,7 @@ from geosharp.studies.manifest import Manifest, ManifestRow, read_manifest
 from geosharp.studies.population_radii import RadiusPlan, parse_rho
 from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE, batches_used
 from geosharp.studies.runner import (
+    CellJudge,
     Prepared,
     RunSummary,
     Shard,
@@ -165,17 +167,26 @@ class PopulationStudy(Study):
             if set(self.grids) == {m.name for m in with_rho}:
                 self.say(f"radii: the ρ rule's grids of {out / MANIFEST_FILE}")
                 return
+        from geosharp.studies.pilot import choose_pilot
         from geosharp.studies.rho_rule import ladder_grid
 
-        pilot = self.by_id.get(plan.pilot) if plan.pilot else self.manifest.rows[0]
-        if pilot is None:
+        named = self.by_id.get(plan.pilot) if plan.pilot else None
+        if plan.pilot and named is None:
             raise MeasureError(f"--rho auto:{plan.pilot}: no model of that name in the manifest")
-        self.say(f"radii: the ρ rule on the pilot {pilot.model_id} (its sharpness only)")
-        ready = self.prepare_row(pilot)
+        choice = choose_pilot(
+            self.manifest.rows, named, self.prepare_row, self.say, judge=self._pilot_judge
+        )
+        ready = choice.ready
+        self.say(
+            f"radii: the ρ rule on the pilot {choice.row.model_id}, {choice.why} "
+            "(its sharpness only)"
+        )
+        judge = CellJudge.of(ready)
+        flagged: dict[str, dict[float, tuple[str, ...]]] = {}
         for m in with_rho:
 
             def rise(rho: float, m: Measure = m) -> float:
-                value = m.run(
+                result = m.run(
                     ready.model,
                     ready.loss_fn,
                     ready.batches,
@@ -183,12 +194,30 @@ class PopulationStudy(Study):
                     **self._run_kwargs(m),
                     **ready.settings,
                     progress=False,
-                ).value
-                return self.agree(value)  # every rank walks the ladder as rank 0 does
+                )
+                _, checks = judge(m, result, rho, None)
+                flagged.setdefault(m.name, {})[rho] = tuple(checks.get("flags", ()))
+                return self.agree(result.value)  # every rank walks the ladder as rank 0 does
 
             kind = m.kwargs().get("kind", "worst")
-            self.grids[m.name] = ladder_grid(rise, kind, m.name, log=self.say)
-        self._write_record(out, pilot=pilot.model_id)
+            self.grids[m.name] = grid = ladder_grid(rise, kind, m.name, log=self.say)
+            centre = grid[len(grid) // 2]
+            seen = flagged.get(m.name, {})
+            flags = next((f for r, f in seen.items() if abs(r - centre) <= 1e-3 * centre), ())
+            if flags:
+                self.say(
+                    f"warning: radii: the pilot's {m.name} cell at the grid's centre "
+                    f"rho={centre:g} is flagged {' '.join(flags)}: its ascent does not settle "
+                    "there, so the grid may not suit the population (see the Flagged cells "
+                    "table of the report, or give the radii with --rho)"
+                )
+        self._write_record(out, pilot=choice.row.model_id, choice=choice.record())
+
+    def _pilot_judge(self, ready: Prepared) -> str | None:
+        """Why a candidate cannot be the pilot (:func:`~geosharp.studies.pilot.at_chance`)."""
+        from geosharp.studies.pilot import at_chance
+
+        return self.agree(at_chance(ready))  # every rank takes rank 0's decision
 
     def agree(self, obj: Any) -> Any:
         """What rank 0 decided, on every rank (one process: ``obj``)."""
@@ -202,7 +231,9 @@ class PopulationStudy(Study):
             self, out, force=force, progress=progress, shard=shard, report=False, log=self.say
         )
 
-    def _write_record(self, out: Path, pilot: str | None = None) -> None:
+    def _write_record(
+        self, out: Path, pilot: str | None = None, choice: dict[str, Any] | None = None
+    ) -> None:
         if not self.writes:
             return
         m = self.manifest
@@ -222,6 +253,8 @@ class PopulationStudy(Study):
                 "pilot": pilot,
                 "grids": {k: list(v) for k, v in self.grids.items()},
             }
+            if choice is not None:
+                record["rho_rule"]["pilot_choice"] = choice
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / MANIFEST_FILE, json.dumps(record, indent=1) + "\n")
 
@@ -355,7 +388,13 @@ class PopulationStudy(Study):
             "clean_loss": sum(checked.clean_losses) / len(checked.clean_losses),
             **{k: ready.settings()[k] for k in ("batch_size", "samples", "max_length")},
         }
-        return Prepared(checked.model, checked.batches, checked.loss_fn, {"space": checked.space})
+        from geosharp.measuring.flags import reference_loss
+
+        reference = reference_loss(checked.model, checked.loss_fn, checked.batches)
+        return Prepared(
+            checked.model, checked.batches, checked.loss_fn, {"space": checked.space},
+            clean_losses=checked.clean_losses, reference=reference, judged=True,
+        )  # fmt: skip
 
     def _say_blocks(self, model_id: str, summary: str, note: str) -> None:
         """The symmetry blocks in full once, then a line for each model that has the same.
@@ -461,7 +500,7 @@ def run_population(
     for line, label, why in m.skipped:
         say(f"skipped row {line} ({label}): {why}")
     study.decide_radii(out)
-    study._write_record(out, pilot=_pilot_of(out))
+    study._write_record(out, *_pilot_of(out))
     for name, grid in study.grids.items():
         say(f"radii of {name}: " + ", ".join(f"{r:g}" for r in grid))
     summary = study.measure_all(out, force=force, progress=progress, shard=shard)
@@ -471,5 +510,7 @@ def run_population(
     return summary
 
 
-def _pilot_of(out: Path) -> str | None:
-    return _read_json(out / MANIFEST_FILE).get("rho_rule", {}).get("pilot")
+def _pilot_of(out: Path) -> tuple[str | None, dict[str, Any] | None]:
+    """The recorded pilot and how it was chosen (kept when the record is written again)."""
+    rule = _read_json(out / MANIFEST_FILE).get("rho_rule", {})
+    return rule.get("pilot"), rule.get("pilot_choice")

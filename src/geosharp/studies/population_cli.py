@@ -29,7 +29,8 @@ the manifest: one row per model
   anything else    a hyperparameter (granulated tau and the CMI score in the report)
 
 radii (--rho, decided and recorded before any tau):
-  auto | auto:NAME               the rho rule on a pilot model (default: the first model)
+  auto | auto:NAME               the rho rule on a pilot model (default: the median gap's,
+                                 skipping models at chance)
   0.01 0.1 1                     one grid for every measure
   adaptive=0.1,0.3 geodesic=0.01,0.03   one grid per family (geodesic, adaptive, euclidean)
                                         or per measure (geodesic-mix-o2=...)

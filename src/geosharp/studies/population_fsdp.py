@@ -123,7 +123,13 @@ class ShardedPopulation(PopulationStudy):
             "(not proven on the data: --fsdp)",
             "clean_loss": sum(checked.clean_losses) / len(checked.clean_losses),
         }
-        return Prepared(checked.model, checked.batches, checked.loss_fn)
+        from geosharp.measuring.sharded import sharded_reference_loss
+
+        reference = sharded_reference_loss(model, checked.loss_fn, checked.batches, checked.shards)
+        return Prepared(
+            checked.model, checked.batches, checked.loss_fn, clean_losses=checked.clean_losses,
+            reference=reference, judged=True,
+        )  # fmt: skip
 
     def settings(self) -> dict[str, Any]:  # noqa: D102
         r = self.run

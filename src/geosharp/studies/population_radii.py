@@ -26,7 +26,7 @@ class RadiusPlan:
         grid: One grid for every measure that takes ρ, or ``None``.
         per_key: Grids per measure name or family (``"adaptive"``, ``"geodesic"``, …).
         pilot: ``None``, or the model whose sharpness sets every measure's grid by the ρ rule
-            (``""``: the manifest's first model).
+            (``""``: a typical model, :func:`geosharp.studies.pilot.choose_pilot`).
     """
 
     grid: tuple[float, ...] | None = None
@@ -36,7 +36,7 @@ class RadiusPlan:
     def text(self) -> str:
         """As the log and the report say it."""
         if self.pilot is not None:
-            return f"ρ rule on the pilot {self.pilot or '(first model)'}"
+            return f"ρ rule on the pilot {self.pilot or '(a typical model, not at chance)'}"
         if self.grid is not None:
             return "one grid: " + ", ".join(f"{r:g}" for r in self.grid)
         return "; ".join(f"{k} " + ", ".join(f"{r:g}" for r in g) for k, g in self.per_key)

@@ -75,12 +75,19 @@ class Prepared:
         loss_fn: ``loss_fn(outputs, targets)``.
         settings: Further run settings of its measures (e.g. ``{"space": …}``), not recorded
             as part of a measurement's identity.
+        clean_losses: The clean loss of every batch, where the check computed them.
+        reference: The trivial predictor's loss on the batches
+            (:func:`geosharp.measuring.flags.reference_loss`), where ``judged``.
+        judged: Whether :attr:`reference` was computed (``None`` then means: no reference).
     """
 
     model: nn.Module
     batches: list[tuple[Any, Any]]
     loss_fn: Callable[[Any, Any], Tensor]
     settings: dict[str, Any] = field(default_factory=dict)
+    clean_losses: list[float] | None = None
+    reference: float | None = None
+    judged: bool = False
 
 
 @dataclass
@@ -355,6 +362,8 @@ class CellJudge:
     def of(cls, ready: Prepared) -> CellJudge:
         """The judge of a loaded model: one forward per batch for the reference loss."""
         model = ready.model
+        if ready.judged:
+            return cls(loss_eps(model), ready.reference)
         sharded = is_sharded(model)
         ref = None if sharded else reference_loss(model, ready.loss_fn, ready.batches)
         return cls(loss_eps(model), ref)
