@@ -4,8 +4,9 @@ The ranks are threads here: each builds the geometry of its rows of ``G`` and ``
 splits, one rank with no rows of ``G``), with a ``row_sum`` that adds the threads' ``h × h``
 contractions behind a barrier (what an all-reduce does across processes). Every replicated
 quantity (Gram matrices, Λ) must equal the one-process value, every row-wise result
-(projection, Riemannian gradient, Christoffel form, order-2 endpoint and its backward) the
-one-process rows, and the local norms must add up to the one-process norm (float64, 1e-12).
+(projection, Riemannian gradient, Christoffel form, order-2 endpoint and its backward, a random
+tangent from given normals) the one-process rows, and the local norms must add up to the
+one-process norm (float64, 1e-12).
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def test_split_rows_equal_all_rows(kind, metric, chunk):
         torch.randn(G.shape, generator=g, dtype=G.dtype),
         torch.randn(H.shape, generator=g, dtype=H.dtype),
     )
+    z = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in (G, H, G, H)]  # Z, Ω
     full = make(kind, G, H, metric)
     want = {
+        "draw": full.tangent_from_normals(z, 0.7),  # Ωᵀ X summed over the ranks
         "MG": full.factors.MG,
         "lam": full.lam(xi),
         "project": full.project(xi),
@@ -130,7 +133,9 @@ def test_split_rows_equal_all_rows(kind, metric, chunk):
         if chunk is not None:
             assert len(geom._slices) == (3, 2, 3)[r]
         x = (xGr, xHr)
+        zr = [rows(t, split)[r] for t, split in zip(z, (SPLIT_G, SPLIT_H) * 2, strict=True)]
         got = {
+            "draw": geom.tangent_from_normals(zr, 0.7),
             "MG": geom.factors.MG,
             "lam": geom.lam(x),
             "project": geom.project(x),
@@ -148,7 +153,7 @@ def test_split_rows_equal_all_rows(kind, metric, chunk):
     for r, got in enumerate(ranks):
         assert close(got["MG"], want["MG"]), r  # replicated: every rank the whole Gram matrix
         assert close(got["lam"], want["lam"]), r
-        for key in ("project", "hgrad", "christoffel", "end", "back"):
+        for key in ("draw", "project", "hgrad", "christoffel", "end", "back"):
             for c, split in enumerate((SPLIT_G, SPLIT_H)):
                 assert close(got[key][c], rows(want[key][c], split)[r]), (key, c, r)
     assert close(sum(got["norm"] for got in ranks), want["norm"])

@@ -4,20 +4,22 @@ The average case and random starts draw noise from the batch's generator
 (:meth:`~geosharp.estimators.perturbation.Perturbation.random`,
 :meth:`~geosharp.estimators.perturbation.Perturbation.uniform_box`). One process draws, piece
 by piece, one ``torch.randn`` (or ``torch.rand``) over the piece's coordinates in their order
-(:func:`~geosharp.geometry.draws.draw_like`; a GL(h)-type block one over ``G``, then one over
-``H``, in its work dtype). A rank of a sharded model holds some of those coordinates, so it
-replays the same stream from a generator in the same state, chunk by chunk (:func:`stream`),
-and keeps the numbers at its own coordinates (:class:`ShardedDraws`):
+(:func:`~geosharp.geometry.draws.draw_like`; a GL(h)-type block one over ``G``, one over ``H``,
+then the ``Ω`` of its covariant factors over ``G`` and over ``H`` again, in its work dtype:
+:meth:`~geosharp.geometry.Geometry.normal_draws`). A rank of a sharded model holds some of
+those coordinates, so it replays the same stream from a generator in the same state, chunk by
+chunk (:func:`stream`), and keeps the numbers at its own coordinates (:class:`ShardedDraws`):
 
 - the element-wise pieces (adaptive, Euclidean, the coordinates outside the blocks) keep the
   numbers of the rank's slice of every parameter (a parameter's global positions and the
   rank's slice of them: :class:`~geosharp.estimators.sharded_space._Layout`);
 - a block piece keeps the rows of its factors that the rank holds, in order, at the rows the
   rank's block gives them (:mod:`~geosharp.estimators.sharded_space`); its padding rows get
-  zeros, so they stay zero through the metric's square roots and the horizontal projection,
-  which sums its ``h × h`` contractions over the ranks;
+  zeros, so they stay zero through the covariant factors and the horizontal projection, and
+  add nothing to the ``h × h`` contractions (``Ωᵀ X`` of the factors, those of the
+  projection), which are summed over the ranks;
 - then the piece's geometry turns the standard normals into its noise as one process does
-  (:func:`from_normals`).
+  (:meth:`~geosharp.geometry.Geometry.tangent_from_normals`, :func:`from_normals`).
 
 Each rank so holds its part of the very numbers one process draws: the values equal the
 unsharded ones to rounding. The replay costs ``O(P)`` time per draw (every rank draws the whole
@@ -43,8 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
-from geosharp.geometry.gl import GLGeometry
+from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import GLBlock, TranslationBlock
 from geosharp.symmetry.positions import as_tensor
@@ -229,40 +230,30 @@ class _Draw:
 def normal_draws(geometry: Geometry) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
     """The draws of ``geometry.random_tangent``: per draw, the shapes it covers and its dtype.
 
-    An element-wise or Euclidean geometry draws once over all its components
-    (:func:`~geosharp.geometry.draws.draw_like`), a GL(h)-type one once over ``G`` and once
-    over ``H`` in its work dtype, a fixed one never.
+    :meth:`~geosharp.geometry.Geometry.normal_draws`: an element-wise or Euclidean geometry
+    draws once over all its components (:func:`~geosharp.geometry.draws.draw_like`), a
+    GL(h)-type one four times in its work dtype — the normals over ``G``, over ``H``, then the
+    ``Ω`` of its covariant factors over ``G``, over ``H`` — a fixed one never.
 
     Raises:
         NotImplementedError: For another geometry (diagonal pairs: never on a sharded model).
     """
-    if isinstance(geometry, FixedGeometry):
-        return []
-    if isinstance(geometry, (ElementwiseGeometry, EuclideanGeometry)):
-        point = geometry.point
-        return [(tuple(t.shape for t in point), point[0].dtype)] if point else []
-    if isinstance(geometry, GLGeometry):
-        wd = geometry.execution.work_dtype
-        return [((geometry.G.shape,), wd), ((geometry.H.shape,), wd)]
-    raise NotImplementedError(f"random draws of a {type(geometry).__name__} on a sharded model")
+    try:
+        return geometry.normal_draws()
+    except NotImplementedError:
+        raise NotImplementedError(
+            f"random draws of a {type(geometry).__name__} on a sharded model"
+        ) from None
 
 
 def from_normals(geometry: Geometry, z: Sequence[Tensor], scale: float) -> tuple[Tensor, ...]:
     """``geometry.random_tangent(generator, scale)`` from the standard normals it would draw.
 
-    ``z``: one tensor per component (shaped like it), the numbers of :func:`normal_draws`.
+    ``z``: one tensor per shape of :func:`normal_draws`, in order
+    (:meth:`~geosharp.geometry.Geometry.tangent_from_normals`). A GL(h)-type geometry sums its
+    ``h × h`` contractions ``Ωᵀ X`` over the ranks, as its projection does.
     """
-    if isinstance(geometry, FixedGeometry):
-        return tuple(torch.zeros_like(p) for p in geometry.point)
-    if isinstance(geometry, ElementwiseGeometry):
-        return tuple(scale * zk * geometry._abs(k) for k, zk in enumerate(z))
-    if isinstance(geometry, EuclideanGeometry):
-        return tuple(scale * zk for zk in z)
-    if isinstance(geometry, GLGeometry):
-        sample_G, sample_H = geometry._samplers()
-        xi = geometry.project((scale * z[0] @ sample_G, scale * z[1] @ sample_H))
-        return tuple(t.to(geometry.dtype) for t in xi)
-    raise NotImplementedError(f"random draws of a {type(geometry).__name__} on a sharded model")
+    return tuple(geometry.tangent_from_normals(z, scale))
 
 
 # -- the rank's part of every piece's draw --------------------------------------------------------
@@ -379,11 +370,14 @@ def _plan(model: nn.Module, shards: Any, key_bias: str | None, pert: Any) -> lis
             continue
         shapes = [s for sh, _ in draws for s in sh]
         one = len(draws) == 1  # one stream over every field, or one per field
-        fields = _block_fields(blocks, shapes, space, layouts, concatenated=one)
+        nf = len(type(blocks[0]).index_fields)  # a GL-type geometry: its fields, twice (Z, Ω)
+        if not one and (len(shapes) % nf or shapes != shapes[:nf] * (len(shapes) // nf)):
+            raise RuntimeError(_MISMATCH)
+        fields = _block_fields(blocks, shapes if one else shapes[:nf], space, layouts, one)
         if one:
             plans.append([_Draw([s for f in fields for s in f], sum(s.numel() for s in shapes))])
-        else:
-            plans.append([_Draw(f, s.numel()) for f, s in zip(fields, shapes, strict=True)])
+        else:  # draw k over field k mod nf
+            plans.append([_Draw(fields[k % nf], s.numel()) for k, s in enumerate(shapes)])
     return plans
 
 

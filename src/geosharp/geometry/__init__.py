@@ -3,6 +3,7 @@
 Modules:
     gl: GL(h) blocks of attention (inv/mix metrics, horizontal projection, Christoffel form,
         geodesics, Riemannian gradient, sampling).
+    gl_sampling: the random draws of a GL(h) block, equivariant sample by sample.
     gl_math: the GL(h) formulas as pure functions of the base point, its factors and tangents.
     gl_execution: the execution policy of a GL geometry (dtypes, chunks of heads).
     elementwise: the adaptive (element-wise GL(1)) metric and the Euclidean one.

@@ -239,6 +239,32 @@ class Geometry(ABC):
             horizontal: Project the sample horizontally (SPEC §6, average-case).
         """
 
+    def normal_draws(self) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+        """The standard normals :meth:`random_tangent` draws, in the order it draws them.
+
+        Per draw: the shapes it covers (one ``torch.randn`` over their elements, concatenated,
+        then split) and its dtype. With :meth:`tangent_from_normals` a caller can draw the
+        numbers itself: a rank of a sharded model draws its part of them
+        (:mod:`~geosharp.estimators.sharded_draws`). A point on one device.
+
+        Raises:
+            NotImplementedError: For a geometry that does not give its draws (the default).
+        """
+        raise NotImplementedError(f"the random draws of a {type(self).__name__}")
+
+    def tangent_from_normals(
+        self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        """:meth:`random_tangent` from the standard normals it would draw.
+
+        ``z``: one tensor per shape of :meth:`normal_draws`, in its order. The same tangent,
+        bit for bit, as :meth:`random_tangent` with a generator that draws these numbers.
+
+        Raises:
+            NotImplementedError: For a geometry that does not give its draws (the default).
+        """
+        raise NotImplementedError(f"the random draws of a {type(self).__name__}")
+
     # -- conveniences -------------------------------------------------------------------------
     @property
     def tangent_dtype(self) -> torch.dtype:

@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -408,9 +409,12 @@ class DiagonalGeometry(Geometry):
     ) -> Tangent:
         r"""Isotropic Gaussian tangent vector in the metric, ``ξ ~ N(0, scale² g⁻¹)``.
 
-        inv: ``(s Z₁ √M_G, s Z₂ √M_H)``; mix: ``(s Z₁ / √M_H, s Z₂ / √M_G)``, with ``Z₁, Z₂``
-        standard normal (drawn in that order) and ``s = scale``; then projected horizontally if
-        asked (SPEC §6, average-case).
+        inv: ``(s Z₁ σ(u) √M_G, s Z₂ σ(v) √M_H)``; mix: ``(s Z₁ σ(v) / √M_H, s Z₂ σ(u) / √M_G)``,
+        with ``Z₁, Z₂`` standard normal (drawn in that order), ``s = scale`` and ``σ`` the sign
+        (``+1`` at ``0``); then projected horizontally if asked (SPEC §6.4, average-case). The
+        factors are the covariant factors of the GL(h) block with ``n = h = 1``:
+        ``R(u) = σ(u) √M_G`` (``u`` itself at ``ε = 0``). Under ``(u, v) ↦ (α u, v / α)``, ``α``
+        of either sign, the same generator draws ``(α ξ_u, ξ_v / α)``.
 
         Args:
             generator: Random generator on ``u``'s device.
@@ -420,11 +424,23 @@ class DiagonalGeometry(Geometry):
         Returns:
             A tangent pair shaped like ``(u, v)``.
         """
-        kw = {"generator": generator, "dtype": self.u.dtype, "device": self.u.device}
-        z1 = torch.randn(self.u.shape, **kw)
-        z2 = torch.randn(self.u.shape, **kw)
+        kw = {"generator": generator, "device": self.u.device}
+        z = [torch.randn(s, dtype=d, **kw) for (s,), d in self.normal_draws()]
+        return self.tangent_from_normals(z, scale, horizontal)
+
+    def normal_draws(self) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+        """``Z₁``, ``Z₂``: one draw each, shaped like ``u``, in its dtype."""
+        return [((self.u.shape,), self.u.dtype)] * 2
+
+    def tangent_from_normals(
+        self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        """:meth:`random_tangent` from the normals ``(Z₁, Z₂)`` it would draw."""
+        z1, z2 = z
+        root_g = torch.where(self.u < 0, -1.0, 1.0).to(self.u.dtype) * self.m_g.sqrt()  # R(u)
+        root_h = torch.where(self.v < 0, -1.0, 1.0).to(self.u.dtype) * self.m_h.sqrt()  # R(v)
         if self.metric == "inv":
-            xi = (scale * z1 * self.m_g.sqrt(), scale * z2 * self.m_h.sqrt())
-        else:
-            xi = (scale * z1 * self.m_h.rsqrt(), scale * z2 * self.m_g.rsqrt())
+            xi = (scale * z1 * root_g, scale * z2 * root_h)
+        else:  # R^{−T} = R / M
+            xi = (scale * z1 * (root_h / self.m_h), scale * z2 * (root_g / self.m_g))
         return self.project(xi) if horizontal else xi

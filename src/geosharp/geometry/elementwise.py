@@ -351,7 +351,16 @@ class ElementwiseGeometry(Geometry):
         the concatenated components), then split: the noise does not depend on how the
         point is cut into components.
         """
-        z = draw_like(self.point, generator)
+        return self.tangent_from_normals(draw_like(self.point, generator), scale)
+
+    def normal_draws(self) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+        """One draw over every component, in the dtype of the first (:func:`draw_like`)."""
+        return _one_draw(self.point)
+
+    def tangent_from_normals(
+        self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        """``scale · Z ⊙ |w|`` from the normals ``Z`` (one tensor per component)."""
         return tuple(scale * zk * self._abs(k) for k, zk in enumerate(z))
 
 
@@ -443,7 +452,22 @@ class EuclideanGeometry(Geometry):
         horizontal: bool = True,
     ) -> Tangent:
         """``scale · Z`` (one draw over all components, then split)."""
-        return tuple(scale * z for z in draw_like(self.point, generator))
+        return self.tangent_from_normals(draw_like(self.point, generator), scale)
+
+    def normal_draws(self) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+        """One draw over every component, in the dtype of the first (:func:`draw_like`)."""
+        return _one_draw(self.point)
+
+    def tangent_from_normals(
+        self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        """``scale · Z`` from the normals ``Z`` (one tensor per component)."""
+        return tuple(scale * zk for zk in z)
+
+
+def _one_draw(point: Sequence[Tensor]) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+    """The one draw of :func:`draw_like` over ``point``'s components (none for no component)."""
+    return [(tuple(t.shape for t in point), point[0].dtype)] if point else []
 
 
 def _check_components(

@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -76,4 +78,14 @@ class FixedGeometry(Geometry):
         self, generator: torch.Generator | None = None, scale: float = 1.0, horizontal: bool = True
     ) -> Tangent:
         """Zero (there is nothing to sample on a point)."""
+        return tuple(torch.zeros_like(p) for p in self.point)
+
+    def normal_draws(self) -> list[tuple[tuple[torch.Size, ...], torch.dtype]]:
+        """None: nothing is drawn."""
+        return []
+
+    def tangent_from_normals(
+        self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
+    ) -> Tangent:
+        """Zero."""
         return tuple(torch.zeros_like(p) for p in self.point)

@@ -67,9 +67,9 @@ from geosharp.geometry.gl_factors import (
     check_rank,
     factorize,
     gram_matrices,
-    sampling_roots,
 )
 from geosharp.geometry.gl_rows import contract, sum_chunks
+from geosharp.geometry.gl_sampling import GLSampling
 
 #: Reads ``(G, H)`` of some flattened heads in a dtype (:meth:`GLGeometry.read_point_from`).
 PointReader = Callable[[slice, torch.dtype], tuple[Tensor, Tensor]]
@@ -81,7 +81,7 @@ __all__ = ["DEFAULT_EPS", "GLGeometry"]
 DEFAULT_EPS = 0.0
 
 
-class GLGeometry(Geometry):
+class GLGeometry(GLSampling, Geometry):
     r"""The geometry of one (batched) GL(h) block at a fixed base point ``(G, H)``.
 
     All base-point work — Gram matrices, their inverses and the eigendecomposition behind the
@@ -230,8 +230,8 @@ class GLGeometry(Geometry):
         gradient, the vertical-space solve) then read no tensor of :attr:`point` and hold no
         copy of it, so the caller may give their memory back: a model sharded by FSDP2 reads
         the rows from its shards
-        (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`). The order-2 endpoint,
-        the sampler and :meth:`vertical` still read :attr:`point`.
+        (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`). The order-2 endpoint
+        and :meth:`vertical` still read :attr:`point` (the sampler only its shapes).
         """
         self._reader = reader
         self._held = None
@@ -494,42 +494,3 @@ class GLGeometry(Geometry):
         if check_order(order) != "exact":
             return None
         return exact_geodesic_trouble(self, xi, check_steps(steps))
-
-    # -- sampling -------------------------------------------------------------------------------
-    def random_tangent(
-        self,
-        generator: torch.Generator | None = None,
-        scale: float = 1.0,
-        horizontal: bool = True,
-        dtype: torch.dtype | None = None,
-    ) -> Tangent:
-        """Isotropic Gaussian in the metric (SPEC §6), optionally projected horizontally.
-
-        Returned in ``dtype`` (default: the dtype of ``G``).
-
-        inv: ``η_G = s Z M_G^{1/2}``, ``η_H = s Z M_H^{1/2}``; mix: ``η_G = s Z M_H^{−1/2}``,
-        ``η_H = s Z M_G^{−1/2}`` with ``Z`` standard normal and ``s = scale``.
-        """
-        wd = self.execution.work_dtype
-        zG = torch.randn(self.G.shape, generator=generator, dtype=wd, device=self.G.device)
-        zH = torch.randn(self.H.shape, generator=generator, dtype=wd, device=self.H.device)
-        sample_G, sample_H = self._samplers()
-        xi = (scale * zG @ sample_G, scale * zH @ sample_H)
-        if horizontal:
-            xi = self.project(xi)
-        return tuple(t.to(dtype or self.dtype) for t in xi)
-
-    def _samplers(self) -> tuple[Tensor, Tensor]:
-        """The square roots :meth:`random_tangent` multiplies by, made on first use and kept.
-
-        inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``. Computed from ``G``,
-        ``H`` as the constructor computes its factorizations (same dtype, same operations: the
-        same numbers), so that a worst-case ascent, which never samples, holds none of them.
-        """
-        held = self.__dict__.get("_sampler_pair")
-        if held is None:
-            ex = self.execution
-            pair = sampling_roots(self._read_grams(ex.factor_dtype), self.metric, self.eps)
-            held = tuple(t.to(ex.work_dtype) for t in pair)
-            self.__dict__["_sampler_pair"] = held
-        return held

@@ -4,11 +4,10 @@ At the base point ``(G, H)`` the two GL(h)-invariant metrics need the damped Gra
 ``M_G = GᵀG + εI``, ``M_H = HᵀH + εI`` and their inverses; the inv metric's horizontal
 projection solves the Sylvester equation ``AΛ + ΛA = B`` with ``A = M_H M_G``, through the
 eigendecomposition of ``C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ``: with ``S = M_H^{1/2} Q``,
-``A = S D S⁻¹`` and ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``. Sampling an
-isotropic Gaussian in the metric needs square roots of the Gram matrices. All of it is batched
-over the leading (head) dimensions, in the dtype of its inputs (a geometry's
+``A = S D S⁻¹`` and ``Λ = S Y S⁻¹``, ``Y_ij = (S⁻¹ B S)_ij / (d_i + d_j)``. All of it is
+batched over the leading (head) dimensions, in the dtype of its inputs (a geometry's
 ``execution.factor_dtype``), and kept in a :class:`GLFactors` that the execution policy casts
-and slices by heads.
+and slices by heads. (The factors of random draws: :mod:`~geosharp.geometry.gl_sampling`.)
 
 At ``ε = 0`` a (numerically) singular Gram matrix makes the metric undefined;
 :func:`check_rank` names the heads and suggests the damping.
@@ -28,7 +27,7 @@ from geosharp.geometry._validate import singular_threshold
 from geosharp.geometry.gl_endpoint import _eye_like
 from geosharp.geometry.gl_rows import RowSum, contract
 
-__all__ = ["GLFactors", "check_rank", "factorize", "sampling_roots"]
+__all__ = ["GLFactors", "check_rank", "factorize"]
 
 #: ``check(which, eigenvalues)``: raises if the Gram matrix ``whichᵀ which`` is unusable.
 RankCheck = Callable[[str, Tensor], None]
@@ -167,20 +166,6 @@ def factorize(
     d, Q = torch.linalg.eigh(MH_sqrt @ MG @ MH_sqrt)
     S_inv = Q.mT @ _apply_spectral(lh, Uh, lh.rsqrt())
     return GLFactors(MG, MH, MG_inv, MH_inv, S=MH_sqrt @ Q, S_inv=S_inv, eig=d)
-
-
-def sampling_roots(grams: tuple[Tensor, Tensor], metric: str, eps: float) -> tuple[Tensor, Tensor]:
-    """The square roots an isotropic Gaussian in the metric is multiplied by (SPEC §6).
-
-    inv: ``(M_G^{1/2}, M_H^{1/2})``; mix: ``(M_H^{−1/2}, M_G^{−1/2})``, from ``grams``
-    ``(GᵀG, HᵀH)`` summed over every row. The same operations as :func:`factorize` on the same
-    Gram matrices, so the same spectra.
-    """
-    lg, Ug = _spd_funcs(_damped(grams[0], eps))
-    lh, Uh = _spd_funcs(_damped(grams[1], eps))
-    if metric == "inv":
-        return _apply_spectral(lg, Ug, lg.sqrt()), _apply_spectral(lh, Uh, lh.sqrt())
-    return _apply_spectral(lh, Uh, lh.rsqrt()), _apply_spectral(lg, Ug, lg.rsqrt())
 
 
 def check_rank(
