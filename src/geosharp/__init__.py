@@ -17,7 +17,7 @@ from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
 from geosharp.estimators.placement import shard_placement
 from geosharp.measures import Measure, parse_measure
-from geosharp.measuring import measure
+from geosharp.measuring import TwinCheck, measure, twin_check
 from geosharp.studies.population_call import study
 from geosharp.symmetry import (
     GLBlock,
@@ -34,6 +34,7 @@ __all__ = [
     "Measure",
     "ParameterSpace",
     "SharpnessResult",
+    "TwinCheck",
     "__version__",
     "check_geometry",
     "check_invariance",
@@ -49,4 +50,5 @@ __all__ = [
     "shard_placement",
     "sharpness",
     "study",
+    "twin_check",
 ]

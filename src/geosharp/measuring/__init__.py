@@ -19,6 +19,8 @@ a list of batches in, a :class:`MeasureReport` out, no files. One module per con
 * :mod:`~geosharp.measuring.cli`: the ``geosharp measure`` subcommand (its arguments and help:
   :mod:`~geosharp.measuring.cli_parser`; ``--fsdp`` under ``torchrun``:
   :mod:`~geosharp.measuring.fsdp`);
+* :mod:`~geosharp.measuring.twin`: :func:`twin_check` (``gs.twin_check``), the model and one
+  random equivalent twin measured side by side;
 * :mod:`~geosharp.measuring.errors`: :class:`MeasureError`, :class:`MeasureWarning`.
 
 Example:
@@ -38,6 +40,7 @@ from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_RHOS, DEFAULT_STEP
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.losses import default_loss
 from geosharp.measuring.results import MeasureReport, MeasureRow
+from geosharp.measuring.twin import TwinCheck, TwinRow, twin_check
 
 __all__ = [
     "DEFAULT_MEASURES",
@@ -47,6 +50,9 @@ __all__ = [
     "MeasureReport",
     "MeasureRow",
     "MeasureWarning",
+    "TwinCheck",
+    "TwinRow",
     "default_loss",
     "measure",
+    "twin_check",
 ]

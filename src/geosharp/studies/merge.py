@@ -11,7 +11,8 @@ machines without a shared file system. :func:`merge_shards` puts per-shard folde
    values, clean losses and settings for a measurement (wall times and dates may differ) — or
    the merge stops before writing anything, naming the row;
 3. the checkpoints are copied (before the rows that refer to them are written);
-4. ``results.csv`` and the report are rebuilt from the merged database.
+4. the shards' ``twin_check.csv`` (``--twin-check``) are joined, every model once;
+5. ``results.csv`` and the report are rebuilt from the merged database.
 
 The merge is idempotent: merging the same shards again changes nothing, and a shard finished
 later can be merged into ``OUT`` afterwards.
@@ -46,6 +47,7 @@ from typing import Any
 from geosharp.studies.report import ReportPaths
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.study_report import report_from_folder
+from geosharp.studies.twin_section import TWIN_FILE, merge_twin_files
 
 #: Columns of a model row that must agree between copies (not its training time or date).
 MODEL_IDENTITY = ("hparams", "metrics", "gap", "checkpoint", "seed")
@@ -292,6 +294,9 @@ def merge_shards(
     )
     for w in summary.warnings:
         say(f"warning: {w}")
+    twins = merge_twin_files(out, shards)  # --twin-check's lines: every model once
+    if twins:
+        say(f"twin check: the lines of {twins} model(s) merged into {out / TWIN_FILE}")
     if report:
         summary.report = report_from_folder(out)
     return summary

@@ -462,6 +462,7 @@ def run_population(
     log: Callable[[str], None] | None = None,
     expected: str | None = None,
     study: PopulationStudy | None = None,
+    twin_check: bool = False,
 ) -> RunSummary:
     """Check the manifest, fix the radii, measure every model, write the report.
 
@@ -481,6 +482,9 @@ def run_population(
             setting, not part of the study's configuration.
         study: The study of ``settings`` to run (default: a :class:`PopulationStudy`; under
             ``--fsdp`` a :class:`~geosharp.studies.population_fsdp.ShardedPopulation`).
+        twin_check: Then re-measure every model's cells on one random equivalent twin
+            (``--twin-check``; :mod:`geosharp.studies.population_twin`): ``OUT/twin_check.csv``
+            and the report's "Twin check" section. Not part of the configuration.
 
     Returns:
         The runner's :class:`~geosharp.studies.runner.RunSummary`.
@@ -505,6 +509,10 @@ def run_population(
         say(f"radii of {name}: " + ", ".join(f"{r:g}" for r in grid))
     summary = study.measure_all(out, force=force, progress=progress, shard=shard)
     study.write_models(out)
+    if twin_check:
+        from geosharp.studies.population_twin import run_twin_check
+
+        run_twin_check(study, out, shard=shard, check=settings.check, progress=progress)
     if shard is None and study.writes:
         summary.report = report_from_folder(out)
     return summary

@@ -91,6 +91,7 @@ def study(
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
     expected: str | None = None,
+    twin_check: bool = False,
     **data_options: Any,
 ) -> StudyTable:
     """``geosharp study MANIFEST`` in one call: does sharpness predict *your* models' gaps?
@@ -119,6 +120,8 @@ def study(
         log: Where progress lines go (default: stderr).
         expected: ``"positive"`` or ``"negative"``: the sign of τ you expect, the direction
             of the paired verdict (default: the sign of τ_geo + τ_ada).
+        twin_check: Then re-measure every model's cells on one random equivalent twin
+            (``--twin-check``): ``OUT/twin_check.csv`` and the report's "Twin check" section.
         **data_options: ``geosharp measure``'s data options by their Python names:
             ``task``, ``tokenizer``, ``text_col``, ``label_col``, ``source_col``,
             ``target_col``, ``txt_mode``, ``split``, ``batch_size``, ``samples``,
@@ -158,7 +161,13 @@ def study(
         check=check,
     )
     summary = run_population(
-        settings, out, force=force, progress=progress, log=log, expected=expected
+        settings,
+        out,
+        force=force,
+        progress=progress,
+        log=log,
+        expected=expected,
+        twin_check=twin_check,
     )
     cells = json.loads((out / "summary.json").read_text(encoding="utf-8"))["cells"]
     rows = [{k: c.get(k) for k in _CELL_KEYS} for c in cells]

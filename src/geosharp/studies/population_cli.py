@@ -39,6 +39,7 @@ examples:
   geosharp study runs.csv --data train.csv --text-col sentence --out runs/mine
   geosharp study runs.csv --data train.csv --rho 0.01 0.0316 0.1 --measures adaptive geodesic-inv
   geosharp study lora.jsonl --data corpus.txt --base ./llama --task causal-lm --out runs/lora
+  geosharp study runs.csv --data train.csv --twin-check   # does the promise hold on yours?
 
 sharded models (--fsdp, one process per rank under torchrun; docs/cluster.md):
   torchrun --standalone --nproc-per-node 8 -m geosharp study runs.csv --data corpus.txt \\
@@ -47,7 +48,7 @@ sharded models (--fsdp, one process per rank under torchrun; docs/cluster.md):
   measures its rows of every batch; rank 0 alone writes OUT (a killed run resumes with the
   same command, with or without --fsdp: the configuration is the same). Refused in one line
   before any work: what geosharp measure --fsdp refuses (the curvature measures,
-  relative flatness, ...), --curvature, and symmetry-test.
+  relative flatness, ...), --curvature, --twin-check and symmetry-test.
 """
 
 
@@ -134,6 +135,14 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
         "the ranks; rank 0 alone writes OUT. Every sharpness measure; the curvature measures "
         "(and --curvature) and relative flatness are refused in one line (docs/cluster.md)",
     )
+    if command == "study":
+        p.add_argument(
+            "--twin-check",
+            action="store_true",
+            help="then re-measure every model's cells on one random equivalent twin (same "
+            "function, other weights; the model's dtype): OUT/twin_check.csv and the report's "
+            "'Twin check' section, the relative change per measure and rho",
+        )
     if command == "symmetry-test":
         p.description = (
             "Re-measure a finished population after a random equivalent re-parametrization of "
@@ -227,6 +236,7 @@ def run(
         log=_say,
         expected=getattr(args, "expect", None),
         study=study,
+        twin_check=getattr(args, "twin_check", False),
     )
     if fsdp is not None and fsdp.rank != 0:
         return args, 0
@@ -239,6 +249,8 @@ def run(
         print(f"report: {summary.report.html}")
         print(f"tau table: {summary.report.tau_table}")
         print(f"results: {out / 'results.csv'}")
+        if getattr(args, "twin_check", False):
+            print(f"twin check: {out / 'twin_check.csv'} (the report's Twin check section)")
     return args, 0
 
 

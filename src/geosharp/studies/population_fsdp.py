@@ -6,7 +6,8 @@ r"""``geosharp study MANIFEST --fsdp``: a population study of models sharded by 
 
 Every rank runs the same command. :func:`check_study_args` refuses, in one line and before
 the manifest is read, what a sharded study cannot run (the refusals of ``geosharp measure
---fsdp``, :func:`geosharp.measuring.fsdp.check_args`, and ``--curvature``, ``symmetry-test``).
+--fsdp``, :func:`geosharp.measuring.fsdp.check_args`, and ``--curvature``, ``--twin-check``,
+``symmetry-test``).
 Then :class:`ShardedPopulation` is the :class:`~geosharp.studies.population.PopulationStudy`
 of the manifest whose models are loaded, sharded and checked as ``geosharp measure --fsdp``
 does (:meth:`geosharp.measuring.fsdp.FsdpRun.load`,
@@ -58,7 +59,8 @@ def check_study_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         The rank's :class:`~geosharp.measuring.fsdp.FsdpRun` (the process group not started).
 
     Raises:
-        MeasureError: ``symmetry-test`` or ``--curvature`` with ``--fsdp``, or what
+        MeasureError: ``symmetry-test``, ``--curvature`` or ``--twin-check`` with ``--fsdp``,
+            or what
             :func:`~geosharp.measuring.fsdp.check_args` refuses (not under ``torchrun``, a
             measure a sharded model cannot be measured with, ``--device cuda:N``, rows the
             ranks cannot split evenly).
@@ -68,6 +70,11 @@ def check_study_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
             "--fsdp: geosharp symmetry-test re-parametrizes every model by a random group "
             "element, which is not implemented for a sharded model yet; run it without --fsdp "
             "(docs/cluster.md)"
+        )
+    if getattr(args, "twin_check", False):
+        raise MeasureError(
+            "--fsdp with --twin-check: a twin is a deep copy of the model, which a model "
+            "sharded by FSDP2 cannot be; run the twin check without --fsdp (docs/cluster.md)"
         )
     if args.curvature:
         raise MeasureError(

@@ -255,6 +255,7 @@ FolderSectionProvider = Callable[[Path, Mapping[str, float]], Sequence[Section]]
 #: :func:`register_folder_section`.
 FOLDER_SECTION_PROVIDERS: list[str | FolderSectionProvider] = [
     "geosharp.studies.symmetry_test:folder_sections",  # symmetry_test.csv
+    "geosharp.studies.twin_section:folder_sections",  # twin_check.csv (--twin-check)
     diagnostics_sections,  # diagnostics.csv
     json_sections,  # sections.json
     "geosharp.studies.population_sections:population_sections",  # manifest.json, models.json
@@ -268,6 +269,7 @@ FOLDER_SECTION_PROVIDERS: list[str | FolderSectionProvider] = [
 RESULT_FILES: list[str] = [
     "symmetry_test.csv",  # geosharp symmetry-test: rows
     "symmetry_test.md",  # geosharp symmetry-test: its table
+    "twin_check.csv",  # geosharp study MANIFEST --twin-check: model and twin, cell by cell
     DIAGNOSTICS_FILE,
     SECTIONS_FILE,
     "analysis.md",  # a study's preregistered analysis (e.g. Study 4)
@@ -326,7 +328,8 @@ def folder_sections(out_dir: str | Path, gaps: Mapping[str, float]) -> list[Sect
     """Every section the providers find in a study folder (:data:`FOLDER_SECTION_PROVIDERS`).
 
     By default: the symmetry test (``symmetry_test.csv``, :mod:`geosharp.studies.symmetry_test`),
-    then ``diagnostics.csv`` (:func:`diagnostics_section`), then ``sections.json``
+    the twin check (``twin_check.csv``, :mod:`geosharp.studies.twin_section`), then
+    ``diagnostics.csv`` (:func:`diagnostics_section`), then ``sections.json``
     (:func:`json_sections`).
     """
     out = Path(out_dir)
