@@ -119,6 +119,17 @@ class Measure(ABC):
     priority: ClassVar[int] = 100
 
     @property
+    def head_scaled(self) -> bool:
+        """Whether its ball weighs a head by the size of the head's product, not its own.
+
+        Then a radius moves a head by a multiple of its relative size that depends on the
+        weights (the mix metric: ``‖ξ‖ ≈ σ² κ``), and ``gs.measure``'s default radii scale it to
+        move heads as far as the scale-free measures do
+        (:func:`geosharp.measuring.radii.default_radii`). ``False`` by default.
+        """
+        return False
+
+    @property
     def nested_in_rho(self) -> bool:
         """Whether its value is a maximum over a ball that contains the balls of smaller ρ.
 

@@ -152,6 +152,11 @@ class Sharpness(Measure):
             perturb=self.perturb,
         )
 
+    @property
+    def head_scaled(self) -> bool:
+        """Geodesic mix: its heads' norm is in units of the other factor's Gram matrix."""
+        return self.measure == "geodesic" and self.metric == "mix" and self.corrected_norm
+
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`geosharp.sharpness` that identify the measure."""
         kw: dict[str, Any] = {"measure": self.measure, "kind": self.kind, "norm": self.norm}

@@ -40,7 +40,7 @@ def _estimate(
     loss_fn: Callable,
     batches: list,
     specs: list[Measure],
-    rhos: list[float],
+    rhos: Mapping[str, list[float]],
     steps: int,
     curv: Mapping[str, Any],
     say: Callable[[str], None],
@@ -61,7 +61,8 @@ def _estimate(
         with warnings.catch_warnings():  # the real cells will say what the ascent has to say
             warnings.simplefilter("ignore")
             _measure_one(
-                model, loss_fn, batches[:1], spec, rhos[0], k, eps, seed, space, False, curv,
+                model, loss_fn, batches[:1], spec, rhos[spec.name][0] if spec.uses_rho else None,
+                k, eps, seed, space, False, curv,
                 **(extra or {}),
             )  # fmt: skip
         return time.perf_counter() - t0
@@ -82,7 +83,7 @@ def _measure_cells(
     loss_fn: Callable,
     batches: list,
     specs: list[Measure],
-    rhos: list[float],
+    rhos: Mapping[str, list[float]],
     steps: int,
     eps: float,
     seed: int,
@@ -96,15 +97,16 @@ def _measure_cells(
 ) -> list[MeasureRow]:
     """Every measure at every ρ (once without ρ), warning and logging as it goes.
 
-    The radii of a measure run smallest first, so that a worst-case cell can keep the better
-    point of a smaller ball (:func:`checked_row`). ``extra``: the estimators' settings that
-    differ from their defaults (``low_memory``, ``buffer_budget``, ``exact_steps``), as
-    :func:`_estimate` takes them. ``reference``: the trivial predictor's loss on the batches
-    (:func:`~geosharp.measuring.flags.reference_loss`), for the ``saturated`` flag.
+    ``rhos``: measure name → its radii. The radii of a measure run smallest first, so that a
+    worst-case cell can keep the better point of a smaller ball (:func:`checked_row`).
+    ``extra``: the estimators' settings that differ from their defaults (``low_memory``,
+    ``buffer_budget``, ``exact_steps``), as :func:`_estimate` takes them. ``reference``: the
+    trivial predictor's loss on the batches (:func:`~geosharp.measuring.flags.reference_loss`),
+    for the ``saturated`` flag.
     """
     extra = dict(extra or {})
     exact_steps = extra.get("exact_steps", DEFAULT_RK4_STEPS)
-    n_cells = sum(len(rhos) if s.uses_rho else 1 for s in specs)
+    n_cells = sum(len(rhos[s.name]) if s.uses_rho else 1 for s in specs)
     say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
     rows: list[MeasureRow] = []
     eps_loss = loss_eps(model)
@@ -112,7 +114,7 @@ def _measure_cells(
     try:
         for spec in specs:
             smaller: list[float] | None = None  # the nested per-batch values of the last ρ
-            for rho in sorted(rhos) if spec.uses_rho else [None]:
+            for rho in sorted(rhos[spec.name]) if spec.uses_rho else [None]:
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
                 row = _measure_one(

@@ -15,7 +15,7 @@ from typing import Any
 
 from geosharp._io import OutputFolderError, ensure_writable_dir, os_error_line, os_error_status
 from geosharp.measuring.cli_parser import add_parser as add_parser
-from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_RHOS, measure
+from geosharp.measuring.core import DEFAULT_MEASURES, measure
 from geosharp.measuring.errors import MeasureError
 
 __all__ = ["add_parser", "check_out_dir", "run"]
@@ -104,7 +104,7 @@ def _execute(args: argparse.Namespace) -> int:
         batches,
         loss,
         measures=args.measures or list(default),
-        rhos=args.rho or list(DEFAULT_RHOS),
+        rhos=args.rho or None,  # None: the defaults, mix scaled to the model (said)
         steps=args.steps,
         eps=args.eps,
         seed=args.seed,

@@ -222,7 +222,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         default=None,
-        help=f"radii (default: {' '.join(f'{r:g}' for r in DEFAULT_RHOS)})",
+        help=f"radii (default: {' '.join(f'{r:g}' for r in DEFAULT_RHOS)}; geodesic mix's scaled "
+        "by the model's head scale so that its heads move as far as inv's, and said)",
     )
     m.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="Auto-PGD steps per batch (default 20)"

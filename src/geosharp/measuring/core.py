@@ -31,11 +31,10 @@ loop :mod:`geosharp.measuring.cells`'s.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -53,6 +52,13 @@ from geosharp.measuring.prepare import (
     CheckedModel,
     adaptive_note,
     prepare_measurement,
+)
+from geosharp.measuring.radii import (
+    DEFAULT_RHOS,
+    Radii,
+    check_radii,
+    default_radii,
+    grid_setting,
 )
 from geosharp.measuring.results import MeasureReport
 from geosharp.measuring.sharded import (
@@ -78,8 +84,6 @@ __all__ = [
 
 #: The paper's three measures (SPEC §7): adaptive ℓ2, geodesic inv and mix at order 2.
 DEFAULT_MEASURES = ("adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2")
-#: One decade apart: the paper reports no ρ, and the measures scale differently with it.
-DEFAULT_RHOS = (0.01, 0.1, 1.0)
 #: Auto-PGD iterations, as in the paper (SPEC §6).
 DEFAULT_STEPS = 20
 #: Lanczos iterations and Hutchinson probes of the curvature measures (``gs.curvature``'s).
@@ -97,7 +101,7 @@ def measure(
     loss_fn: str | Callable[[Any, Any], Tensor] | None = None,
     *,
     measures: Sequence[str | Measure] = DEFAULT_MEASURES,
-    rhos: Sequence[float] = DEFAULT_RHOS,
+    rhos: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     steps: int = DEFAULT_STEPS,
     eps: float = 0.0,
     seed: int = 0,
@@ -144,7 +148,11 @@ def measure(
             ``loss_fn(outputs, targets)`` → scalar.
         measures: Measure objects, or texts :func:`geosharp.measures.parse_measure` reads
             (default: adaptive ℓ2, geodesic inv and geodesic mix, worst case, order 2).
-        rhos: Radii (default ``0.01, 0.1, 1``, see the module docstring).
+        rhos: Radii: one grid for every measure, or measure → its grid (every measure with
+            ρ named); ``None`` (default): ``0.01, 0.1, 1``, and for a measure whose ball is
+            head-scaled (geodesic mix) that grid times the model's head scale, so that its
+            heads move as far as inv's (:mod:`geosharp.measuring.radii`; the choice is said
+            through ``log``). Every measure runs its radii smallest first.
         steps: Auto-PGD iterations per batch (worst case).
         eps: Damping ε of the Gram matrices ``GᵀG + εI`` of the GL(h) blocks (0: exactly
             invariant; raise it only if a block is reported singular).
@@ -200,7 +208,7 @@ def measure(
         else:
             warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
 
-    specs, rhos, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
+    specs, grids, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
     if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 1:
         raise MeasureError(f"exact_steps must be a positive integer, got {exact_steps!r}")
     if sharded:
@@ -217,6 +225,10 @@ def measure(
     model, batches, loss_fn, loss_name = ready.model, ready.batches, ready.loss_fn, ready.loss_name
     space, summary, note = ready.space, ready.summary, ready.adaptive_note
     clean, invariance = ready.clean_losses, ready.invariance
+    if grids is None:
+        grids, lines = default_radii(specs, model, space)
+        for line in lines:
+            say(line)
     extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
     if buffer_budget != BUFFER_BUDGET:
         extra["buffer_budget"] = buffer_budget
@@ -227,7 +239,7 @@ def measure(
         say(f"time estimate: {SKIPPED['time_estimate']}")
     else:
         estimate = _estimate(
-            model, loss_fn, batches, specs, rhos, steps, curv, say,
+            model, loss_fn, batches, specs, grids, steps, curv, say,
             eps=eps, seed=seed, space=space, extra=extra,
         )  # fmt: skip
 
@@ -240,7 +252,7 @@ def measure(
         loss_fn,
         batches,
         specs,
-        rhos,
+        grids,
         steps,
         eps,
         seed,
@@ -254,7 +266,7 @@ def measure(
     )
     settings = {
         "measures": [s.name for s in specs],
-        "rhos": rhos,
+        "rhos": grid_setting(grids),
         "steps": steps,
         "eps": eps,
         "seed": seed,
@@ -294,13 +306,16 @@ def measure(
 def _check_arguments(
     model: Any,
     measures: Sequence[str | Measure],
-    rhos: Sequence[float],
+    rhos: Sequence[float] | Mapping[str, Sequence[float]] | None,
     steps: Any,
     iters: Any,
     probes: Any,
     trace_method: Any,
-) -> tuple[list[Measure], list[float], dict[str, Any]]:
-    """The parsed measures, the radii and the curvature settings; raises on a bad argument."""
+) -> tuple[list[Measure], Radii | None, dict[str, Any]]:
+    """The parsed measures, their radii (``None``: the defaults) and the curvature settings.
+
+    Raises on a bad argument.
+    """
     if not isinstance(model, nn.Module):
         raise MeasureError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
@@ -309,15 +324,7 @@ def _check_arguments(
     specs = [parse_measure(m) for m in measures]
     if not specs:
         raise MeasureError("no measures given: pass at least one (e.g. geodesic-inv-o2)")
-    rhos = list(rhos)
-    if any(s.uses_rho for s in specs):
-        if not rhos:
-            raise MeasureError("no radii given: pass at least one rho > 0")
-        for r in rhos:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
-                raise MeasureError(f"every rho must be a number > 0, got {r!r}")
-            if not math.isfinite(r):
-                raise MeasureError(f"every rho must be finite, got {r!r}")
+    grids = check_radii(specs, rhos)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise MeasureError(f"steps must be an int >= 1, got {steps!r}")
     curv = {"iters": iters, "probes": probes, "trace_method": trace_method}
@@ -332,7 +339,7 @@ def _check_arguments(
             )
         if trace_method == "hutch++" and probes < 3:
             raise MeasureError(f"hutch++ needs at least 3 probes, got {probes}")
-    return specs, rhos, curv
+    return specs, grids, curv
 
 
 def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:

@@ -351,7 +351,7 @@ def estimate_run(
     loss_fn: Callable,
     batches: Sequence[Any],
     specs: Sequence[Measure],
-    rhos: Sequence[float],
+    rhos: Sequence[float] | Mapping[str, Sequence[float]],
     steps: int,
     curv: Mapping[str, Any] | None = None,
     probe: Callable[[Measure, int], float] | None = None,
@@ -367,7 +367,7 @@ def estimate_run(
         loss_fn: The loss.
         batches: The ``(inputs, targets)`` batches.
         specs: The measures.
-        rhos: The radii.
+        rhos: The radii, or measure name → its radii.
         steps: Auto-PGD steps per batch.
         curv: ``iters`` and ``probes`` of the curvature measures.
         probe: ``probe(spec, k)``: the seconds of a ``k``-step ascent of the worst-case
@@ -383,7 +383,13 @@ def estimate_run(
     pass_s = min(_timed_pass(model, loss_fn, batches[0]) for _ in range(2))
     sizes = [_input_size(b[0]) for b in batches]
     weights = [s / sizes[0] for s in sizes]
-    cells = [(s, r) for s in specs for r in (rhos if s.uses_rho else [None])]
+
+    def radii(s: Measure) -> Sequence[float | None]:
+        if not s.uses_rho:
+            return [None]
+        return rhos[s.name] if isinstance(rhos, Mapping) else rhos
+
+    cells = [(s, r) for s in specs for r in radii(s)]
     step_s: dict[str, float] = {}
     for spec in specs:
         if (
@@ -425,7 +431,7 @@ def estimate_run(
         device=str(first.device),
         threads=torch.get_num_threads(),
         worst_only=worst_only,
-        n_rhos=len(rhos) if any(s.uses_rho for s in specs) else 0,
+        n_rhos=max((len(radii(s)) for s in specs if s.uses_rho), default=0),
         n_measures=len(specs),
         n_samples=sum(r for r in rows if r is not None)
         if all(r is not None for r in rows)

@@ -30,7 +30,7 @@ import math
 import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from geosharp.estimators.sharded_check import is_sharded
 from geosharp.measures import Measure, parse_measure
 from geosharp.measures.curvature import Curvature
 from geosharp.measures.sharpness import Sharpness
-from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_RHOS, DEFAULT_STEPS, measure
+from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_STEPS, measure
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.prepare import prepare_measurement
 from geosharp.measuring.results import MeasureReport, _g, rho_text
@@ -302,7 +302,7 @@ def twin_check(
     loss_fn: str | Callable[[Any, Any], Tensor] | None = None,
     *,
     measures: Sequence[str | Measure] = DEFAULT_MEASURES,
-    rhos: Sequence[float] = DEFAULT_RHOS,
+    rhos: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
     scale: float = 10.0,
@@ -331,7 +331,9 @@ def twin_check(
         batches: ``(inputs, targets)`` pairs (kept: both measurements use them).
         loss_fn: As :func:`geosharp.measure` takes it.
         measures: The measures (default: adaptive ℓ2, geodesic inv and mix, order 2).
-        rhos: The radii (default ``0.01, 0.1, 1``).
+        rhos: The radii, as :func:`geosharp.measure` takes them (default: its defaults, geodesic
+            mix's scaled by the head scale, which the group leaves unchanged, so the model and
+            its twin get the same grid).
         steps: Auto-PGD steps per batch.
         seed: Seed of the group element and of both measurements (their random starts).
         scale: Scale ``a`` of the group element (the paper sweeps ``a ∈ [1e-2, 1e2]``).
