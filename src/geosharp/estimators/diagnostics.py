@@ -34,7 +34,6 @@ from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.sharded_check import check_unsharded
 from geosharp.estimators.worst import ascent_from_zero
 from geosharp.symmetry import ParameterSpace, find_symmetries
-from geosharp.symmetry.blocks import GLBlock, RotaryBlock
 from geosharp.symmetry.verify import eval_mode
 
 __all__ = [
@@ -162,7 +161,7 @@ def balance(
     theta = theta.detach()
     out = Balance()
     for block in space.blocks:
-        if not isinstance(block, GLBlock):
+        if not block.gl_pairs:
             continue
         G, H = (t.to(torch.float64) for t in block.gather(theta))
         MG, MH = G.mT @ G, H.mT @ H
@@ -170,10 +169,10 @@ def balance(
         tot = torch.linalg.matrix_norm(MG + MH).square()
         nsq = G.square().sum((-2, -1)) + H.square().sum((-2, -1))
         ratio = log_scale(G, H)
-        if isinstance(block, RotaryBlock):
-            mins = torch.full_like(nsq, math.nan)
-        else:
+        if block.whole_gl:
             mins = orbit_min_norm_sq(G, H)
+        else:  # a subgroup's orbit: GL(h)'s least norm is not its own
+            mins = torch.full_like(nsq, math.nan)
         for i in range(G.shape[0]):
             out.heads.append(
                 HeadBalance(

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from geosharp.symmetry import ParameterSpace, find_symmetries
-from geosharp.symmetry.blocks import GLBlock
 
 __all__ = ["shard_placement"]
 
@@ -71,7 +70,7 @@ def _rows_along_dim_1(space: ParameterSpace) -> set[str]:
     """2-D parameters whose block rows a split along dimension 0 cuts and one along 1 does not."""
     out: set[str] = set()
     for b in space.blocks:
-        if not isinstance(b, GLBlock):
+        if b.shard_layout != "rows":
             continue
         for pos in b.indices:
             pos = pos.reshape(-1, pos.shape[-1]).cpu()  # one row per line

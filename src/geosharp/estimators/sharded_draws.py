@@ -45,9 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, Geometry
+from geosharp.geometry import Geometry
 from geosharp.symmetry import ParameterSpace
-from geosharp.symmetry.blocks import GLBlock, TranslationBlock
 from geosharp.symmetry.positions import as_tensor
 
 __all__ = ["ShardedDraws", "from_normals", "normal_draws", "stream"]
@@ -298,7 +297,7 @@ class ShardedDraws:
         out = []
         for p, draws in zip(pert.pieces, self._plan(pert), strict=True):
             point = p.geometry.point
-            if not isinstance(p.geometry, (ElementwiseGeometry, EuclideanGeometry)):
+            if not p.geometry.draws_over_point:
                 raise NotImplementedError("uniform draws of a block piece on a sharded model")
             if not point:
                 out.append([])
@@ -462,7 +461,7 @@ def _block_fields(
         head = 0
         for b in blocks:
             pos = as_tensor(getattr(b, f))
-            if issubclass(cls, TranslationBlock):
+            if cls.shard_layout == "coordinates":
                 held = _localize(pos.reshape(-1), space, layouts)[0]
                 dest = torch.where(held, torch.cumsum(held, 0) - 1, -1)
                 count = int(held.sum())
@@ -471,7 +470,7 @@ def _block_fields(
                 if head > shape.numel():
                     raise RuntimeError(_MISMATCH)
                 continue
-            if not issubclass(cls, GLBlock) or pos.dim() != 3 or len(shape) != 3:
+            if cls.shard_layout != "rows" or pos.dim() != 3 or len(shape) != 3:
                 raise NotImplementedError(f"random draws of {cls.__name__} blocks when sharded")
             heads, rows, width = shape[0], shape[1], shape[2]
             held = _localize(pos[..., 0].contiguous(), space, layouts)[0]  # rows whole or none

@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from geosharp.estimators.assembly import read_heads, read_parts
-from geosharp.geometry import FixedGeometry, GLGeometry
 from geosharp.geometry.gl_endpoint import (
     _add_eye,
     _add_mm,
@@ -112,7 +111,7 @@ class GatheredEndpoint:
         self.plans = {
             k: factors
             for k, factors in zip(asm.sym_pieces, asm.plan, strict=True)
-            if isinstance(pert.pieces[k].geometry, GLGeometry)
+            if pert.pieces[k].geometry.row_endpoint(pert.pieces[k].order)
         }
         #: per parameter position, the GL rows it holds
         self.parts: dict[int, list[_Part]] = {}
@@ -152,9 +151,9 @@ class GatheredEndpoint:
         for k in asm.sym_pieces:
             piece = pert.pieces[k]
             geom = piece.geometry
-            if isinstance(geom, FixedGeometry):
+            if geom.is_trivial:  # held fixed: nothing written
                 continue
-            if not isinstance(geom, GLGeometry) or piece.order != 2:
+            if not geom.row_endpoint(piece.order):
                 return None
             if piece.norm_geometry is not geom:  # the ablation's norm reads the point
                 return None
@@ -162,7 +161,7 @@ class GatheredEndpoint:
                 return None
         rest = pert._rest_piece
         if asm.mixed_local and rest is not None and not pert.straight_rest:
-            if not isinstance(pert.pieces[rest].geometry, FixedGeometry):
+            if not pert.pieces[rest].geometry.is_trivial:
                 return None
         try:
             comms = _slots(shards)

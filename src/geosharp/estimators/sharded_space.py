@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.symmetry import ParameterSpace, find_symmetries
-from geosharp.symmetry.blocks import GLBlock, SymmetryBlock, TranslationBlock
+from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
 from geosharp.symmetry.specs import ParamSlice
 
@@ -162,7 +162,7 @@ def local_space(
     except (ValueError, NotImplementedError) as err:
         failure = (type(err).__name__, str(err))
     _agree(shards, failure)  # a rank that holds no part of a split row raises too
-    real = sum(b.numel for b in blocks if isinstance(b, GLBlock)) - n_pad
+    real = sum(b.numel for b in blocks if b.shard_layout == "rows") - n_pad
     if n_pad > PAD_WARN * max(real, 1):
         warnings.warn(
             f"the symmetry blocks' rows are spread unevenly over the ranks: this rank pads its "
@@ -200,7 +200,7 @@ def _local_blocks(
     recipes: list[tuple[int, str]] = []  # padded factors kept as recipes: (block, field)
     for key, group in groups.items():
         cls = type(group[0])
-        if isinstance(group[0], TranslationBlock):
+        if cls.shard_layout == "coordinates":
             for b in group:
                 held, local = _localize(as_tensor(b.index), space, layouts)
                 whole = held.numel() > 0 and bool(held.all())
@@ -210,7 +210,7 @@ def _local_blocks(
                     mine = _held_recipe(mine, space, layouts, bound) or mine
                 blocks.append(dataclasses.replace(b, index=mine))
             continue
-        if not isinstance(group[0], GLBlock):
+        if cls.shard_layout != "rows":
             raise NotImplementedError(
                 f"{cls.__name__} blocks ({group[0].name!r}) on a sharded model are not "
                 "implemented (their coordinates lie on different ranks)"

@@ -27,8 +27,6 @@ from geosharp.estimators.apgd import BUFFER_BUDGET, AscentResult, autopgd, best_
 from geosharp.estimators.harness import BatchValue, Objective, clean_start
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
-from geosharp.geometry.gl import GLGeometry
-from geosharp.geometry.gl_diagnose import relative_speed
 
 #: A measured inaccuracy the warning quotes (:mod:`geosharp.geometry.gl_diagnose`'s tiny BERT,
 #: weights of standard deviation 0.02: a head's 10-step RK4 endpoint, still finite).
@@ -160,14 +158,14 @@ def exact_relative_speed(pert: Perturbation, xi: Xi) -> float | None:
     """The largest relative speed ``κ`` at ``ξ`` of a head whose geodesic is exact RK4.
 
     Over every GL(h) piece with ``order="exact"``
-    (:func:`~geosharp.geometry.gl_diagnose.relative_speed`: two ``h × h`` contractions from the
+    (:meth:`~geosharp.geometry.Geometry.relative_speed`: two ``h × h`` contractions from the
     base-point factors, no forward or backward); ``None`` when there is none. With the rows
     split over ranks the contractions are collective and every rank gets the same ``κ``.
     """
     speeds = []
     for p, x in zip(pert.pieces, xi, strict=True):
-        if p.order == "exact" and isinstance(p.geometry, GLGeometry):
-            k = relative_speed(p.geometry, x)
+        k = p.geometry.relative_speed(x) if p.order == "exact" else None
+        if k is not None:
             speeds.append(float(k.amax()) if k.numel() else 0.0)
     return max(speeds) if speeds else None
 

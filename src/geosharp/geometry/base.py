@@ -48,6 +48,10 @@ class Geometry(ABC):
     #: Riemannian gradient. Then ``⟨P g⁻¹e, v⟩ = e·v`` for every horizontal ``v``, and
     #: :meth:`ascent_direction` reads norms off Euclidean pairings with ``e``.
     orthogonal_projection: bool = False
+    #: ``True`` when :meth:`normal_draws` is one draw over the point's components, in their
+    #: order (the numbers of :func:`~geosharp.geometry.draws.draw_like`): a uniform draw over
+    #: the point (the ℓ∞ box's random start) then follows the same plan of draws.
+    draws_over_point: bool = False
 
     # -- metric ---------------------------------------------------------------------------
     @abstractmethod
@@ -141,6 +145,24 @@ class Geometry(ABC):
     def is_straight(self, order: int | str) -> bool:
         """Whether the endpoint of this ``order`` is the straight line ``w + ξ`` itself."""
         return False
+
+    def row_endpoint(self, order: int | str) -> bool:
+        """Whether the endpoint of this ``order`` is a row-wise product with ``h × h`` factors.
+
+        ``G′ = G (I + s B_G) + ξ_G C_G`` (and so for ``H``,
+        :mod:`~geosharp.geometry.gl_endpoint`): a holder of some rows of the point and of ``ξ``
+        makes those rows of the endpoint once the factors are summed over the holders (a
+        model sharded by FSDP2). ``False`` by default.
+        """
+        return False
+
+    def relative_speed(self, xi: Tangent) -> Tensor | None:
+        """``κ`` per head: ``ξ`` in units of the head's own scale; ``None`` where undefined.
+
+        An exact (RK4) geodesic needs about ``2κ`` steps
+        (:mod:`~geosharp.geometry.gl_diagnose`). ``None`` by default: a geometry without heads.
+        """
+        return None
 
     @abstractmethod
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:

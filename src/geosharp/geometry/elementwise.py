@@ -113,6 +113,9 @@ class ElementwiseGeometry(Geometry):
         TypeError: If a component is not a floating tensor.
     """
 
+    #: :meth:`normal_draws` is one draw over the point (:func:`draw_like`'s numbers).
+    draws_over_point = True
+
     #: No vertical space: the projection (zeroing frozen coordinates) is metric-orthogonal.
     orthogonal_projection = True
 
@@ -372,6 +375,9 @@ class EuclideanGeometry(Geometry):
             a product, as for :class:`ElementwiseGeometry`).
         name: Name used in error messages.
     """
+
+    #: :meth:`normal_draws` is one draw over the point (:func:`draw_like`'s numbers).
+    draws_over_point = True
 
     #: No vertical space: the projection is the identity.
     orthogonal_projection = True

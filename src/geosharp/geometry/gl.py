@@ -59,7 +59,7 @@ from geosharp.geometry._validate import (
     check_tensor,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
-from geosharp.geometry.gl_diagnose import exact_geodesic_trouble
+from geosharp.geometry.gl_diagnose import exact_geodesic_trouble, relative_speed
 from geosharp.geometry.gl_execution import GLExecution, by_head
 from geosharp.geometry.gl_factors import (
     GLFactors,
@@ -453,6 +453,14 @@ class GLGeometry(GLSampling, Geometry):
         A subclass that replaces the endpoint overrides this too.
         """
         return order in (1, 2)
+
+    def row_endpoint(self, order: int | str) -> bool:
+        """At order 2 (:func:`~geosharp.geometry.gl_endpoint.order2_factors_by_chunks`)."""
+        return order == 2
+
+    def relative_speed(self, xi: Tangent) -> Tensor:
+        """:func:`~geosharp.geometry.gl_diagnose.relative_speed`: two ``h × h`` contractions."""
+        return relative_speed(self, xi)
 
     def geodesic(self, xi: Tangent, order: int | str = 2, steps: int = DEFAULT_RK4_STEPS) -> Point:
         """Geodesic endpoint at ``t = 1`` (order 1, 2 or ``"exact"``); see :class:`Geometry`.

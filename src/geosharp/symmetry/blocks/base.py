@@ -16,6 +16,10 @@ A block knows
   :class:`~geosharp.geometry.Geometry` of a batch of blocks with equal :meth:`batch_key` (all
   heads of all layers in one set of batched matmuls), whose horizontal space is the quotient by
   the block's group;
+* **what callers outside the symmetry layer may ask of it**: :attr:`~SymmetryBlock.gl_pairs`,
+  :attr:`~SymmetryBlock.whole_gl` (the balance diagnostics) and
+  :attr:`~SymmetryBlock.shard_layout` (how its coordinates are split over the ranks of a model
+  sharded by FSDP2), so no caller asks for a block's class;
 * **how it is reported**: :attr:`~SymmetryBlock.category` (summaries, budget splits,
   diagnostics), :attr:`~SymmetryBlock.family` (the "parameters per geometry" table) and
   :attr:`~SymmetryBlock.space_note` (a remark of every space holding such a block).
@@ -116,6 +120,19 @@ class SymmetryBlock(ABC):
     #: Whether :meth:`batch` flattens each block's positions before concatenating them
     #: (instead of concatenating along the head axis).
     batch_flat: ClassVar[bool] = False
+    #: Whether the block is a batch of pairs ``(G_b, H_b)`` on which the network depends through
+    #: ``G_b H_bᵀ``, with GL(h) or a subgroup acting by ``(G A⁻¹, H Aᵀ)``: the balance of
+    #: ``GᵀG`` against ``HᵀH`` per head is defined (:attr:`indices` are ``(G, H)``).
+    gl_pairs: ClassVar[bool] = False
+    #: Whether the group is the whole of GL(h) on such pairs, not a subgroup: the least norm on
+    #: an orbit is then GL(h)'s closed form.
+    whole_gl: ClassVar[bool] = False
+    #: How the coordinates lie on the ranks of a model sharded by FSDP2: ``"rows"`` (every
+    #: factor's rows of ``h`` coordinates, each row whole on one rank, the heads' rows spread
+    #: over the ranks), ``"coordinates"`` (each coordinate where its parameter's shard puts it)
+    #: or ``None`` (not supported on a sharded model: a sharded run refuses it, naming the
+    #: class).
+    shard_layout: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -92,6 +92,9 @@ class GLBlock(SymmetryBlock):
     index_fields: ClassVar[tuple[str, ...]] = ("g_index", "h_index")
     family: ClassVar[str] = "GL(h) blocks"
     spec_type: ClassVar[type | None] = BlockSpec
+    gl_pairs: ClassVar[bool] = True
+    whole_gl: ClassVar[bool] = True
+    shard_layout: ClassVar[str | None] = "rows"
 
     @classmethod
     def builds(cls, spec: BlockSpec) -> bool:
@@ -236,6 +239,7 @@ class RotaryBlock(GLBlock):
 
     rotary: RotarySpec = field(default_factory=lambda: RotarySpec(2))
     family: ClassVar[str] = "rotary Q/K blocks"
+    whole_gl: ClassVar[bool] = False  # the rotary commutant
 
     @classmethod
     def builds(cls, spec: BlockSpec) -> bool:

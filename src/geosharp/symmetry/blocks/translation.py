@@ -49,6 +49,7 @@ class TranslationBlock(SymmetryBlock):
     index_fields: ClassVar[tuple[str, ...]] = ("index",)
     family: ClassVar[str] = "key-bias translations (held fixed)"
     batch_flat: ClassVar[bool] = True
+    shard_layout: ClassVar[str | None] = "coordinates"
     spec_type: ClassVar[type | None] = TranslationSpec
     space_note: ClassVar[str | None] = (
         "key biases b_k: the softmax ignores q·b_k (the same for every key), so they are "
