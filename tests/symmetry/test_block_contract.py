@@ -8,7 +8,10 @@ invariant function ``f`` of its factors written out independently of the library
 * the metric is invariant under the group: ``⟨g_*ξ, g_*η⟩_{g·w} = ⟨ξ, η⟩_w``;
 * the order-2 endpoint agrees with an integrated geodesic to ``O(‖ξ‖³)``;
 * ``f`` is invariant under random group elements at scales 1e-2 … 1e2, and so is ``f`` at the
-  order-2 endpoint of a horizontal velocity pushed forward by the group.
+  order-2 endpoint of a horizontal velocity pushed forward by the group;
+* what callers ask instead of the class holds: ``gl_pairs``/``whole_gl`` blocks are
+  ``(G, H)`` pairs whose orbit's least norm is GL(h)'s closed form, ``shard_layout`` is one of
+  its values, and a geometry's ``relative_speed`` (where it has one) is invariant under the group.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.func import jvp
 
+from geosharp.estimators.orbit import orbit_min_norm_sq
 from geosharp.symmetry import (
     DiagonalPair,
     GLBlock,
@@ -270,3 +274,46 @@ def test_endpoint_of_pushed_forward_velocity_gives_the_same_function(c, metric):
         geom_g = type(c.block).geometry([c.block], moved, metric=metric, eps=0.0)
         f_g = c.f(geom_g.geodesic(xi_g, order=2))
         assert float((f_g - f_end).abs()) <= 1e-9 * (1 + float(f_end.abs())), scale
+
+
+@pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
+def test_what_callers_ask_instead_of_the_class(c):
+    block = c.block
+    assert block.shard_layout in ("rows", "coordinates", None)
+    if block.shard_layout == "rows":  # (heads, rows, h): whole rows of h coordinates
+        assert all(len(s) == 3 for s in block.index_shapes)
+    assert block.gl_pairs or not block.whole_gl
+    if not block.gl_pairs:
+        return
+    G, H = block.gather(c.theta)
+    assert G.dim() == H.dim() == 3 and G.shape[-1] == H.shape[-1]
+    if not block.whole_gl:
+        return
+    # GL(h)'s closed form is the least norm on the orbit: no element goes below it (relative
+    # tolerance 1e-9: float64 eigenvalues of h × h products), and the orbit reaches it
+    least = orbit_min_norm_sq(G, H)
+    for scale in SCALES:
+        el = block.random_element(torch.Generator().manual_seed(18), scale, 1e3)
+        mG, mH = block.act((G, H), el)
+        norm = mG.square().sum((-2, -1)) + mH.square().sum((-2, -1))
+        assert bool((least <= norm * (1 + 1e-9)).all()), scale
+    assert bool((least > 0).all())
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("c", CONTRACTS, ids=IDS)
+def test_relative_speed_is_invariant_under_the_group(c, metric):
+    geom, point = geometry(c, metric)
+    xi = geom.project(rand_like(point, 19))
+    kappa = geom.relative_speed(xi)
+    if kappa is None:  # no heads, no scale of their own
+        return
+    assert kappa.shape == (c.block.count,) and bool((kappa > 0).all())
+    for scale in SCALES:
+        el = c.block.random_element(torch.Generator().manual_seed(20), scale, 1e3)
+        moved = c.block.act(point, el)
+        geom_g = type(c.block).geometry([c.block], moved, metric=metric, eps=0.0)
+        got = geom_g.relative_speed(push(c.block, point, el, xi))
+        # GL(h)-invariant at eps = 0; seen within 1e-13 relative (float64 Gram inverses of
+        # elements with condition ≤ 1e3), 1e-10 leaves room for other BLAS
+        assert torch.allclose(got, kappa, rtol=1e-10, atol=0.0), (scale, got, kappa)
