@@ -39,6 +39,12 @@ class Geometry(ABC):
     :meth:`christoffel_at` and :meth:`random_tangent`; :meth:`geodesic` follows from them
     (order 1: ``w + ξ``; order 2: ``w + ξ − ½ Γ_w(ξ, ξ)``; exact: RK4 on ``γ̈ = −Γ_γ(γ̇, γ̇)``),
     and subclasses with closed-form geodesics override it.
+
+    Callers outside :mod:`geosharp.geometry` never ask for a geometry's class; they ask what it
+    can do: :attr:`is_trivial` (held fixed), :meth:`pulls_back`, :meth:`is_straight` and
+    :meth:`row_endpoint` (the form of its endpoint), :attr:`draws_over_point` and
+    :meth:`normal_draws` (its random draws), :meth:`relative_speed` (the scale an exact
+    geodesic must resolve). A new geometry overrides the defaults that are not true of it.
     """
 
     point: Point
