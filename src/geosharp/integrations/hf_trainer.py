@@ -176,26 +176,18 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
 def _parse_measure(text: Any) -> Measure:
     """The measure as ``geosharp measure`` reads it (:func:`geosharp.measures.parse_measure`).
 
-    Raises ``ValueError`` for a text that is not a measure, and for the measures the callback
-    does not take: curvature, relative flatness, and the attention-only (``-blocks``) and
-    "no corrected norm" (``-adaptivenorm``) variants.
+    Raises ``ValueError`` for a text that is not a measure, and for the measures that refuse
+    the callback (:meth:`~geosharp.measures.Measure.callback_refusal`: curvature, relative
+    flatness, the attention-only ``-blocks`` and "no corrected norm" ``-adaptivenorm``
+    variants, and a measure that does not say).
     """
     try:
         spec = parse_measure(text)
     except MeasureError as err:
         raise ValueError(str(err)) from None
-    if spec.family != "sharpness":
-        raise ValueError(
-            f"measure {text!r}: the callback measures sharpness (geodesic, adaptive, euclidean); "
-            "curvature and relative flatness are measured with gs.curvature and "
-            "gs.relative_flatness"
-        )
-    if spec.perturb != "all" or not spec.corrected_norm:
-        raise ValueError(
-            f"measure {text!r}: the callback measures every parameter with the corrected norm; "
-            "the attention-only (-blocks) and no-corrected-norm (-adaptivenorm) variants are "
-            "measured with gs.sharpness(perturb=..., corrected_norm=...) or gs.measure"
-        )
+    why = spec.callback_refusal()  # the measure says (Measure.callback_refusal)
+    if why is not None:
+        raise ValueError(f"measure {text!r}: {why}")
     return spec
 
 

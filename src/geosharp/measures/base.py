@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from geosharp.errors import MeasureError
 
 __all__ = [
+    "FORWARD_COST",
     "Measure",
     "MeasureError",
     "Outcome",
@@ -39,6 +40,9 @@ __all__ = [
 ]
 
 _REGISTRY: list[type[Measure]] = []
+
+#: A forward pass alone, in forward+backward passes (the unit of :meth:`Measure.step_cost`).
+FORWARD_COST = 0.35
 
 
 def register(cls: type[Measure]) -> type[Measure]:
@@ -104,7 +108,12 @@ class Measure(ABC):
     """One measure of a trained model (a subclass is a frozen dataclass).
 
     Subclasses set the class attributes, implement :meth:`claims`, :meth:`from_tokens`,
-    :meth:`kwargs`, :attr:`name` and :meth:`run`, and are :func:`register`-ed.
+    :meth:`kwargs`, :attr:`name` and :meth:`run`, and are :func:`register`-ed. What the callers
+    ask of a measure has a default a new measure may keep: its cost (:meth:`step_cost`,
+    :attr:`ascends`), the study settings it takes (:attr:`settings`, :meth:`run_settings`), its
+    column of the paper's τ table (:attr:`paper_column`), its plot axis (:attr:`axis_label`),
+    and whether it runs on a sharded model (:meth:`shard_refusal`) or in the Trainer callback
+    (:meth:`callback_refusal`): the defaults refuse both in one line.
     """
 
     #: The kind of row it gives: ``"sharpness"``, ``"relative flatness"`` or ``"curvature"``.
@@ -117,6 +126,9 @@ class Measure(ABC):
     grammar: ClassVar[str] = ""
     #: Classes with a lower priority are asked first by :func:`parse_measure`.
     priority: ClassVar[int] = 100
+    #: The run settings it takes from a study or ``gs.measure`` (:meth:`run_settings`);
+    #: ``"iters"``, ``"probes"``, ``"trace_method"`` are the curvature settings.
+    settings: ClassVar[frozenset[str]] = frozenset({"seed"})
 
     @property
     def head_scaled(self) -> bool:
@@ -144,6 +156,64 @@ class Measure(ABC):
     def exact_geodesic(self) -> bool:
         """Whether it follows the exact (RK4) geodesic (its RK4 steps matter: ``exact_steps``)."""
         return self.kwargs().get("order") == "exact"
+
+    @property
+    def ascends(self) -> bool:
+        """Whether it runs ``steps`` ascent steps per batch (its time is steps × a step's time).
+
+        Then the time estimate times a step of it on the model; else it counts
+        :meth:`step_cost` passes. ``False`` by default.
+        """
+        return False
+
+    def step_cost(self, steps: int, curv: Mapping[str, Any]) -> float:
+        """Forward+backward passes it takes on one batch (for the time estimate).
+
+        Args:
+            steps: The run's ascent steps per batch.
+            curv: The run's curvature settings (``iters``, ``probes``, ``trace_method``).
+
+        Returns:
+            One pass by default (a measure that takes more says so).
+        """
+        return 1.0
+
+    def run_settings(self, available: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of a study's run settings it takes (those in :attr:`settings`), in order."""
+        return {k: v for k, v in available.items() if k in self.settings}
+
+    @property
+    def paper_column(self) -> str | None:
+        """The family label the paper's τ table reports it under (SPEC §7), or ``None``.
+
+        ``"adaptive"``, ``"geodesic inv"`` or ``"geodesic mix"``; ``None`` (not a paper
+        column) by default, whatever its name says.
+        """
+        return None
+
+    @property
+    def axis_label(self) -> str:
+        """What a plot's value axis shows for it (its :attr:`family` by default)."""
+        return self.family
+
+    def shard_refusal(self) -> str | None:
+        """Why it cannot be measured on a sharded (FSDP2) model, in one line; ``None``: it can.
+
+        A measure that runs on a sharded model says so (``None``) by overriding this, and its
+        :meth:`run` takes the sharded model as it takes any; the default refuses.
+        """
+        return f"{type(self).__name__} does not say that it runs on a sharded model"
+
+    def callback_refusal(self) -> str | None:
+        """Why the Trainer callback cannot measure it, in one line; ``None``: it can.
+
+        The callback runs it at the callback's radius with the callback's settings and logs the
+        result's ``value``; the default refuses.
+        """
+        return (
+            "the callback measures sharpness (geodesic, adaptive, euclidean); "
+            f"{type(self).__name__} does not say that the callback can measure it"
+        )
 
     @classmethod
     @abstractmethod

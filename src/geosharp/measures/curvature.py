@@ -10,7 +10,12 @@ from geosharp.errors import MeasureError
 from geosharp.estimators.curvature import curvature
 from geosharp.measures.base import Measure, Outcome, accepted, grammar, register
 
-__all__ = ["Curvature", "curvature_name"]
+__all__ = ["HVP_COST", "Curvature", "curvature_name"]
+
+#: A Hessian-vector product in forward+backward passes.
+HVP_COST = 2.0
+#: How a curvature quantity is written on a plot's axis.
+_AXIS = {"lambda_max": "λ_max", "lambda_min": "λ_min", "trace": "trace"}
 
 _OF = {
     "geodesic": "geodesic",
@@ -82,6 +87,7 @@ class Curvature(Measure):
         "(no rho), e.g. curvature-inv-lmax, curvature-euclidean-trace"
     )
     priority: ClassVar[int] = 10  # before sharpness: 'curvature-geodesic' names a family too
+    settings: ClassVar[frozenset[str]] = frozenset({"seed", "iters", "probes", "trace_method"})
 
     @classmethod
     def claims(cls, text: str, toks: list[str]) -> bool:  # noqa: D102
@@ -135,6 +141,26 @@ class Curvature(Measure):
     @property
     def name(self) -> str:  # noqa: D102
         return curvature_name(self.of, self.metric, self.quantity)
+
+    def step_cost(self, steps: int, curv: Mapping[str, Any]) -> float:
+        """The Hessian-vector products (``iters``, or ``probes`` for the trace) and a pass."""
+        n = curv.get("iters", 50) if self.quantity != "trace" else curv.get("probes", 100)
+        return float(n) * HVP_COST + 1.0
+
+    @property
+    def axis_label(self) -> str:
+        """E.g. ``"curvature λ_max (geodesic-inv)"``."""
+        of = f"geodesic-{self.metric or 'inv'}" if self.of == "geodesic" else self.of
+        return f"curvature {_AXIS.get(self.quantity, self.quantity)} ({of})"
+
+    def shard_refusal(self) -> str | None:  # noqa: D102
+        return "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
+
+    def callback_refusal(self) -> str | None:  # noqa: D102
+        return (
+            "the callback measures sharpness (geodesic, adaptive, euclidean); curvature and "
+            "relative flatness are measured with gs.curvature and gs.relative_flatness"
+        )
 
     def kwargs(self) -> dict[str, Any]:
         """``{"measure": "curvature", "of": …, "metric": …, "quantity": …}``."""

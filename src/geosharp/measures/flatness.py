@@ -52,6 +52,19 @@ class RelativeFlatness(Measure):
     def name(self) -> str:  # noqa: D102
         return "relative_flatness"
 
+    def step_cost(self, steps: int, curv: Mapping[str, Any]) -> float:
+        """Two passes per batch."""
+        return 2.0
+
+    def shard_refusal(self) -> str | None:  # noqa: D102
+        return "relative flatness of a sharded model is not implemented yet"
+
+    def callback_refusal(self) -> str | None:  # noqa: D102
+        return (
+            "the callback measures sharpness (geodesic, adaptive, euclidean); curvature and "
+            "relative flatness are measured with gs.curvature and gs.relative_flatness"
+        )
+
     def kwargs(self) -> dict[str, Any]:
         """``{"measure": "relative_flatness"}``, with ``layer`` when one is named."""
         kw: dict[str, Any] = {"measure": "relative_flatness"}

@@ -8,9 +8,14 @@ from typing import Any, ClassVar
 
 from geosharp.errors import MeasureError
 from geosharp.estimators.sharpness import measure_name, sharpness
-from geosharp.measures.base import Measure, accepted, grammar, register
+from geosharp.measures.base import FORWARD_COST, Measure, accepted, grammar, register
 
-__all__ = ["Sharpness"]
+__all__ = ["AVERAGE_SAMPLES", "STEP_COST", "Sharpness"]
+
+#: An Auto-PGD step in plain forward+backward passes (medians of ``benchmarks/README.md``).
+STEP_COST = {"adaptive": 1.2, "euclidean": 1.2, "geodesic": 1.4}
+#: Average-case samples per batch (``gs.sharpness``'s default, which ``gs.measure`` keeps).
+AVERAGE_SAMPLES = 10
 
 _FAMILIES = {
     "geodesic": "geodesic",
@@ -74,6 +79,7 @@ class Sharpness(Measure):
         "geodesic-mix-exact, adaptive-linf, adaptive-l2-average"
     )
     priority: ClassVar[int] = 50
+    settings: ClassVar[frozenset[str]] = frozenset({"steps", "eps", "seed", "exact_steps"})
 
     @classmethod
     def claims(cls, text: str, toks: list[str]) -> bool:  # noqa: D102
@@ -156,6 +162,47 @@ class Sharpness(Measure):
     def head_scaled(self) -> bool:
         """Geodesic mix: its heads' norm is in units of the other factor's Gram matrix."""
         return self.measure == "geodesic" and self.metric == "mix" and self.corrected_norm
+
+    @property
+    def ascends(self) -> bool:
+        """The worst case: ``steps`` Auto-PGD steps per batch."""
+        return self.kind == "worst"
+
+    def step_cost(self, steps: int, curv: Mapping[str, Any]) -> float:
+        """Worst case: ``steps`` × :data:`STEP_COST` + a forward; average: the sampled forwards."""
+        if self.kind == "average":
+            return (1 + AVERAGE_SAMPLES) * FORWARD_COST
+        return steps * STEP_COST.get(self.measure, 1.4) + FORWARD_COST
+
+    def run_settings(self, available: Mapping[str, Any]) -> dict[str, Any]:
+        """Steps, ε and seed; the RK4 steps (``exact_steps``) for the exact geodesic only."""
+        kw = super().run_settings(available)
+        if not self.exact_geodesic:
+            kw.pop("exact_steps", None)
+        return kw
+
+    @property
+    def paper_column(self) -> str | None:
+        """``"adaptive"``, or ``"geodesic inv|mix"`` with the corrected norm (SPEC §7)."""
+        if self.measure == "adaptive":
+            return "adaptive"
+        if self.measure == "geodesic" and self.corrected_norm:
+            return f"geodesic {self.metric}"
+        return None
+
+    def shard_refusal(self) -> str | None:
+        """``None``: :func:`geosharp.sharpness` measures every sharpness measure sharded."""
+        return None
+
+    def callback_refusal(self) -> str | None:
+        """The attention-only and no-corrected-norm variants are refused."""
+        if self.perturb != "all" or not self.corrected_norm:
+            return (
+                "the callback measures every parameter with the corrected norm; the "
+                "attention-only (-blocks) and no-corrected-norm (-adaptivenorm) variants are "
+                "measured with gs.sharpness(perturb=..., corrected_norm=...) or gs.measure"
+            )
+        return None
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`geosharp.sharpness` that identify the measure."""

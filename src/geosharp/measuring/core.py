@@ -276,7 +276,7 @@ def measure(
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
         **({"exact_steps": exact_steps} if any(s.exact_geodesic for s in specs) else {}),
-        **({"curvature": curv} if any(s.family == "curvature" for s in specs) else {}),
+        **({"curvature": curv} if _takes_curvature_settings(specs) else {}),
         **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
         **(
             {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
@@ -328,7 +328,7 @@ def _check_arguments(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise MeasureError(f"steps must be an int >= 1, got {steps!r}")
     curv = {"iters": iters, "probes": probes, "trace_method": trace_method}
-    if any(s.family == "curvature" for s in specs):
+    if _takes_curvature_settings(specs):
         for key in ("iters", "probes"):
             n = curv[key]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -340,6 +340,11 @@ def _check_arguments(
         if trace_method == "hutch++" and probes < 3:
             raise MeasureError(f"hutch++ needs at least 3 probes, got {probes}")
     return specs, grids, curv
+
+
+def _takes_curvature_settings(specs: Sequence[Measure]) -> bool:
+    """Whether a measure takes the curvature settings (``iters``, ``probes``, ``trace_method``)."""
+    return any(s.settings & {"iters", "probes", "trace_method"} for s in specs)
 
 
 def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:

@@ -43,26 +43,19 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.measures import Measure
+from geosharp.measures.base import FORWARD_COST
 from geosharp.measuring.results import _time
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
 
-__all__ = ["LONG_RUN_S", "PROBE_STEPS", "STEP_COST", "RunEstimate", "batch_sizes", "estimate_run"]
+__all__ = ["LONG_RUN_S", "PROBE_STEPS", "RunEstimate", "batch_sizes", "estimate_run"]
 
 #: A run estimated longer than this on a CPU gets the advice of :meth:`RunEstimate.advice`.
 LONG_RUN_S = 300.0
-#: An Auto-PGD step in plain forward+backward passes (medians of ``benchmarks/README.md``).
-STEP_COST = {"adaptive": 1.2, "euclidean": 1.2, "geodesic": 1.4}
-#: A forward pass alone, in forward+backward passes (the average case draws, forward only).
-FORWARD_COST = 0.35
-#: Average-case samples per batch (``gs.sharpness``'s default, which ``gs.measure`` keeps).
-AVERAGE_SAMPLES = 10
 #: The steps a probe times: a (1 + this)-step ascent less a 1-step one, so the set-up cancels.
 PROBE_STEPS = 4
 #: Times a probe is repeated (the fastest is kept).
 PROBE_REPEATS = 2
-#: A Hessian-vector product (curvature measures) in forward+backward passes.
-HVP_COST = 2.0
 
 
 def _input_size(inputs: Any) -> int:
@@ -118,19 +111,6 @@ def batch_sizes(batches: Sequence[Any]) -> dict[str, int]:
     return out
 
 
-def _cell_cost(spec: Measure, steps: int, curv: Mapping[str, Any]) -> float:
-    """Forward+backward passes of one (measure, ρ) cell on a batch of batch 0's size."""
-    if spec.family == "curvature":
-        quantity = spec.kwargs()["quantity"]
-        n = curv.get("iters", 50) if quantity != "trace" else curv.get("probes", 100)
-        return float(n) * HVP_COST + 1.0
-    if spec.family == "relative flatness":
-        return 2.0
-    if spec.kwargs().get("kind") == "average":
-        return (1 + AVERAGE_SAMPLES) * FORWARD_COST
-    return steps * STEP_COST.get(spec.kwargs().get("measure", ""), 1.4) + FORWARD_COST
-
-
 @dataclass
 class RunEstimate:
     """The estimated time of a ``gs.measure`` run, from one timed forward+backward pass.
@@ -143,7 +123,7 @@ class RunEstimate:
             measures, each batch weighed by its size against batch 0).
         pass_s: Seconds of one forward+backward pass of batch 0.
         seconds: The estimate: every cell's steps at the timed cost of a step (else
-            :data:`STEP_COST` passes), each batch weighed by its size.
+            :meth:`Measure.step_cost` passes), each batch weighed by its size.
         device: Where the model runs (``"cpu"``, ``"cuda:0"``, ...).
         threads: Torch CPU threads.
         worst_only: Every cell is a worst-case measure (the line then shows the product).
@@ -372,7 +352,7 @@ def estimate_run(
         curv: ``iters`` and ``probes`` of the curvature measures.
         probe: ``probe(spec, k)``: the seconds of a ``k``-step ascent of the worst-case
             measure ``spec`` on batch 0 (``gs.measure`` passes one); a step is then timed
-            (:data:`PROBE_STEPS`), else it is :data:`STEP_COST` forward+backward passes.
+            (:data:`PROBE_STEPS`), else it is :meth:`Measure.step_cost` forward+backward passes.
 
     Returns:
         A :class:`RunEstimate`.
@@ -392,12 +372,7 @@ def estimate_run(
     cells = [(s, r) for s in specs for r in radii(s)]
     step_s: dict[str, float] = {}
     for spec in specs:
-        if (
-            probe is not None
-            and spec.uses_rho
-            and spec.kwargs().get("kind") == "worst"
-            and spec.name not in step_s
-        ):
+        if probe is not None and spec.ascends and spec.name not in step_s:
             # twice, keeping the faster: other work on the machine only ever slows a timing
             diffs = [
                 (probe(spec, 1 + PROBE_STEPS) - probe(spec, 1)) / PROBE_STEPS
@@ -409,15 +384,15 @@ def estimate_run(
     def cost(spec: Measure) -> float:
         if spec.name in step_s:
             return steps * step_s[spec.name] + FORWARD_COST * pass_s
-        return _cell_cost(spec, steps, curv) * pass_s
+        return spec.step_cost(steps, curv) * pass_s
 
     cell_seconds = [cost(s) * sum(weights) for s, _ in cells]
     named = [(s.name, r, t) for (s, r), t in zip(cells, cell_seconds, strict=True)]
-    worst_only = all(s.uses_rho and s.kind == "worst" for s, _ in cells)
+    worst_only = all(s.ascends for s, _ in cells)
     passes = (
         float(len(cells) * steps * len(batches))
         if worst_only
-        else sum(_cell_cost(s, steps, curv) for s, _ in cells) * len(batches)
+        else sum(s.step_cost(steps, curv) for s, _ in cells) * len(batches)
     )
     rows = [_rows(b[0], b[1]) for b in batches]
     first = next(iter(model.parameters()))

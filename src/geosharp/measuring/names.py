@@ -16,18 +16,26 @@ canonical name every result carries:
 The study reports sort and compare rows by name: :func:`measure_family` (sharpness, relative
 flatness or curvature), :func:`default_paper_match` (the paper family a row is compared with)
 and :func:`is_geodesic_main` (the geodesic measures paired with adaptive ℓ2). These read any
-string, canonical or not, and never raise.
+string, canonical or not, and never raise: the canonical name of a registered measure is
+asked of its class (:attr:`~geosharp.measures.Measure.family`,
+:attr:`~geosharp.measures.Measure.paper_column`); the text is read only for other names (a
+loose spelling, an old store's name no registered class claims).
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+
+from geosharp.errors import MeasureError
+from geosharp.measures import Measure, parse_measure, registered
 
 __all__ = [
     "FAMILY_ORDER",
     "default_paper_match",
     "is_geodesic_main",
     "measure_family",
+    "registered_measure",
 ]
 
 #: The kinds of rows of a τ table, in the order the study reports list them.
@@ -39,6 +47,25 @@ _GEODESIC_MAIN = re.compile(r"^geodesic-(inv|mix)-o2 (worst|average) l2$")
 def _hyphenated(name: str) -> str:
     """Lower case, with every run of spaces and underscores read as one hyphen."""
     return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+def registered_measure(name: str) -> Measure | None:
+    """The registered measure whose canonical name ``name`` is, or ``None`` (never raises).
+
+    A loose spelling (``"rf"``, ``"geo-mix-exact"``) is not a canonical name: it is read as
+    text, as before, by the functions here.
+    """
+    return _parse(name, registered()) if isinstance(name, str) else None
+
+
+@lru_cache(maxsize=4096)
+def _parse(name: str, classes: tuple[type, ...]) -> Measure | None:
+    # keyed by the registered classes: registering a measure is seen at once
+    try:
+        spec = parse_measure(name)
+    except MeasureError:
+        return None
+    return spec if spec.name == name else None
 
 
 def measure_family(name: str) -> str:
@@ -60,6 +87,9 @@ def measure_family(name: str) -> str:
         >>> measure_family("relative_flatness")
         'relative flatness'
     """
+    spec = registered_measure(name)
+    if spec is not None:
+        return spec.family
     hyphenated = _hyphenated(name)
     if re.search(r"(^|-)curvature(-|$)", hyphenated):
         return "curvature"
@@ -77,10 +107,12 @@ def default_paper_match(name: str) -> str | None:
         name: A measure name, e.g. ``"geodesic-inv-o2 worst l2"``.
 
     Returns:
-        ``None`` for the "no corrected norm" ablation (``…-adaptivenorm``, not a paper
-        family) and for curvature (:func:`measure_family`; the paper reports sharpness only),
-        ``"adaptive"`` if the name contains "adaptive", ``"geodesic inv"`` if it starts with
-        "geodesic-inv", ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
+        The :attr:`~geosharp.measures.Measure.paper_column` of the registered measure whose
+        canonical name it is; for another name: ``None`` for the "no corrected norm"
+        ablation (``…-adaptivenorm``, not a paper family) and for curvature
+        (:func:`measure_family`; the paper reports sharpness only), ``"adaptive"`` if the name
+        contains "adaptive", ``"geodesic inv"`` if it starts with "geodesic-inv",
+        ``"geodesic mix"`` if it starts with "geodesic-mix", else ``None``.
 
     Example:
         >>> default_paper_match("geodesic-inv-o2 worst l2"), default_paper_match("euclidean")
@@ -88,6 +120,9 @@ def default_paper_match(name: str) -> str | None:
         >>> default_paper_match("geodesic-inv curvature lambda_max") is None
         True
     """
+    spec = registered_measure(name)
+    if spec is not None:
+        return spec.paper_column
     hyphenated = _hyphenated(name)
     if "adaptivenorm" in hyphenated or measure_family(name) == "curvature":
         return None

@@ -81,12 +81,12 @@ SUPPORTED = (
 
 
 def refusal(spec: Measure) -> str | None:
-    """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can)."""
-    if spec.family == "curvature":
-        why = "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
-    elif spec.family == "relative flatness":
-        why = "relative flatness of a sharded model is not implemented yet"
-    else:  # sharpness: gs.sharpness measures every one on a sharded model
+    """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can).
+
+    The measure says (:meth:`~geosharp.measures.Measure.shard_refusal`).
+    """
+    why = spec.shard_refusal()
+    if why is None:
         return None
     return (
         f"{spec.name} on a sharded (FSDP2) model: {why}; a sharded model is measured with "

@@ -166,9 +166,15 @@ def correlate(
 ) -> dict[str, dict[float | None, Cell]]:
     """Fill every cell's :attr:`Cell.summary`; return the cells sorted by :data:`FAMILY_ORDER`.
 
-    Sharpness, then relative flatness, then curvature; each kind in the order given.
+    Sharpness, then relative flatness, then curvature, then a family not listed (a new
+    measure's); each kind in the order given.
     """
-    cells = dict(sorted(cells.items(), key=lambda kv: FAMILY_ORDER.index(measure_family(kv[0]))))
+
+    def rank(name: str) -> int:
+        family = measure_family(name)
+        return FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER)
+
+    cells = dict(sorted(cells.items(), key=lambda kv: rank(kv[0])))
     for by_rho in cells.values():
         for cell in by_rho.values():
             cell.summary = correlation_summary(

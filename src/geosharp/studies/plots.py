@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from geosharp._io import atomic_write_bytes
-from geosharp.measuring.names import measure_family
+from geosharp.measuring.names import measure_family, registered_measure
 from geosharp.studies.analysis import Cell
 from geosharp.studies.formatting import fmt, rho_key, rho_label
 
@@ -28,12 +28,10 @@ def log_x(values: np.ndarray) -> bool:
     return bool(values.size) and bool(np.all(values > 0)) and values.max() / values.min() > 100.0
 
 
-#: How a curvature quantity (the last word of its name) is written on an axis.
-_QUANTITY = {"lambda_max": "λ_max", "lambda_min": "λ_min", "trace": "trace"}
-
-
 def value_label(measure: str) -> str:
-    """What the x axis of a measure's plot shows: sharpness, curvature λ_max/trace, or flatness.
+    """What the x axis of a measure's plot shows (:attr:`geosharp.measures.Measure.axis_label`).
+
+    A name no registered measure class claims shows its family (:func:`measure_family`).
 
     Example:
         >>> value_label("adaptive worst l2"), value_label("relative_flatness")
@@ -41,15 +39,8 @@ def value_label(measure: str) -> str:
         >>> value_label("geodesic-inv curvature lambda_max")
         'curvature λ_max (geodesic-inv)'
     """
-    family = measure_family(measure)
-    if family == "relative flatness":
-        return "relative flatness"
-    if family == "curvature":
-        head, _, quantity = measure.rpartition(" ")
-        of = head.replace("curvature", "").strip()
-        text = f"curvature {_QUANTITY.get(quantity, quantity)}"
-        return f"{text} ({of})" if of else text
-    return "sharpness"
+    spec = registered_measure(measure)
+    return spec.axis_label if spec is not None else measure_family(measure)
 
 
 def _panel_title(rho: float | None, cell: Cell) -> str:

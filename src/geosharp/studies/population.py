@@ -345,12 +345,10 @@ class PopulationStudy(Study):
         return specs
 
     def _run_kwargs(self, m: Measure) -> dict[str, Any]:
-        if m.family != "sharpness":
-            return {"seed": self.cfg.seed}
         kw = {"steps": self.cfg.steps, "eps": self.cfg.eps, "seed": self.cfg.seed}
-        if m.exact_geodesic and self.cfg.exact_steps != DEFAULT_RK4_STEPS:
+        if self.cfg.exact_steps != DEFAULT_RK4_STEPS:
             kw["exact_steps"] = self.cfg.exact_steps
-        return kw
+        return m.run_settings(kw)  # the settings the measure takes (Measure.settings)
 
     def prepare(self, row: dict[str, Any], batches: list[tuple[Any, Any]]) -> Prepared:
         """``geosharp measure``'s loading and self-check of one model (its own batches)."""
