@@ -1,0 +1,155 @@
+"""Kernel-launching ops per ascent step stay within today's counts (issue 43).
+
+The count of ``tests/launch_counter.py`` (the same as ``benchmarks/launches.py``'s) is
+deterministic, so it can be bounded where a time cannot: per step of a whole ``gs.sharpness``
+call, ``C(3) − C(2)`` (steps; samples of the average case; Hutchinson probes, one
+Hessian-vector product each), over one plain forward+backward of the same batches (278
+launches), on a tiny BERT classifier (2 layers of 4 heads, 2 batches of 2 × 6; the exact
+geodesic with 2 RK4 steps); and the elements written per step beyond that pass, in P per
+batch. Each bound is the figure measured on 2026-12-07 (torch 2.13.0, in the comment) times
+1.05: a change that launches or writes more per step fails here; one that does less should
+lower the bound. ``benchmarks/README.md`` has the same figures on MiniLM and Llama shapes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import geosharp as gs
+from geosharp.estimators.cache import clear_cache
+
+from .launch_counter import LaunchCounter, count, kind_of
+
+transformers = pytest.importorskip("transformers")
+
+#: measure → (what the two counts vary, the call's keyword arguments).
+MEASURES = {
+    "adaptive-l2": ("steps", dict(measure="adaptive", rho=0.316)),
+    "adaptive-linf": ("steps", dict(measure="adaptive", rho=0.01, norm="linf")),
+    "geodesic-inv-o2": ("steps", dict(measure="geodesic", metric="inv", order=2, rho=0.0316)),
+    "geodesic-mix-o2": ("steps", dict(measure="geodesic", metric="mix", order=2, rho=0.0316)),
+    "geodesic-inv-exact": (
+        "steps",
+        dict(measure="geodesic", metric="inv", order="exact", rho=0.0316, exact_steps=2),
+    ),
+    "geodesic-inv-average": (
+        "samples",
+        dict(measure="geodesic", metric="inv", kind="average", rho=0.01),
+    ),
+    "curvature-hvp": ("probes", dict(quantities=("trace",))),
+}
+
+#: measure → (launches per step / plain, P written per batch-step beyond plain), upper bounds:
+#: today's figure × 1.05 (today's in the comment).
+BOUNDS = {
+    "adaptive-l2": (5.91, 6.89),  # 5.626, 6.555
+    "adaptive-linf": (8.05, 20.25),  # 7.662, 19.283
+    "geodesic-inv-o2": (5.3, 13.75),  # 5.043, 13.090
+    "geodesic-mix-o2": (5.26, 13.43),  # 5.007, 12.788
+    "geodesic-inv-exact": (10.94, 154.44),  # 10.417, 147.078
+    "geodesic-inv-average": (2.23, 10.23),  # 2.115, 9.743
+    "curvature-hvp": (7.29, 32.33),  # 6.935, 30.789
+}
+
+
+def _ce(out, target):
+    return nn.functional.cross_entropy(out.logits, target)
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=37,
+        max_position_embeddings=16,
+        num_labels=2,
+        attn_implementation="eager",
+    )
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(5, 50, (2, 6), generator=g)
+        batches.append(
+            ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.tensor([0, 1]))
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def plain():
+        for x, y in batches:
+            torch.autograd.grad(_ce(model(**x), y), params)
+
+    plain()  # warm-up
+    c, _ = count(plain)
+    return model, batches, c, sum(p.numel() for p in params)
+
+
+def _call(model, batches, measure, n):
+    key, kw = MEASURES[measure]
+    clear_cache()
+    fn = gs.curvature if "curvature" in measure else gs.sharpness
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c, _ = count(fn, model, _ce, batches, progress=False, **kw, **{key: n})
+    return c
+
+
+def per_step(case, measure):
+    model, batches, plain, P = case
+    low, high = _call(model, batches, measure, 2), _call(model, batches, measure, 3)
+    d = high - low
+    return d.launches / plain.launches, (d.elements - plain.elements) / (P * len(batches)), d
+
+
+@pytest.mark.parametrize("measure", list(MEASURES))
+def test_launches_per_step_stay_within_todays(case, measure):
+    ratio, written, d = per_step(case, measure)
+    bound_ratio, bound_written = BOUNDS[measure]
+    top = ", ".join(f"{k} {n}" for k, n, _ in d.top(8))
+    assert ratio <= bound_ratio, f"{measure}: {ratio:.3f} plain passes per step ({top})"
+    assert written <= bound_written, f"{measure}: {written:.3f} P per batch-step beyond plain"
+    if MEASURES[measure][0] == "steps":  # a step holds a forward and a backward at least
+        assert ratio >= 1.0
+
+
+def test_the_count_is_deterministic(case):
+    model, batches, plain, _ = case
+    a = _call(model, batches, "geodesic-mix-o2", 2)
+    b = _call(model, batches, "geodesic-mix-o2", 2)
+    assert a.ops == b.ops and a.op_elements == b.op_elements
+    assert (a.casts, a.host_reads, a.allocs, a.views) == (b.casts, b.host_reads, b.allocs, b.views)
+    assert a.launches > plain.launches > 0
+
+
+def test_what_counts_as_a_launch():
+    aten = torch.ops.aten
+    assert kind_of(aten.view.default) == kind_of(aten._unsafe_view.default) == "view"
+    assert kind_of(aten.t.default) == kind_of(aten.unsqueeze_.default) == "view"
+    assert kind_of(aten.empty.memory_format) == kind_of(aten.empty_like.default) == "alloc"
+    assert kind_of(aten.add_.Tensor) == kind_of(aten.mm.default) == "launch"
+    x = torch.ones(3, 4)
+    with LaunchCounter() as m:
+        y = x.t().t().reshape(12).double()  # views, then a cast (a launch)
+        y.add_(1.0)  # a launch writing 12 elements
+        z = torch.empty(5)  # an allocation
+        float(y.sum())  # sum: a launch; .item(): a host read (a launch as well)
+        z.copy_(torch.zeros(5, dtype=torch.float64))  # zeros and a cast back
+    c = m.count
+    assert c.ops == {
+        "_to_copy": 1,
+        "add_": 1,
+        "sum": 1,
+        "_local_scalar_dense": 1,
+        "zeros": 1,
+        "copy_": 1,
+    }
+    assert c.op_elements["add_"] == 12 and c.elements == 12 + 12 + 1 + 5 + 5
+    assert (c.casts, c.host_reads, c.allocs) == (2, 1, 1)
