@@ -53,6 +53,25 @@ def save_tiny_classifier(folder, tok, seed: int, **config) -> None:
     transformers.BertForSequenceClassification(cfg).save_pretrained(folder)
 
 
+def save_tiny_manifest(root, rows, header, **config) -> None:
+    """A manifest study's folder: a tiny classifier per row, ``data.csv`` and ``m.csv``.
+
+    ``rows``: ``(name, *metrics)``; the model of row ``i`` is :func:`save_tiny_classifier`'s with
+    seed ``i`` (``config``: more ``BertConfig`` fields) beside the tokenizer; ``data.csv`` holds
+    :data:`CORPUS` labelled alternately 0 and 1; ``m.csv`` the rows under ``header``.
+    """
+    import csv
+
+    tok = make_tokenizer()
+    for i, (name, *_rest) in enumerate(rows):
+        save_tiny_classifier(root / name, tok, seed=i, **config)
+        tok.save_pretrained(root / name)
+    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["text", "label"], *((t, i % 2) for i, t in enumerate(CORPUS))])
+    with (root / "m.csv").open("w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([header, *rows])
+
+
 def make_tokenizer():
     """A word-level ``PreTrainedTokenizerFast`` over the words of the corpus and the pairs."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers

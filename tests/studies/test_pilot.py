@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
@@ -68,17 +67,11 @@ def test_a_study_of_models_at_chance_stops_before_measuring(tmp_path):
     from geosharp.measuring.resolve import resolve_device, resolve_dtype
     from geosharp.studies.population import PopulationSettings, parse_rho, run_population
 
-    from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
+    from ..measure.conftest import save_tiny_manifest
 
-    tok = make_tokenizer()
     rows = [("a", 0.9, 0.7), ("b", 0.95, 0.8), ("c", 0.9, 0.85)]
-    for i, (name, *_r) in enumerate(rows):  # fresh heads: logits near 0, loss near ln 2
-        save_tiny_classifier(tmp_path / name, tok, seed=i)
-        tok.save_pretrained(tmp_path / name)
-    with (tmp_path / "data.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *((t, i % 2) for i, t in enumerate(CORPUS))])
-    with (tmp_path / "m.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["model", "train_accuracy", "test_accuracy"], *rows])
+    # fresh heads: logits near 0, loss near ln 2
+    save_tiny_manifest(tmp_path, rows, ["model", "train_accuracy", "test_accuracy"])
     options = {"data": str(tmp_path / "data.csv"), "seed": 0, "batch_size": 4, "samples": 8,
                "max_length": 32, "device": resolve_device("cpu"),
                "dtype": resolve_dtype("float32")}  # fmt: skip

@@ -9,14 +9,13 @@ words how to read them.
 
 from __future__ import annotations
 
-import csv
 import json
 
 import pytest
 
 from geosharp.studies.population import PopulationSettings, parse_rho, run_population
 
-from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
+from ..measure.conftest import save_tiny_manifest
 
 pytest.importorskip("transformers")
 
@@ -28,14 +27,8 @@ def finished(tmp_path_factory):
     from geosharp.measuring.resolve import resolve_device, resolve_dtype
 
     root = tmp_path_factory.mktemp("records")
-    tok = make_tokenizer()
-    for i, (name, *_rest) in enumerate(ROWS):
-        save_tiny_classifier(root / name, tok, seed=i)  # max_position_embeddings 32
-        tok.save_pretrained(root / name)
-    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *((t, i % 2) for i, t in enumerate(CORPUS))])
-    with (root / "m.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["model", "train_accuracy", "test_accuracy", "lr"], *ROWS])
+    # max_position_embeddings 32
+    save_tiny_manifest(root, ROWS, ["model", "train_accuracy", "test_accuracy", "lr"])
     options = {"data": str(root / "data.csv"), "seed": 0, "batch_size": 4, "samples": 1024,
                "max_length": 128, "device": resolve_device("cpu"),
                "dtype": resolve_dtype("float32")}  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 from geosharp.measuring.flags import FLAGS
 from geosharp.studies.population import PopulationSettings, parse_rho, run_population
 
-from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
+from ..measure.conftest import save_tiny_manifest
 
 pytest.importorskip("transformers")
 
@@ -41,14 +41,8 @@ def _settings(root):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("flags")
-    tok = make_tokenizer()
-    for i, (name, *_rest) in enumerate(ROWS):
-        save_tiny_classifier(root / name, tok, seed=i, initializer_range=0.5)
-        tok.save_pretrained(root / name)
-    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *((t, i % 2) for i, t in enumerate(CORPUS))])
-    with (root / "m.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["model", "train_accuracy", "test_accuracy"], *ROWS])
+    header = ["model", "train_accuracy", "test_accuracy"]
+    save_tiny_manifest(root, ROWS, header, initializer_range=0.5)
     out = root / "out"
     lines: list[str] = []
     run_population(_settings(root), out, progress=False, log=lines.append)

@@ -18,7 +18,7 @@ import pytest
 from geosharp.errors import MeasureError
 from geosharp.studies.twin_section import TWIN_FILE, is_flagged, merge_twin_files, read_rows
 
-from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
+from ..measure.conftest import save_tiny_manifest
 
 pytest.importorskip("transformers")
 
@@ -43,14 +43,7 @@ def _study(root, out):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("twins")
-    tok = make_tokenizer()
-    for i, (name, *_rest) in enumerate(ROWS):
-        save_tiny_classifier(root / name, tok, seed=i)
-        tok.save_pretrained(root / name)
-    with (root / "data.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *((t, i % 2) for i, t in enumerate(CORPUS))])
-    with (root / "m.csv").open("w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["model", "train_accuracy", "test_accuracy"], *ROWS])
+    save_tiny_manifest(root, ROWS, ["model", "train_accuracy", "test_accuracy"])
     out = root / "out"
     code, printed, lines = _study(root, out)
     assert code == 0, lines
