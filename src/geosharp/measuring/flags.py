@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from geosharp.measuring.checks import MATERIAL_RISE, RISE_TOL_ULPS, still_rising
 from geosharp.measuring.losses import _logits
+from geosharp.measuring.results import flags_text
 from geosharp.symmetry.verify import call_model, eval_mode
 from geosharp.symmetry.verify import to_device as _to_device
 
@@ -224,8 +225,3 @@ def reference_loss(
         return None
     mean = total / max(len(batches), 1)
     return mean if math.isfinite(mean) else None
-
-
-def flags_text(flags: Sequence[str]) -> str:
-    """The flags as a table or a CSV cell writes them: ``"rising unstable"``; ``""`` if sound."""
-    return " ".join(flags)

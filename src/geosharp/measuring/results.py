@@ -197,6 +197,15 @@ _CSV_FIELDS = (
 SIZE_FIELDS = ("steps", "samples", "batch_size", "max_length")
 
 
+def flags_text(flags: Sequence[str] | None) -> str:
+    """A cell's flags as a table or a CSV cell writes them (:mod:`geosharp.measuring.flags`).
+
+    ``"rising unstable"``; ``""`` when sound; ``"not recorded"`` for ``None`` (a study's row
+    measured before flags existed).
+    """
+    return "not recorded" if flags is None else " ".join(flags)
+
+
 def rho_text(rho: float | None) -> str:
     """ρ as the table prints it: ``1``, not ``1.0``; every other value exactly (shortest repr).
 
@@ -306,7 +315,7 @@ class MeasureReport:
                 spread += f"; s.e. {_g(r.stderr, 2)}"
             if r.n_hvp:
                 spread += f"; {r.n_hvp} HVPs"
-            flags = " ".join(r.flags)
+            flags = flags_text(r.flags)
             rows.append((r.measure, _g(r.rho), _g(r.value, 5), spread, _time(r.time_s), flags))
         widths = [max(len(x[j]) for x in [header, *rows]) for j in range(len(header))]
         right = {1, 2, 4}
@@ -389,7 +398,7 @@ class MeasureReport:
         for r in self.rows:
             d = _json_safe(r.to_dict())
             d["per_batch"] = json.dumps(d["per_batch"])
-            d["flags"] = " ".join(r.flags)
+            d["flags"] = flags_text(r.flags)
             d["rho"] = rho_text(r.rho)
             d.update(sizes)
             writer.writerow({k: "" if d[k] is None else d[k] for k in _CSV_FIELDS})

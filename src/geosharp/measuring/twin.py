@@ -44,7 +44,7 @@ from geosharp.measures.sharpness import Sharpness
 from geosharp.measuring.core import DEFAULT_MEASURES, DEFAULT_STEPS, measure
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.prepare import prepare_measurement
-from geosharp.measuring.results import MeasureReport, _g, rho_text
+from geosharp.measuring.results import MeasureReport, _g, flags_text, rho_text
 from geosharp.symmetry import ParameterSpace, reparametrize
 from geosharp.symmetry.verify import call_model, eval_mode, flatten_outputs
 
@@ -222,8 +222,8 @@ class TwinCheck:
             change = r.relative_change
             body.append((
                 r.measure, rho_text(r.rho), _g(r.value, 6), _g(r.twin_value, 6),
-                "–" if change is None else f"{change:.1e}", " ".join(r.flags),
-                " ".join(r.twin_flags), r.reading(self.tol),
+                "–" if change is None else f"{change:.1e}", flags_text(r.flags),
+                flags_text(r.twin_flags), r.reading(self.tol),
             ))  # fmt: skip
         widths = [max(len(x[j]) for x in [header, *body]) for j in range(len(header))]
         right = {1, 2, 3, 4}

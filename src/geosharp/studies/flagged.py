@@ -36,7 +36,7 @@ def _recorded(measurements: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
 def flag_counts(
     measurements: Sequence[Mapping[str, Any]],
 ) -> dict[tuple[str, float | None], dict[str, Any]]:
-    """Per (measure, ρ): the models measured, those flagged, and the count of each flag.
+    """Per (measure, ρ): the models measured, their values, those flagged, each flag's count.
 
     Only measurements that recorded flags count; failed ones (no value) are left out.
     """
@@ -44,9 +44,10 @@ def flag_counts(
     for m in _recorded(measurements):
         c = out.setdefault(
             (m["measure"], m.get("rho")),
-            {"n": 0, "flagged": [], **{f: 0 for f in FLAGS}},
+            {"n": 0, "flagged": [], "values": {}, **{f: 0 for f in FLAGS}},
         )
         c["n"] += 1
+        c["values"][str(m["model_id"])] = float(m["value"])
         if m["flags"]:
             c["flagged"].append(str(m["model_id"]))
         for f in m["flags"]:
@@ -71,19 +72,15 @@ def flags_section(
     counts = flag_counts(measurements)
     if not counts:
         return []
-    values = {
-        (m["measure"], m.get("rho"), str(m["model_id"])): float(m["value"])
-        for m in _recorded(measurements)
-    }
     rows = []
     for (measure, rho), c in sorted(counts.items(), key=lambda kv: (kv[0][0], rho_key(kv[0][1]))):
-        ids = [mid for (ms, r, mid) in values if ms == measure and r == rho and mid in gaps]
+        ids = [mid for mid in c["values"] if mid in gaps]
         sound = [mid for mid in ids if mid not in set(c["flagged"])]
         taus = []
         for group in (ids, sound):
             s = correlation_summary(
                 [gaps[mid] for mid in group],
-                [values[(measure, rho, mid)] for mid in group],
+                [c["values"][mid] for mid in group],
                 n_boot=n_boot,
                 n_perm=n_perm,
                 level=level,

@@ -30,7 +30,7 @@ from typing import Any
 
 from geosharp.errors import MeasureError
 from geosharp.estimators.sharded_check import is_sharded
-from geosharp.measuring.results import rho_text
+from geosharp.measuring.results import flags_text, rho_text
 from geosharp.measuring.twin import TWIN_TOL, make_twin, output_change, promised, relative_change
 from geosharp.studies.runner import Shard, Study, StudyMeasure
 from geosharp.studies.store import Store
@@ -82,10 +82,6 @@ def _stored(rows: Sequence[Mapping[str, Any]], spec: StudyMeasure, rho: float) -
         if r["measure"] == spec.name and r["rho"] == rho and r["settings"] == want:
             found = r
     return found
-
-
-def _flags_text(flags: Sequence[str] | None) -> str:
-    return "not recorded" if flags is None else " ".join(flags)
 
 
 def run_twin_check(
@@ -214,7 +210,7 @@ def _line(
         "value": value,
         "twin_value": twin_value,
         "relative_change": change,
-        "flags": _flags_text(mine.get("flags") if mine is not None else ()),
+        "flags": flags_text(mine.get("flags") if mine is not None else ()),
         "twin_flags": " ".join(theirs.flags) if theirs is not None else "",
         "error": "; ".join(e for e in errors if e) or None,
     }

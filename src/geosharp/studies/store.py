@@ -31,6 +31,7 @@ import torch
 
 from geosharp._io import atomic_write_text
 from geosharp._version import __version__
+from geosharp.measuring.results import flags_text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -386,11 +387,7 @@ class Store:
 
 def _flags_cell(row: Mapping[str, Any]) -> str:
     """results.csv's ``flags``: the flags, space-separated; empty when sound or failed."""
-    if row.get("error"):
-        return ""
-    if row.get("flags") is None:
-        return "not recorded"
-    return " ".join(row["flags"])
+    return "" if row.get("error") else flags_text(row.get("flags"))
 
 
 def _config_diff(stored: dict[str, Any], new: dict[str, Any], shown: int = 5) -> str:
