@@ -120,3 +120,10 @@ def test_the_math_reference_ships_with_the_package():
     assert "## 8." in text and "## 9." in text
     pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'geosharp = ["math.md"]' in pyproject
+
+
+def test_one_math_reference():
+    """docs/math.md is the package's math.md (a link), so the two can never differ."""
+    package = ROOT / "src" / "geosharp" / "math.md"
+    assert MATH.is_symlink() and MATH.resolve() == package.resolve()
+    assert MATH.read_text() == package.read_text()

@@ -84,6 +84,23 @@ def accepted(fn: Callable, settings: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k in params}
 
 
+def sharpness_row_fields(result: Any, rho: float | None) -> dict[str, Any]:
+    """The result-row fields of a ``SharpnessResult`` measured at ``rho``."""
+    return {
+        "measure": result.measure,
+        "rho": rho,
+        "value": result.value,
+        "per_batch": list(result.per_batch),
+        "clean_losses": list(result.clean_losses),
+        "perturbed_losses": list(result.perturbed_losses),
+        "traces": [list(t) for t in result.traces],
+        "time_s": result.time_s,
+        "n_forward": result.n_forward,
+        "n_backward": result.n_backward,
+        "max_relative_speed": result.settings.get("max_relative_speed"),
+    }
+
+
 @dataclass
 class Outcome:
     """The numbers of one measurement, as a study's store records them.
@@ -258,6 +275,15 @@ class Measure(ABC):
         ``settings`` are the run's settings (steps, seed, space, progress, …); each measure
         passes on those its estimator takes and ignores the rest.
         """
+
+    def row_fields(self, result: Any, rho: float | None) -> dict[str, Any]:
+        """The fields of the result row (``gs.measure``'s ``MeasureRow``) of one measurement.
+
+        The default reads a ``SharpnessResult`` (:func:`sharpness_row_fields`); a measure with
+        another result type says what its row holds (``measure``, ``rho``, ``value``,
+        ``per_batch``, ``clean_losses``, ``time_s`` and the pass counts at least).
+        """
+        return sharpness_row_fields(result, rho)
 
     def outcome(self, result: Any) -> Outcome:
         """What a study's store records of the estimator's result (a ``SharpnessResult``)."""

@@ -190,6 +190,22 @@ class Curvature(Measure):
         }
         return curvature(model, loss_fn, batches, **{**accepted(curvature, settings), **identity})
 
+    def row_fields(self, result: Any, rho: float | None) -> dict[str, Any]:
+        """The row of this quantity of a ``CurvatureResult`` (no radius)."""
+        q = self.quantity
+        return {
+            "measure": f"{result.measure} {q}",
+            "rho": None,
+            "value": result.values[q],
+            "per_batch": list(result.per_batch[q]),
+            "clean_losses": list(result.clean_losses),
+            "time_s": result.time_s,
+            "n_forward": result.n_forward,
+            "n_backward": result.n_backward,
+            "stderr": result.trace_stderr if q == "trace" else None,
+            "n_hvp": result.n_hvp,
+        }
+
     def outcome(self, result: Any) -> Outcome:
         """This quantity of a ``CurvatureResult``; the trace's standard errors as its stats."""
         q = self.quantity

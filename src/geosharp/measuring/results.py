@@ -18,9 +18,9 @@ from typing import Any
 
 from geosharp._io import atomic_write_text
 from geosharp.estimators.checks import InvarianceReport
-from geosharp.estimators.curvature import CurvatureResult
 from geosharp.estimators.sharpness import SharpnessResult
 from geosharp.measures import Measure, parse_measure
+from geosharp.measures.base import sharpness_row_fields
 
 __all__ = ["SIZE_FIELDS", "MeasureReport", "MeasureRow", "rho_text"]
 
@@ -102,42 +102,12 @@ class MeasureRow:
     @classmethod
     def from_result(cls, res: SharpnessResult, rho: float | None) -> MeasureRow:
         """Build a row from a :class:`geosharp.SharpnessResult`."""
-        return cls(
-            measure=res.measure,
-            rho=rho,
-            value=res.value,
-            per_batch=list(res.per_batch),
-            clean_losses=list(res.clean_losses),
-            perturbed_losses=list(res.perturbed_losses),
-            traces=[list(t) for t in res.traces],
-            time_s=res.time_s,
-            n_forward=res.n_forward,
-            n_backward=res.n_backward,
-            max_relative_speed=res.settings.get("max_relative_speed"),
-        )
+        return cls(**sharpness_row_fields(res, rho))
 
     @classmethod
     def of(cls, measure: Measure, res: Any, rho: float | None) -> MeasureRow:
-        """The row of a measure's result: a ``SharpnessResult``, or its quantity of a curvature."""
-        if isinstance(res, CurvatureResult):
-            return cls.from_curvature(res, measure.kwargs()["quantity"])
-        return cls.from_result(res, rho)
-
-    @classmethod
-    def from_curvature(cls, res: CurvatureResult, quantity: str) -> MeasureRow:
-        """Build the row of one quantity from a :class:`geosharp.CurvatureResult`."""
-        return cls(
-            measure=f"{res.measure} {quantity}",
-            rho=None,
-            value=res.values[quantity],
-            per_batch=list(res.per_batch[quantity]),
-            clean_losses=list(res.clean_losses),
-            time_s=res.time_s,
-            n_forward=res.n_forward,
-            n_backward=res.n_backward,
-            stderr=res.trace_stderr if quantity == "trace" else None,
-            n_hvp=res.n_hvp,
-        )
+        """The row of a measure's result, as the measure says (:meth:`Measure.row_fields`)."""
+        return cls(**measure.row_fields(res, rho))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (spread statistics included)."""

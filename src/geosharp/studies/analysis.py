@@ -21,7 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from geosharp.measures import parse_measure
-from geosharp.measuring.names import default_paper_match, is_geodesic_main, measure_family
+from geosharp.measuring.names import (
+    FAMILY_ORDER,
+    default_paper_match,
+    is_geodesic_main,
+    measure_family,
+)
 from geosharp.stats import CorrelationSummary, correlation_summary, tau_difference
 from geosharp.studies.formatting import rho_key
 
@@ -44,10 +49,6 @@ __all__ = [
 MIN_MODELS = 3
 
 OPTIONAL_MODEL_FIELDS = ("train_loss", "test_loss", "train_err", "test_err")
-
-
-#: The kinds of rows of a τ table, in the order they are listed (a stable sort by kind).
-FAMILY_ORDER = ("sharpness", "relative flatness", "curvature")
 
 
 # --------------------------------------------------------------------------------------------
