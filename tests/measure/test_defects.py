@@ -244,11 +244,12 @@ def test_a_sharded_cell_that_may_have_failed_on_one_rank_ends_the_run(monkeypatc
             raise err
 
     model = nn.Linear(2, 2)
-    call = (model, None, [], Failing(), 0.1, 1, 0.0, 0, None, False, {})
-    assert cells._measure_one(*call).error == str(err)  # one process: always a failed row
+    call = {"model": model, "loss_fn": None, "batches": [], "spec": Failing(), "rho": 0.1}
+    call["run"] = {"steps": 1}
+    assert cells._measure_one(**call).error == str(err)  # one process: always a failed row
     monkeypatch.setattr(cells, "is_sharded", lambda m: True)
     if kept:
-        assert cells._measure_one(*call).error == str(err)
+        assert cells._measure_one(**call).error == str(err)
     else:
         with pytest.raises(RuntimeError, match="out of memory"):
-            cells._measure_one(*call)
+            cells._measure_one(**call)

@@ -14,7 +14,7 @@ import pytest
 
 from geosharp.estimators.sharpness import measure_name
 from geosharp.measures import Measure, curvature_name, parse_measure
-from geosharp.measuring import MeasureError, core, names
+from geosharp.measuring import MeasureError, names
 from geosharp.measuring.names import default_paper_match, is_geodesic_main, measure_family
 
 # --------------------------------------------------------------------------------------------
@@ -194,11 +194,12 @@ def test_bad_measures_say_why(text, match):
         parse_measure(text)
 
 
-def test_the_grammar_is_the_one_of_core_and_the_callback():
-    """``core`` and the Trainer callback use the grammar of ``geosharp.measures``, no copy."""
+def test_the_grammar_is_the_one_of_measure_and_the_callback():
+    """``gs.measure`` (its settings) and the callback use ``geosharp.measures``' grammar."""
     from geosharp import measures
+    from geosharp.measuring import settings
 
-    assert core.parse_measure is measures.parse_measure
+    assert settings.parse_measure is measures.parse_measure
     pytest.importorskip("transformers")
     from geosharp.integrations import hf_trainer
 

@@ -21,15 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from geosharp.estimators.apgd import BUFFER_BUDGET
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.estimators.worst import ExactStepsWarning
-from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.checks import loss_eps, row_warnings
 from geosharp.measuring.estimate import RunEstimate, estimate_run
 from geosharp.measuring.flags import cell_flags, nest
 from geosharp.measuring.results import MeasureRow, _g, _time
+from geosharp.measuring.settings import MeasureSettings
 from geosharp.symmetry import ParameterSpace
 
 __all__: list[str] = []
@@ -39,16 +38,11 @@ def _estimate(
     model: nn.Module,
     loss_fn: Callable,
     batches: list,
-    specs: list[Measure],
+    cfg: MeasureSettings,
     rhos: Mapping[str, list[float]],
-    steps: int,
-    curv: Mapping[str, Any],
-    say: Callable[[str], None],
     *,
-    eps: float = 0.0,
-    seed: int = 0,
-    space: ParameterSpace | None = None,
-    extra: Mapping[str, Any] | None = None,
+    space: ParameterSpace | None,
+    say: Callable[[str], None],
 ) -> RunEstimate | None:
     """Say the run's estimated time, and on a long CPU run what each option would cut it to.
 
@@ -61,14 +55,26 @@ def _estimate(
         with warnings.catch_warnings():  # the real cells will say what the ascent has to say
             warnings.simplefilter("ignore")
             _measure_one(
-                model, loss_fn, batches[:1], spec, rhos[spec.name][0] if spec.uses_rho else None,
-                k, eps, seed, space, False, curv,
-                **(extra or {}),
-            )  # fmt: skip
+                model=model,
+                loss_fn=loss_fn,
+                batches=batches[:1],
+                spec=spec,
+                rho=rhos[spec.name][0] if spec.uses_rho else None,
+                run=cfg.run_kwargs(space, steps=k, progress=False),
+            )
         return time.perf_counter() - t0
 
     try:
-        est = estimate_run(model, loss_fn, batches, specs, rhos, steps, curv, probe)
+        est = estimate_run(
+            model,
+            loss_fn,
+            batches,
+            specs=cfg.specs,
+            rhos=rhos,
+            steps=cfg.steps,
+            curv=cfg.curvature,
+            probe=probe,
+        )
     except Exception as err:  # the measures will say what fails; an estimate is no reason to stop
         say(f"time estimate: not available ({type(err).__name__}: {err})")
         return None
@@ -82,35 +88,28 @@ def _measure_cells(
     model: nn.Module,
     loss_fn: Callable,
     batches: list,
-    specs: list[Measure],
+    cfg: MeasureSettings,
     rhos: Mapping[str, list[float]],
-    steps: int,
-    eps: float,
-    seed: int,
+    *,
     space: ParameterSpace | None,
-    progress: bool,
-    curv: Mapping[str, Any],
     say: Callable[[str], None],
     warn: Callable[..., None],
-    extra: Mapping[str, Any] | None = None,
     reference: float | None = None,
 ) -> list[MeasureRow]:
     """Every measure at every ρ (once without ρ), warning and logging as it goes.
 
-    ``rhos``: measure name → its radii. The radii of a measure run smallest first, so that a
-    worst-case cell can keep the better point of a smaller ball (:func:`checked_row`).
-    ``extra``: the estimators' settings that differ from their defaults (``low_memory``,
-    ``buffer_budget``, ``exact_steps``), as :func:`_estimate` takes them. ``reference``: the
-    trivial predictor's loss on the batches (:func:`~geosharp.measuring.flags.reference_loss`),
-    for the ``saturated`` flag.
+    ``cfg``: the run's settings. ``rhos``: measure name → its radii. The radii of a measure run
+    smallest first, so that a worst-case cell can keep the better point of a smaller ball
+    (:func:`checked_row`). ``reference``: the trivial predictor's loss on the batches
+    (:func:`~geosharp.measuring.flags.reference_loss`), for the ``saturated`` flag.
     """
-    extra = dict(extra or {})
-    exact_steps = extra.get("exact_steps", DEFAULT_RK4_STEPS)
+    specs, steps = cfg.specs, cfg.steps
+    run = cfg.run_kwargs(space)
     n_cells = sum(len(rhos[s.name]) if s.uses_rho else 1 for s in specs)
     say(f"measuring {n_cells} (measure, rho) cell(s) on {len(batches)} batch(es) ...")
     rows: list[MeasureRow] = []
     eps_loss = loss_eps(model)
-    bar = _progress(n_cells, progress, "measures")
+    bar = _progress(n_cells, bool(cfg.progress), "measures")
     try:
         for spec in specs:
             smaller: list[float] | None = None  # the nested per-batch values of the last ρ
@@ -118,24 +117,13 @@ def _measure_cells(
                 if bar is not None:
                     bar.set_postfix_str(f"{spec.name} rho={_g(rho)}")
                 row = _measure_one(
-                    model,
-                    loss_fn,
-                    batches,
-                    spec,
-                    rho,
-                    steps,
-                    eps,
-                    seed,
-                    space,
-                    progress,
-                    curv,
-                    **extra,
+                    model=model, loss_fn=loss_fn, batches=batches, spec=spec, rho=rho, run=run
                 )
                 row = checked_row(row, spec, smaller, eps_loss, reference)
                 if spec.nested_in_rho and row.error is None:
                     smaller = row.per_batch
                 rows.append(row)
-                for msg in row_warnings(row, spec, steps, eps_loss, exact_steps):
+                for msg in row_warnings(row, spec, steps, eps_loss, cfg.exact_steps):
                     warn(msg, stacklevel=4)
                 done = len(rows)
                 left = sum(r.time_s for r in rows) / done * (n_cells - done)
@@ -160,32 +148,18 @@ def _measure_one(
     batches: list,
     spec: Measure,
     rho: float | None,
-    steps: int,
-    eps: float,
-    seed: int,
-    space: ParameterSpace | None,
-    progress: bool,
-    curv: Mapping[str, Any],
-    low_memory: bool = False,
-    buffer_budget: float | None = BUFFER_BUDGET,
-    exact_steps: int = DEFAULT_RK4_STEPS,
+    run: Mapping[str, Any],
 ) -> MeasureRow:
+    """One cell: ``spec.run`` at ``rho``, a failure kept as the row's error.
+
+    ``run``: the settings it runs with (:meth:`MeasureSettings.run_kwargs`). A failure that
+    may be this rank's alone (:func:`this_rank_alone`) is raised instead.
+    """
     t0 = time.perf_counter()
-    settings = {
-        "steps": steps,
-        "eps": eps,
-        "seed": seed,
-        "space": space,
-        "progress": progress,
-        "low_memory": low_memory,
-        "buffer_budget": buffer_budget,
-        "exact_steps": exact_steps,
-        **curv,
-    }
     try:
         with warnings.catch_warnings():  # row_warnings says it, through the report's warn
             warnings.simplefilter("ignore", ExactStepsWarning)
-            res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **settings)
+            res = spec.run(model, loss_fn, batches, rho=rho if spec.uses_rho else None, **run)
     except (ValueError, FloatingPointError, RuntimeError, torch.linalg.LinAlgError) as err:
         if this_rank_alone(err, model):
             raise

@@ -31,7 +31,6 @@ loop :mod:`geosharp.measuring.cells`'s.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,9 +40,9 @@ from torch import Tensor, nn
 
 from geosharp.estimators.apgd import BUFFER_BUDGET
 from geosharp.estimators.materialized import check_materialized
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
-from geosharp.measures import Measure, parse_measure
+from geosharp.measures import Measure
 from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
 from geosharp.measuring.estimate import batch_sizes
@@ -53,14 +52,15 @@ from geosharp.measuring.prepare import (
     adaptive_note,
     prepare_measurement,
 )
-from geosharp.measuring.radii import (
-    DEFAULT_RHOS,
-    Radii,
-    check_radii,
-    default_radii,
-    grid_setting,
-)
+from geosharp.measuring.radii import DEFAULT_RHOS, default_radii, grid_setting
 from geosharp.measuring.results import MeasureReport
+from geosharp.measuring.settings import (
+    DEFAULT_CURVATURE_ITERS,
+    DEFAULT_CURVATURE_PROBES,
+    DEFAULT_MEASURES,
+    DEFAULT_STEPS,
+    MeasureSettings,
+)
 from geosharp.measuring.sharded import (
     SKIPPED,
     ShardedCheck,
@@ -77,18 +77,11 @@ __all__ = [
     "DEFAULT_RHOS",
     "DEFAULT_STEPS",
     "CheckedModel",
+    "MeasureSettings",
     "adaptive_note",
     "measure",
     "prepare_measurement",
 ]
-
-#: The paper's three measures (SPEC §7): adaptive ℓ2, geodesic inv and mix at order 2.
-DEFAULT_MEASURES = ("adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2")
-#: Auto-PGD iterations, as in the paper (SPEC §6).
-DEFAULT_STEPS = 20
-#: Lanczos iterations and Hutchinson probes of the curvature measures (``gs.curvature``'s).
-DEFAULT_CURVATURE_ITERS = 50
-DEFAULT_CURVATURE_PROBES = 100
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,13 +201,25 @@ def measure(
         else:
             warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
 
-    specs, grids, curv = _check_arguments(model, measures, rhos, steps, iters, probes, trace_method)
-    if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 1:
-        raise MeasureError(f"exact_steps must be a positive integer, got {exact_steps!r}")
+    _check_model(model)
+    cfg = MeasureSettings(
+        measures=measures,
+        rhos=rhos,
+        steps=steps,
+        eps=eps,
+        seed=seed,
+        iters=iters,
+        probes=probes,
+        trace_method=trace_method,
+        check=check,
+        low_memory=low_memory,
+        buffer_budget=buffer_budget,
+        exact_steps=exact_steps,
+        progress=progress,
+    )
+    specs = cfg.specs
     if sharded:
         check_plan(specs, space)  # the measures a sharded model supports (measuring.sharded)
-    if progress is None:
-        progress = sys.stderr.isatty()
     ready: CheckedModel | ShardedCheck
     if sharded:
         ready = check_sharded(model, batches, loss_fn, specs, say)
@@ -225,44 +230,23 @@ def measure(
     model, batches, loss_fn, loss_name = ready.model, ready.batches, ready.loss_fn, ready.loss_name
     space, summary, note = ready.space, ready.summary, ready.adaptive_note
     clean, invariance = ready.clean_losses, ready.invariance
+    grids = cfg.grids
     if grids is None:
         grids, lines = default_radii(specs, model, space)
         for line in lines:
             say(line)
-    extra: dict[str, Any] = {"low_memory": True} if low_memory else {}
-    if buffer_budget != BUFFER_BUDGET:
-        extra["buffer_budget"] = buffer_budget
-    if exact_steps != DEFAULT_RK4_STEPS:
-        extra["exact_steps"] = exact_steps
     estimate = None
     if sharded:
         say(f"time estimate: {SKIPPED['time_estimate']}")
     else:
-        estimate = _estimate(
-            model, loss_fn, batches, specs, grids, steps, curv, say,
-            eps=eps, seed=seed, space=space, extra=extra,
-        )  # fmt: skip
+        estimate = _estimate(model, loss_fn, batches, cfg, grids, space=space, say=say)
 
     if isinstance(ready, ShardedCheck):
         reference = sharded_reference_loss(model, loss_fn, batches, ready.shards)
     else:
         reference = reference_loss(model, loss_fn, batches)
     rows = _measure_cells(
-        model,
-        loss_fn,
-        batches,
-        specs,
-        grids,
-        steps,
-        eps,
-        seed,
-        space,
-        progress,
-        curv,
-        say,
-        _warn,
-        extra=extra,
-        reference=reference,
+        model, loss_fn, batches, cfg, grids, space=space, say=say, warn=_warn, reference=reference
     )
     settings = {
         "measures": [s.name for s in specs],
@@ -276,7 +260,7 @@ def measure(
         **({"low_memory": True} if low_memory else {}),
         **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
         **({"exact_steps": exact_steps} if any(s.exact_geodesic for s in specs) else {}),
-        **({"curvature": curv} if _takes_curvature_settings(specs) else {}),
+        **({"curvature": cfg.curvature} if cfg.takes_curvature_settings else {}),
         **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
         **(
             {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
@@ -303,48 +287,13 @@ def measure(
 # the steps of measure()
 
 
-def _check_arguments(
-    model: Any,
-    measures: Sequence[str | Measure],
-    rhos: Sequence[float] | Mapping[str, Sequence[float]] | None,
-    steps: Any,
-    iters: Any,
-    probes: Any,
-    trace_method: Any,
-) -> tuple[list[Measure], Radii | None, dict[str, Any]]:
-    """The parsed measures, their radii (``None``: the defaults) and the curvature settings.
-
-    Raises on a bad argument.
-    """
+def _check_model(model: Any) -> None:
+    """Raise unless ``model`` is a materialized ``nn.Module`` with parameters."""
     if not isinstance(model, nn.Module):
         raise MeasureError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise MeasureError("the model has no parameters: there is nothing to perturb")
     check_materialized(model, "gs.measure")
-    specs = [parse_measure(m) for m in measures]
-    if not specs:
-        raise MeasureError("no measures given: pass at least one (e.g. geodesic-inv-o2)")
-    grids = check_radii(specs, rhos)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise MeasureError(f"steps must be an int >= 1, got {steps!r}")
-    curv = {"iters": iters, "probes": probes, "trace_method": trace_method}
-    if _takes_curvature_settings(specs):
-        for key in ("iters", "probes"):
-            n = curv[key]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise MeasureError(f"{key} must be an int >= 1, got {n!r}")
-        if trace_method not in ("hutchinson", "hutch++", "exact"):
-            raise MeasureError(
-                f"trace_method must be hutchinson, hutch++ or exact, got {trace_method!r}"
-            )
-        if trace_method == "hutch++" and probes < 3:
-            raise MeasureError(f"hutch++ needs at least 3 probes, got {probes}")
-    return specs, grids, curv
-
-
-def _takes_curvature_settings(specs: Sequence[Measure]) -> bool:
-    """Whether a measure takes the curvature settings (``iters``, ``probes``, ``trace_method``)."""
-    return any(s.settings & {"iters", "probes", "trace_method"} for s in specs)
 
 
 def _model_settings(model: nn.Module, space: ParameterSpace) -> dict[str, Any]:
