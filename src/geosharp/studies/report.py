@@ -224,8 +224,10 @@ def write_report(
     flag_table = flags_section(
         measurements, analysis.gaps, level=level, n_boot=n_boot, n_perm=n_perm, seed=seed
     )
-    # as given, the flagged cells (when recorded), the folder's
-    extra_sections = [*sections, *flag_table, *folder_sections(out, analysis.gaps)]
+    # the orbit spread (when recorded: issue 44), as given, the flagged cells (when
+    # recorded), the folder's
+    spread = _orbit_spread(out, analysis, lead)
+    extra_sections = [*spread, *sections, *flag_table, *folder_sections(out, analysis.gaps)]
     all_sections = [*paired_section(analysis.paired, level), *extra_sections]
     method = method_text(
         n_total=len(analysis.models),
@@ -306,6 +308,20 @@ def write_report(
         plots=plots,
         headline=lead,
     )
+
+
+def _orbit_spread(out: Path, analysis: _Analysis, lead: list[str]) -> list[Section]:
+    """The orbit spread sections of a folder that recorded its heads (none otherwise), and
+    their one-line note added to the headline."""
+    from geosharp.studies.orbit_spread import folder_rows, population_spread, spread_note
+    from geosharp.studies.orbit_spread import spread_sections
+
+    rows = folder_rows(out)
+    found = spread_sections(rows, analysis.gaps, analysis.paired)
+    note = spread_note(population_spread(rows, analysis.gaps)) if found else None
+    if note is not None:
+        lead.append(note)
+    return found
 
 
 def _analyse(

@@ -286,6 +286,7 @@ def run_study(
                 loaded.clear()
                 loaded[row["model_id"]] = study.prepare(row, batches)
                 judge = CellJudge.of(loaded[row["model_id"]])
+                _record_orbit(store, study, row["model_id"], loaded[row["model_id"]], say)
             ready = loaded[row["model_id"]]
             run_settings = {"progress": False, "key_bias": study.key_bias, **ready.settings}
             try:
@@ -337,11 +338,67 @@ def run_study(
                 f"flagged: {flagged['cells']} of the {summary.measured} cells measured now "
                 f"({kinds}): the report's Flagged cells table gives τ without them"
             )
+        _record_missing_orbits(store, study, [r for r, _, _ in jobs], loaded, say)
         if report:
             store.export_csv(out / "results.csv")
             summary.report = make_report(out, store)
     summary.time_s = time.perf_counter() - t0
     return summary
+
+
+def _record_orbit(
+    store: Store, study: Study, model_id: str, ready: Prepared, say: Callable[[str], None]
+) -> None:
+    """Store the orbit position of every head of a loaded model, once (issue 44).
+
+    A model sharded by FSDP2 is skipped (its weights are not all on this rank); a model the
+    diagnostics cannot read is said and skipped: the spread is a report's extra, never a
+    reason to stop measuring.
+    """
+    if model_id in _orbit_done(store) or is_sharded(ready.model):
+        return
+    from geosharp.studies.orbit_spread import head_rows
+
+    try:
+        rows = head_rows(
+            ready.model,
+            model_id=model_id,
+            key_bias=study.key_bias,
+            space=ready.settings.get("space"),
+        )
+    except (ValueError, RuntimeError, TypeError) as err:
+        say(f"orbit position of {model_id} not recorded: {type(err).__name__}: {err}")
+        return
+    store.put_orbit(model_id, rows)
+
+
+def _orbit_done(store: Store) -> set[str]:
+    return set(store.orbit_rows())
+
+
+def _record_missing_orbits(
+    store: Store,
+    study: Study,
+    rows: list[dict[str, Any]],
+    loaded: dict[str, Prepared],
+    say: Callable[[str], None],
+) -> None:
+    """The orbit position of the models whose rows were all reused (a resumed study)."""
+    done = _orbit_done(store)
+    seen: set[str] = set()
+    for row in rows:
+        mid = row["model_id"]
+        if mid in done or mid in seen:
+            continue
+        seen.add(mid)
+        ready = loaded.get(mid)
+        if ready is None:
+            try:
+                ready = Prepared(study.load(row), [], study.loss_fn)
+            except (OSError, ValueError, RuntimeError, KeyError) as err:
+                say(f"orbit position of {mid} not recorded: {type(err).__name__}: {err}")
+                continue
+        _record_orbit(store, study, mid, ready, say)
 
 
 def _rho_order(rho: float | None) -> tuple[int, float]:

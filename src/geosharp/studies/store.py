@@ -346,6 +346,31 @@ class Store:
                 r[key] = r["settings"].pop(key, None)
         return rows
 
+    # -- orbit positions (issue 44) -------------------------------------------------------------
+    # One row per (model, head of a GL-type block): geosharp.studies.orbit_spread.head_rows.
+    # The table is created by the first put_orbit, so a study that never records one (every
+    # study committed before it) keeps its database as it was.
+    def put_orbit(self, model_id: str, rows: list[dict[str, Any]]) -> None:
+        """Record the orbit position of every head of a model (replacing what it had)."""
+        with self.conn:
+            self.conn.execute(
+                "CREATE TABLE IF NOT EXISTS orbit (model_id TEXT PRIMARY KEY, heads TEXT NOT NULL)"
+            )
+            self.conn.execute(
+                "INSERT OR REPLACE INTO orbit (model_id, heads) VALUES (?, ?)",
+                (model_id, json.dumps(rows)),
+            )
+
+    def orbit_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """Model id → its recorded head rows (empty when none was recorded)."""
+        found = self.conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'orbit'"
+        ).fetchone()
+        if found is None:
+            return {}
+        cur = self.conn.execute("SELECT model_id, heads FROM orbit ORDER BY model_id")
+        return {mid: json.loads(heads) for mid, heads in cur.fetchall()}
+
     # -- export ---------------------------------------------------------------------------------
     def export_csv(self, path: str | Path) -> Path:
         """Write ``results.csv``: one row per measurement, joined with its model's metrics.
