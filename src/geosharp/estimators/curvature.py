@@ -88,7 +88,7 @@ from geosharp.estimators.hessian import (
 from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
 from geosharp.estimators.pieces import _flat_dtype
-from geosharp.estimators.sharded_check import check_unsharded
+from geosharp.estimators.sharded.check import check_unsharded
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
 
@@ -174,6 +174,102 @@ class CurvatureResult:
         )
 
 
+@dataclass(frozen=True)
+class CurvatureSettings:
+    """What :func:`curvature` computes and how, checked when built.
+
+    The fields are :func:`curvature`'s arguments of the same names; ``quantities`` is held as a
+    tuple, ``tol`` and ``eps`` as floats.
+
+    Raises:
+        ValueError: On an unknown measure, metric, quantity or trace method, or bad counts
+            (in the order of :func:`curvature`'s arguments).
+        TypeError: If ``tol`` or ``eps`` is not a number.
+    """
+
+    measure: str = "geodesic"
+    metric: str = "inv"
+    quantities: Sequence[str] = ("lambda_max", "trace")
+    iters: int = 50
+    tol: float = 1e-5
+    probes: int = 100
+    trace_method: str = "hutchinson"
+    top_k: int = 1
+    seed: int = 0
+    eps: float = 0.0
+    key_bias: str = "quotient"
+
+    def __post_init__(self) -> None:
+        if self.measure not in MEASURES:
+            raise ValueError(f"measure must be one of {MEASURES}, got {self.measure!r}")
+        if self.measure == "geodesic" and self.metric not in BLOCK_METRICS:
+            raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {self.metric!r}")
+        quantities = self.quantities
+        if isinstance(quantities, str):
+            quantities = (quantities,)
+        quantities = tuple(quantities)
+        bad = [q for q in quantities if q not in QUANTITIES]
+        if bad or not quantities:
+            raise ValueError(f"quantities must be a non-empty subset of {QUANTITIES}, got {bad}")
+        if self.trace_method not in TRACE_METHODS:
+            raise ValueError(
+                f"trace_method must be one of {TRACE_METHODS}, got {self.trace_method!r}"
+            )
+        check_int("iters", self.iters)
+        check_int("probes", self.probes, 3 if self.trace_method == "hutch++" else 1)
+        check_int("top_k", self.top_k)
+        tol = check_float("tol", self.tol)
+        eps = check_float("eps", self.eps, positive=False)
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        object.__setattr__(self, "quantities", quantities)
+        object.__setattr__(self, "tol", tol)
+        object.__setattr__(self, "eps", eps)
+
+    @property
+    def wants_eigenvalues(self) -> bool:
+        """Whether ``lambda_max`` or ``lambda_min`` is asked for (Lanczos runs)."""
+        return "lambda_max" in self.quantities or "lambda_min" in self.quantities
+
+    @property
+    def wants_trace(self) -> bool:
+        """Whether ``trace`` is asked for."""
+        return "trace" in self.quantities
+
+    @property
+    def name(self) -> str:
+        """The measure's name, e.g. ``"geodesic-inv curvature"``."""
+        return (f"geodesic-{self.metric}" if self.measure == "geodesic" else self.measure) + (
+            " curvature"
+        )
+
+    def recorded(self, space: ParameterSpace, space_given: bool) -> dict[str, Any]:
+        """The settings a :class:`CurvatureResult` records (``None`` where one does not apply).
+
+        The model's dtype and device follow them in the result.
+        """
+        geodesic, eig, trace = self.measure == "geodesic", self.wants_eigenvalues, self.wants_trace
+        return {
+            "measure": self.measure,
+            "metric": self.metric if geodesic else None,
+            "order": 2 if geodesic else 1,
+            "quantities": list(self.quantities),
+            "iters": self.iters if eig else None,
+            "tol": self.tol if eig else None,
+            "top_k": self.top_k if eig else None,
+            "probes": self.probes if trace and self.trace_method != "exact" else None,
+            "trace_method": self.trace_method if trace else None,
+            "eps": self.eps,
+            "seed": self.seed,
+            "key_bias": None if space_given else self.key_bias,
+            "n_params": space.numel(),
+            "n_gl_blocks": sum(blk.heads for blk in space.gl_blocks) if geodesic else 0,
+            "n_key_biases_fixed": sum(blk.kind == "b_k" for blk in space.blocks)
+            if geodesic and self.metric != "adaptive"
+            else 0,
+        }
+
+
 def curvature(
     model: nn.Module,
     loss_fn: LossFn,
@@ -243,32 +339,26 @@ def curvature(
             scalar tensor.
     """
     t0 = time.perf_counter()
-    if measure not in MEASURES:
-        raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
-    if measure == "geodesic" and metric not in BLOCK_METRICS:
-        raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
-    if isinstance(quantities, str):
-        quantities = (quantities,)
-    quantities = tuple(quantities)
-    bad = [q for q in quantities if q not in QUANTITIES]
-    if bad or not quantities:
-        raise ValueError(f"quantities must be a non-empty subset of {QUANTITIES}, got {bad}")
-    if trace_method not in TRACE_METHODS:
-        raise ValueError(f"trace_method must be one of {TRACE_METHODS}, got {trace_method!r}")
-    iters = check_int("iters", iters)
-    probes = check_int("probes", probes, 3 if trace_method == "hutch++" else 1)
-    top_k = check_int("top_k", top_k)
-    tol = check_float("tol", tol)
-    eps = check_float("eps", eps, positive=False)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    cfg = CurvatureSettings(
+        measure=measure,
+        metric=metric,
+        quantities=quantities,
+        iters=iters,
+        tol=tol,
+        probes=probes,
+        trace_method=trace_method,
+        top_k=top_k,
+        seed=seed,
+        eps=eps,
+        key_bias=key_bias,
+    )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_unsharded(model, "gs.curvature")
     check_materialized(model, "gs.curvature")
 
     space_given = space is not None
-    space = space if space_given else find_symmetries(model, key_bias=key_bias)
+    space = space if space_given else find_symmetries(model, key_bias=cfg.key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     # The base point is the model's own parameters by name (no flat copy of θ, each on its
@@ -277,11 +367,9 @@ def curvature(
     base = {n: named[n].detach() for n in space.param_names}
     device = base[space.param_names[0]].device
     dtype = _flat_dtype(base.values())
-    pert = Perturbation(space, base, measure=measure, metric=metric, order=2, eps=eps)
+    pert = Perturbation(space, base, measure=cfg.measure, metric=cfg.metric, order=2, eps=cfg.eps)
     flat = Flat(pert.zeros(), dtype)
-    want_eig = "lambda_max" in quantities or "lambda_min" in quantities
-    want_trace = "trace" in quantities
-    name = (f"geodesic-{metric}" if measure == "geodesic" else measure) + " curvature"
+    quantities = cfg.quantities
     counter = {"forward": 0, "backward": 0, "hvp": 0}
     per_batch: dict[str, list[float]] = {q: [] for q in quantities}
     trace_se: list[float] = []
@@ -289,10 +377,10 @@ def curvature(
     lanczos_iters: list[int] = []
     grad_norms: list[float] = []
     clean: list[float] = []
-    indexed = batch_progress(enumerate(batches), progress, name)
+    indexed = batch_progress(enumerate(batches), progress, cfg.name)
     with eval_mode(model):
         for f, gen in objectives(
-            model, loss_fn, pert, indexed, seed=seed, device=device, counter=counter
+            model, loss_fn, pert, indexed, seed=cfg.seed, device=device, counter=counter
         ):
             op = HessianOperator(f, pert, flat, counter)
             if not math.isfinite(op.loss):
@@ -302,26 +390,26 @@ def curvature(
                 )
             clean.append(op.loss)
             grad_norms.append(op.norm(op.raise_index(op.egrad)))
-            if want_eig:
+            if cfg.wants_eigenvalues:
                 start = torch.Generator(device=device)
-                start.manual_seed((batch_seed(seed, f.batch) + LANCZOS_SEED_OFFSET) % 2**64)
+                start.manual_seed((batch_seed(cfg.seed, f.batch) + LANCZOS_SEED_OFFSET) % 2**64)
                 ritz, its = lanczos(
-                    op, op.random(start), iters, tol, top_k, "lambda_min" in quantities
+                    op, op.random(start), cfg.iters, cfg.tol, cfg.top_k, "lambda_min" in quantities
                 )
                 lanczos_iters.append(its)
-                top = ritz.flip(0)[:top_k].tolist()
+                top = ritz.flip(0)[: cfg.top_k].tolist()
                 eigenvalues.append(top)
                 if "lambda_max" in quantities:
                     per_batch["lambda_max"].append(top[0] if top else 0.0)
                 if "lambda_min" in quantities:
                     per_batch["lambda_min"].append(float(ritz[0]) if len(ritz) else 0.0)
-            if want_trace:  # the generator of the average-case samples of this batch
-                if trace_method == "exact":
+            if cfg.wants_trace:  # the generator of the average-case samples of this batch
+                if cfg.trace_method == "exact":
                     value, se = exact_trace(op), 0.0
-                elif trace_method == "hutch++":
-                    value, se = hutchpp(op, gen, probes)
+                elif cfg.trace_method == "hutch++":
+                    value, se = hutchpp(op, gen, cfg.probes)
                 else:
-                    value, se = hutchinson(op, gen, probes)
+                    value, se = hutchinson(op, gen, cfg.probes)
                 per_batch["trace"].append(value)
                 trace_se.append(se)
             del op
@@ -329,25 +417,9 @@ def curvature(
         raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
     n = len(clean)
     values = {q: sum(v) / n for q, v in per_batch.items()}
-    stderr = math.sqrt(sum(s * s for s in trace_se)) / n if want_trace else None
+    stderr = math.sqrt(sum(s * s for s in trace_se)) / n if cfg.wants_trace else None
     settings = {
-        "measure": measure,
-        "metric": metric if measure == "geodesic" else None,
-        "order": 2 if measure == "geodesic" else 1,
-        "quantities": list(quantities),
-        "iters": iters if want_eig else None,
-        "tol": tol if want_eig else None,
-        "top_k": top_k if want_eig else None,
-        "probes": probes if want_trace and trace_method != "exact" else None,
-        "trace_method": trace_method if want_trace else None,
-        "eps": eps,
-        "seed": seed,
-        "key_bias": None if space_given else key_bias,
-        "n_params": space.numel(),
-        "n_gl_blocks": sum(blk.heads for blk in space.gl_blocks) if measure == "geodesic" else 0,
-        "n_key_biases_fixed": sum(blk.kind == "b_k" for blk in space.blocks)
-        if measure == "geodesic" and metric != "adaptive"
-        else 0,
+        **cfg.recorded(space, space_given),
         "dtype": str(dtype),
         "device": str(device),
     }
@@ -360,7 +432,7 @@ def curvature(
         lanczos_iters=lanczos_iters,
         grad_norms=grad_norms,
         clean_losses=clean,
-        measure=name,
+        measure=cfg.name,
         settings=settings,
         time_s=time.perf_counter() - t0,
         n_hvp=counter["hvp"],

@@ -31,13 +31,14 @@ from torch import Tensor, nn
 from geosharp.estimators.harness import clean_start, objectives, perturbation_kwargs
 from geosharp.estimators.orbit import log_scale, orbit_min_norm_sq
 from geosharp.estimators.perturbation import Perturbation, Xi
-from geosharp.estimators.sharded_check import check_unsharded
+from geosharp.estimators.sharded.check import check_unsharded
 from geosharp.estimators.worst import ascent_from_zero
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
 
 __all__ = [
     "AscentDiagnostics",
+    "AscentSettings",
     "Balance",
     "HeadBalance",
     "ascent_diagnostics",
@@ -313,6 +314,48 @@ class AscentDiagnostics:
     per_batch: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class AscentSettings:
+    """The ascent :func:`ascent_diagnostics` re-runs: its arguments of the same names.
+
+    The perturbation's settings (``measure``, ``metric``, ``order``, ``eps``,
+    ``corrected_norm``, ``exact_steps``, ``perturb``; ``key_bias`` when the symmetry blocks are
+    found here) and the ascent's (``rho``, ``steps``).
+    """
+
+    measure: str = "geodesic"
+    metric: str = "inv"
+    order: int | str = 2
+    rho: float = 0.1
+    steps: int = 20
+    eps: float = 0.0
+    corrected_norm: bool = True
+    exact_steps: int = 10
+    key_bias: str = "quotient"
+    perturb: str = "all"
+
+    def perturbation(self, space: ParameterSpace, theta0: Tensor) -> Perturbation:
+        """The :class:`Perturbation` of the ascent at ``theta0``, as ``gs.sharpness`` builds it.
+
+        Raises:
+            ValueError: On ``perturb="blocks"`` with the Euclidean measure, or without blocks.
+        """
+        if self.perturb == "blocks" and (self.measure == "euclidean" or not space.blocks):
+            raise ValueError(
+                "perturb='blocks' needs symmetry blocks and a geodesic/adaptive measure"
+            )
+        pert_kw = perturbation_kwargs(self.measure, self.metric, self.order, self.perturb)
+        return Perturbation(
+            space,
+            theta0,
+            eps=self.eps,
+            corrected_norm=self.corrected_norm,
+            exact_steps=self.exact_steps,
+            perturb=self.perturb,
+            **pert_kw,
+        )
+
+
 def ascent_diagnostics(
     model: nn.Module,
     loss_fn: Any,
@@ -359,28 +402,29 @@ def ascent_diagnostics(
         ValueError: On ``perturb="blocks"`` with the Euclidean measure, or without blocks.
     """
     check_unsharded(model, "geosharp.estimators.diagnostics.ascent_diagnostics")
-    space = space if space is not None else find_symmetries(model, key_bias=key_bias)
-    theta0 = space.flatten(dict(model.named_parameters())).detach()
-    device = theta0.device
-    if perturb == "blocks" and (measure == "euclidean" or not space.blocks):
-        raise ValueError("perturb='blocks' needs symmetry blocks and a geodesic/adaptive measure")
-    pert_kw = perturbation_kwargs(measure, metric, order, perturb)
-    pert = Perturbation(
-        space,
-        theta0,
+    cfg = AscentSettings(
+        measure=measure,
+        metric=metric,
+        order=order,
+        rho=rho,
+        steps=steps,
         eps=eps,
         corrected_norm=corrected_norm,
         exact_steps=exact_steps,
+        key_bias=key_bias,
         perturb=perturb,
-        **pert_kw,
     )
+    space = space if space is not None else find_symmetries(model, key_bias=cfg.key_bias)
+    theta0 = space.flatten(dict(model.named_parameters())).detach()
+    device = theta0.device
+    pert = cfg.perturbation(space, theta0)
     rows: list[dict[str, Any]] = []
     with eval_mode(model):
         for f, _ in objectives(model, loss_fn, pert, enumerate(batches), seed=0, device=device):
             # the first run of gs.sharpness: from ξ = 0, on the embedding rows reached
             clean, grad, reached = clean_start(f, True)
             start, grad = [clean, grad], None  # emptied by the ascent: no reference held here
-            cut, res = ascent_from_zero(f, reached, start, rho, steps)
+            cut, res = ascent_from_zero(f, reached, start, cfg.rho, cfg.steps)
             best = max(res.best_loss, clean)
             xi = res.best_xi if res.best_loss > clean else cut.zeros()
             split = budget_split(cut, xi)
@@ -406,9 +450,9 @@ def ascent_diagnostics(
 
     return AscentDiagnostics(
         value=sum(r["value"] for r in rows) / len(rows),
-        rho=rho,
+        rho=cfg.rho,
         budget=share,
-        radius_used=sum(r["norm"] for r in rows) / len(rows) / rho,
+        radius_used=sum(r["norm"] for r in rows) / len(rows) / cfg.rho,
         order2=mean("relative"),
         order2_blocks=mean("relative_blocks"),
         per_batch=rows,
