@@ -141,11 +141,12 @@ def default_radii(
             )
             continue
         lines.append(
-            f"radii of {s.name}: " + ", ".join(f"{r:g}" for r in grids[s.name])
+            f"radii of {s.name}: "
+            + ", ".join(f"{r:g}" for r in grids[s.name])
             + f" (the default grid × c = {c:.3g}, on the half-decade ladder: its heads move as "
             "far for their size as under inv at the default grid; c depends on the weights, "
             "so pass the same --rho to compare models)"
-        )  # fmt: skip
+        )
     return grids, lines
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.measures import Measure, parse_measure
 from geosharp.measures.curvature import Curvature
 from geosharp.measures.sharpness import Sharpness
@@ -48,8 +48,15 @@ from geosharp.measuring.results import MeasureReport, _g, flags_text, rho_text
 from geosharp.symmetry import ParameterSpace, reparametrize
 from geosharp.symmetry.verify import call_model, eval_mode, flatten_outputs
 
-__all__ = ["TWIN_TOL", "TwinCheck", "TwinRow", "make_twin", "promised", "relative_change",
-           "twin_check"]  # fmt: skip
+__all__ = [
+    "TWIN_TOL",
+    "TwinCheck",
+    "TwinRow",
+    "make_twin",
+    "promised",
+    "relative_change",
+    "twin_check",
+]
 
 #: A geodesic cell within this relative change of its twin kept the promise.
 TWIN_TOL = 1e-3
@@ -215,16 +222,31 @@ class TwinCheck:
         """The cells as an aligned plain-text table, with how to read them."""
         if self.note is not None:
             return self.note
-        header = ("measure", "rho", "value", "twin", "rel. change", "flags", "twin flags",
-                  "reading")  # fmt: skip
+        header = (
+            "measure",
+            "rho",
+            "value",
+            "twin",
+            "rel. change",
+            "flags",
+            "twin flags",
+            "reading",
+        )
         body = []
         for r in self.rows:
             change = r.relative_change
-            body.append((
-                r.measure, rho_text(r.rho), _g(r.value, 6), _g(r.twin_value, 6),
-                "–" if change is None else f"{change:.1e}", flags_text(r.flags),
-                flags_text(r.twin_flags), r.reading(self.tol),
-            ))  # fmt: skip
+            body.append(
+                (
+                    r.measure,
+                    rho_text(r.rho),
+                    _g(r.value, 6),
+                    _g(r.twin_value, 6),
+                    "–" if change is None else f"{change:.1e}",
+                    flags_text(r.flags),
+                    flags_text(r.twin_flags),
+                    r.reading(self.tol),
+                )
+            )
         widths = [max(len(x[j]) for x in [header, *body]) for j in range(len(header))]
         right = {1, 2, 3, 4}
 
@@ -241,10 +263,10 @@ class TwinCheck:
 
     def twin_line(self) -> str:
         """What the twin is, in one line."""
-        moved = "" if self.output_change is None else (
-            f"; its outputs differ from the model's by {self.output_change:.1e} relative "
-            "(rounding)"
-        )  # fmt: skip
+        moved = ""
+        if self.output_change is not None:
+            moved = f"; its outputs differ from the model's by {self.output_change:.1e} relative"
+            moved += " (rounding)"
         return (
             f"twin: one random group element of scale {self.scale:g} on each of the "
             f"{self.n_blocks} symmetry blocks (seed {self.seed}), in {self.dtype}{moved}"
@@ -291,8 +313,10 @@ def _check_scale(scale: Any) -> None:
 def output_change(model: nn.Module, twin: nn.Module, inputs: Any) -> float:
     """``‖f_twin − f‖ / ‖f‖`` over every floating output of ``inputs`` (eval mode, no grad)."""
     with torch.no_grad(), eval_mode(model), eval_mode(twin):
-        a, b = (flatten_outputs(call_model(m, dict(m.named_parameters()), inputs))
-                for m in (model, twin))  # fmt: skip
+        a, b = (
+            flatten_outputs(call_model(m, dict(m.named_parameters()), inputs))
+            for m in (model, twin)
+        )
     return float((a - b).norm() / a.norm().clamp_min(1e-300))
 
 
@@ -397,8 +421,15 @@ def twin_check(
             warn(note)
         else:
             warnings.warn(note, MeasureWarning, stacklevel=2)
-        return TwinCheck([], scale, seed, dtype, 0, note=note,
-                         time_s=time.perf_counter() - t0)  # fmt: skip
+        return TwinCheck(
+            rows=[],
+            scale=scale,
+            seed=seed,
+            dtype=dtype,
+            n_blocks=0,
+            note=note,
+            time_s=time.perf_counter() - t0,
+        )
     twin = make_twin(model, space, seed, scale)
     change = output_change(model, twin, checked.batches[0][0])
     settings = dict(measures=measures, rhos=rhos, steps=steps, seed=seed, space=space, **kwargs)
@@ -410,8 +441,11 @@ def twin_check(
     rows = []
     for r in before.rows:
         t = theirs.get((r.measure, r.rho))
-        errors = [f"{side}: {e}" for side, e in (("model", r.error),
-                  ("twin", t.error if t else "not measured")) if e]  # fmt: skip
+        errors = [
+            f"{side}: {e}"
+            for side, e in (("model", r.error), ("twin", t.error if t else "not measured"))
+            if e
+        ]
         rows.append(
             TwinRow(
                 measure=r.measure,
