@@ -3,7 +3,7 @@
 The peak of a sharded geodesic call (``fsdp_memory.py``) should be 3 ξ-sized buffers plus these
 (issue 27): the base point's factors (``M_G``, ``M_H``, their inverses, the Sylvester factors,
 the endpoint's inverses) and the step's (``I + s B`` and ``C`` of every head, made before each
-loss, :mod:`geosharp.estimators.sharded_gather`); the blocks' base point is printed beside
+loss, :mod:`geosharp.estimators.sharded.gather`); the blocks' base point is printed beside
 them (held between losses, given back while a loss runs). Same models and placement as
 ``fsdp_memory.py``; one spawned world per configuration.
 
@@ -55,14 +55,11 @@ def _factors(rank: int, world: int, store: str, args: dict) -> dict[str, float]:
     """The rank's factor and base-point bytes, in units of ``P · 4 / world``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from geosharp.estimators.harness import perturbation_of
-    from geosharp.estimators.sharded import ShardedParams
+    from geosharp.estimators.harness import PerturbationSettings
+    from geosharp.estimators.sharded.run import prepare
 
     model, n_params, *_ = FM.sharded_setup(rank, world, args)
-    shards = ShardedParams(model, in_place="rest")
-    setup = perturbation_of(
-        model,
-        None,
+    settings = PerturbationSettings(
         measure="geodesic",
         metric=args["measure"].split("-")[1],
         order=2,
@@ -72,11 +69,11 @@ def _factors(rank: int, world: int, store: str, args: dict) -> dict[str, float]:
         exact_steps=10,
         key_bias="quotient",
         low_memory=False,
-        cache=False,
-        shards=shards,
     )
+    run = prepare(model, settings, kind="worst", rho=0.1)  # in place outside the blocks
+    setup = run.setup
     pert, seen, base, point = setup.pert, set(), 0, 0
-    for k in pert._assembly.sym_pieces:
+    for k in pert.assembly.sym_pieces:
         g = pert.pieces[k].geometry
         if hasattr(g, "factors"):
             for t in g.point:
@@ -84,10 +81,10 @@ def _factors(rank: int, world: int, store: str, args: dict) -> dict[str, float]:
                 seen.add(t.untyped_storage().data_ptr())
             base += _nbytes(g.factors, seen) + _nbytes(g._endpoint_inv, seen)
     step = 0
-    if shards.gather is not None:
-        shards.gather.step(pert.zeros())
-        step = sum(_nbytes(v, set()) for v in shards.gather._factors.values())
-        shards.gather.step(None)
+    if run.gather is not None:
+        run.gather.step(pert.zeros())
+        step = sum(_nbytes(v, set()) for v in run.gather._factors.values())
+        run.gather.step(None)
     dist.destroy_process_group()
     unit = n_params * 4 / world
     return {"base": base, "step": step, "point": point, "unit": unit}

@@ -13,7 +13,7 @@ is a difference of two losses: their float32 rounding is the scale); bfloat16 5 
 The line shows the error in that scale ("err"), the largest over the measures.
 
 On a GPU the random measures (average case, random starts) are compared with the model on the
-CPU: a sharded rank draws its noise from the CPU stream (``estimators/sharded_draws.py``) while an
+CPU: a sharded rank draws its noise from the CPU stream (``estimators/sharded/draws.py``) while an
 unsharded GPU model draws CUDA's numbers. HF's Llama takes its RMSNorm and rotary cos/sin in
 float32 even in a float64 model, so its losses on the GPU and on the CPU differ by float32
 rounding (3.3e-9 of the clean loss on the H200, 2026-12-04): those comparisons are judged at

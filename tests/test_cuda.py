@@ -122,7 +122,7 @@ def test_average_case_noise_is_drawn_on_the_device(measure):
     ``geosharp.estimators.harness.objectives`` seeds every batch's generator with
     ``torch.Generator(device=device)`` on the parameters' device, and
     ``Perturbation.random`` draws each piece's noise there (``geometry.draws.generator_for``).
-    Only a sharded model draws on the CPU (``estimators/sharded_draws.py``, which also maps a
+    Only a sharded model draws on the CPU (``estimators/sharded/draws.py``, which also maps a
     CUDA generator to a CPU one). So with the same seed the GPU's value is not the CPU's (CUDA's
     Philox stream is another stream); in the dry run (DEV is the CPU) they are equal.
     """

@@ -15,7 +15,7 @@ from geosharp._version import __version__
 from geosharp.estimators import SharpnessResult, relative_flatness, sharpness
 from geosharp.estimators.checks import check_geometry, check_invariance
 from geosharp.estimators.curvature import CurvatureResult, curvature
-from geosharp.estimators.placement import shard_placement
+from geosharp.estimators.sharded.placement import shard_placement
 from geosharp.measures import Measure, parse_measure
 from geosharp.measuring import TwinCheck, measure, twin_check
 from geosharp.studies.population_call import study

@@ -328,7 +328,7 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
         model, k = build(name, getattr(torch, dt)).to(dev), key(name, dt, rho)
         ref[k] = measure_all(model, on(batches()), rho)
         # A sharded rank draws its part of the noise from the CPU stream that one process on the
-        # CPU draws (estimators/sharded_draws.py); an unsharded model on a GPU draws CUDA's
+        # CPU draws (estimators/sharded/draws.py); an unsharded model on a GPU draws CUDA's
         # numbers: the random measures' reference is the same model on the CPU.
         cpu = model if device == "cpu" else build(name, getattr(torch, dt))
         random[k] = measure_random(cpu, batches(), rho, RANDOM_CASES.get(k, ()))

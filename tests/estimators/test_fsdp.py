@@ -17,7 +17,7 @@ reductions (SPEC §10.2). Asserted:
   the float32 value on the same weights, sharded or not;
 - the average case (adaptive, geodesic inv) and random starts (geodesic inv ℓ2, adaptive ℓ∞) of
   the float64 BERT, the BERT under FSDP's default placement (padded heads) and the LoRA Llama:
-  every rank draws its part of the unsharded noise (geosharp.estimators.sharded_draws), so the
+  every rank draws its part of the unsharded noise (geosharp.estimators.sharded.draws), so the
   values are within 1e-10 (relative) of the unsharded ones with the same seed;
 - the exact (RK4) geodesic (mix, and inv attention-only) of the float64 BERT (also under the
   default placement), the rotary Llama and the LoRA Llama: within 1e-10 of the unsharded value;

@@ -1,4 +1,4 @@
-"""The pieces a sharded model's ranks draw their noise with (geosharp.estimators.sharded_draws).
+"""The pieces a sharded model's ranks draw their noise with (geosharp.estimators.sharded.draws).
 
 The ranks replay the unsharded stream chunk by chunk (:func:`stream`): CPU ``torch.randn``
 fills 16 numbers at a time, so chunks that are multiples of 16 (the last one at least 16)
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from geosharp.estimators.perturbation import Perturbation
-from geosharp.estimators.sharded_draws import from_normals, normal_draws, stream
+from geosharp.estimators.sharded.draws import from_normals, normal_draws, stream
 from geosharp.symmetry import find_symmetries
 
 from ..symmetry.cases import bert_case, llama_case
@@ -91,7 +91,7 @@ def test_the_global_rest_layout_is_the_spaces():
     """``_rest_layout`` (no mask of a whole parameter) lists what ``rest_layout`` does."""
     from torch import nn
 
-    from geosharp.estimators.sharded_draws import _rest_layout
+    from geosharp.estimators.sharded.draws import _rest_layout
     from geosharp.symmetry import declare_block
 
     torch.manual_seed(0)
@@ -134,8 +134,8 @@ def test_simulated_ranks_keep_their_part_of_the_rest_draw(world, chunk):
     """
     from types import SimpleNamespace
 
-    from geosharp.estimators import sharded_draws
-    from geosharp.estimators.sharded_space import _Layout
+    from geosharp.estimators.sharded import draws as sharded_draws
+    from geosharp.estimators.sharded.space import _Layout
 
     shapes = [(8, 6), (5,), (3, 4, 2), (6, 5), (2, 6, 3)]
     dims = [1, 0, 0, 1, 1]
@@ -187,7 +187,7 @@ def test_simulated_ranks_keep_their_part_of_the_rest_draw(world, chunk):
 @pytest.mark.parametrize("chunk", [16, 48])
 def test_rows_of_a_block_land_at_the_ranks_rows(chunk):
     """A GL-type field: every head's held rows at the rank's rows, in order; padding stays 0."""
-    from geosharp.estimators.sharded_draws import _Draw, _Rows
+    from geosharp.estimators.sharded.draws import _Draw, _Rows
 
     heads, n, h, here = 3, 5, 3, 3  # the rank's field: 3 heads × 3 rows (padded) × 3
     held = torch.tensor(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from geosharp import find_symmetries, shard_placement
-from geosharp.estimators.sharded_space import _Layout, _padded, _rows
+from geosharp.estimators.sharded.space import _Layout, _padded, _rows
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -148,7 +148,7 @@ def test_unpadded_factors_are_recipes_of_the_local_shards(world):
     is a recipe too, of the local ``b_q`` and slices of ``PAD`` (checked in
     ``test_padded_factors_are_recipes_of_the_shards_and_of_pad``).
     """
-    from geosharp.estimators.sharded_space import _local_blocks
+    from geosharp.estimators.sharded.space import _local_blocks
     from geosharp.symmetry.positions import Positions
 
     for model, recipes_only in ((tiny_llama(), True), (tiny_bert(heads=4), True)):
@@ -182,7 +182,7 @@ def test_padded_factors_are_recipes_of_the_shards_and_of_pad(world):
     local space's assembly writes them all through views (a plan, no gather index).
     """
     from geosharp.estimators.assembly import _factor_plan
-    from geosharp.estimators.sharded_space import PAD, _local_blocks
+    from geosharp.estimators.sharded.space import PAD, _local_blocks
     from geosharp.symmetry import ParameterSpace
     from geosharp.symmetry.blocks import TranslationBlock
     from geosharp.symmetry.positions import Positions

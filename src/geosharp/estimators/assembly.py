@@ -1,9 +1,9 @@
 """How the perturbed parameters are built from the moved pieces, and its adjoint at ξ = 0.
 
-:class:`_Assembly` is the map from the pieces of a
+:class:`Assembly` is the map from the pieces of a
 :class:`~geosharp.estimators.perturbation.Perturbation` (one tuple of components per piece) to
 the perturbed parameters by name, ready for :func:`torch.func.functional_call`; its
-:meth:`~_Assembly.pull_back` lays a parameter gradient out as the pieces.
+:meth:`~Assembly.pull_back` lays a parameter gradient out as the pieces.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, slots
 from geosharp.symmetry.specs import ParamSlice, slice_view
 
-__all__: list[str] = []
+__all__ = ["Assembly", "read_heads", "read_parts"]
 
 #: Positions placed at a time while the gather index is filled (bounds its transients).
 _CHUNK = 1 << 20
@@ -241,7 +241,7 @@ def batched_shapes(blocks: Sequence[SymmetryBlock]) -> tuple[torch.Size, ...]:
     return tuple(out)
 
 
-class _Assembly:
+class Assembly:
     """Builds the perturbed parameters by name from the moved pieces.
 
     A parameter with no coordinate in a symmetry block is one component of the rest piece, in
@@ -439,6 +439,7 @@ class _Assembly:
         )
 
     def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
+        """The perturbed parameters by name from the moved pieces (one tuple per piece)."""
         out: dict[str, Tensor] = {}
         rest = moved[self.rest_piece] if self.rest_piece is not None else ()
         for c, ((j, whole), value) in enumerate(zip(self.layout, rest, strict=True)):
@@ -567,14 +568,14 @@ class _Assembly:
 
 
 class _WriteParts(torch.autograd.Function):
-    """:meth:`_Assembly._write` with its adjoint written out: each part read back once.
+    """:meth:`Assembly._write` with its adjoint written out: each part read back once.
 
     Through autograd, every part copied into a view of a fresh parameter records a
     ``CopySlices`` (a clone of the whole parameter's gradient in the backward), and the
     splits of a block component into parts gather their gradients with zero-filled
     concatenations (two full copies of the component per level). The adjoint of a write
     through views is a read through the same views: one copy per part
-    (:meth:`_Assembly._read`). A backward with ``create_graph=True`` (curvature) takes the
+    (:meth:`Assembly._read`). A backward with ``create_graph=True`` (curvature) takes the
     views' own adjoint instead, as a differentiable vector-Jacobian product of the (linear)
     write.
     """
@@ -620,3 +621,7 @@ class _WriteParts(torch.autograd.Function):
             next(likes)
             out.append(grads[j].reshape(-1)[local.to(grads[j].device)] if next(needs) else None)
         return (None, None, *out)
+
+
+#: The former private name (tests and type hints outside this package still use it).
+_Assembly = Assembly

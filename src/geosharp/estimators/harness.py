@@ -42,7 +42,6 @@ from geosharp.estimators.cache import CACHE
 from geosharp.estimators.distributed import batch_seed
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.estimators.rows import BatchRows
-from geosharp.estimators.sharded_gather import GatheredEndpoint
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, to_device
 
@@ -304,7 +303,7 @@ def objectives(
     device: torch.device,
     counter: dict[str, int] | None = None,
     bar: PassBar | None = None,
-    make: type[Objective] | None = None,
+    make: Callable[..., Objective] | None = None,
 ) -> Iterator[tuple[Objective, torch.Generator]]:
     """The objective of every batch, with a generator seeded by ``(seed, batch index)``.
 
@@ -320,8 +319,9 @@ def objectives(
         device: Where the data are moved (the model's parameters' device).
         counter: Shared by every objective (default: a new counter per batch).
         bar: A :class:`PassBar` advanced at every forward.
-        make: The objective's class (default :class:`Objective`; a sharded model's is
-            :func:`~geosharp.estimators.sharded_objective.objective_class`).
+        make: Makes the objective, called as :class:`Objective` is (default
+            :class:`Objective`; a sharded model's is
+            :meth:`ShardedRun.objective <geosharp.estimators.sharded.run.ShardedRun.objective>`).
 
     Yields:
         ``(objective, generator)``, one per batch, in order.
@@ -377,21 +377,71 @@ class Setup(NamedTuple):
     cached: bool  #: the perturbation came from the cache
 
 
+@dataclass(frozen=True)
+class PerturbationSettings:
+    """What a call's perturbation is made of, checked by the caller (:func:`perturbation_of`).
+
+    The arguments of :class:`~geosharp.estimators.perturbation.Perturbation` that a call's
+    settings give, and ``key_bias`` of the symmetry search.
+    """
+
+    measure: str
+    metric: str
+    order: int | str
+    perturb: str
+    eps: float
+    corrected_norm: bool
+    exact_steps: int
+    key_bias: str
+    low_memory: bool
+
+    @property
+    def blocks_needed(self) -> bool:
+        """Whether the perturbation moves symmetry blocks (geodesic, or attention-only)."""
+        return self.measure == "geodesic" or self.perturb == "blocks"
+
+    def check_blocks(self, space: ParameterSpace) -> None:
+        """Refuse ``perturb="blocks"`` on a space with no symmetry blocks (nothing would move)."""
+        if self.perturb == "blocks" and not space.blocks:
+            raise ValueError(
+                "perturb='blocks' but the model has no symmetry blocks: nothing would move"
+            )
+
+    def perturbation(
+        self, space: ParameterSpace, base: Mapping[str, Tensor], **ranks: Any
+    ) -> Perturbation:
+        """The :class:`Perturbation` of ``space`` at ``base``.
+
+        ``ranks``: ``row_sum``, ``reduce`` and ``draws`` of one rank of a sharded model
+        (:func:`geosharp.estimators.sharded.run.prepare`).
+        """
+        dtype = base[space.param_names[0]].dtype
+        return Perturbation(
+            space,
+            base,
+            work_dtype=dtype if self.low_memory else None,
+            eps=self.eps,
+            corrected_norm=self.corrected_norm,
+            exact_steps=self.exact_steps,
+            perturb=self.perturb,
+            **ranks,
+            **perturbation_kwargs(self.measure, self.metric, self.order, self.perturb),
+        )
+
+    def cache_key(self, space: ParameterSpace) -> tuple:
+        """The key of this perturbation of ``space`` in :data:`~geosharp.estimators.cache.CACHE`."""
+        pert_kw = perturbation_kwargs(self.measure, self.metric, self.order, self.perturb)
+        common = (self.eps, self.corrected_norm, self.exact_steps, self.perturb, self.low_memory)
+        return (id(space), *common, *pert_kw.items())
+
+
 def perturbation_of(
     model: nn.Module,
     space: ParameterSpace | None,
+    settings: PerturbationSettings | None = None,
     *,
-    measure: str,
-    metric: str,
-    order: int | str,
-    perturb: str,
-    eps: float,
-    corrected_norm: bool,
-    exact_steps: int,
-    key_bias: str,
-    low_memory: bool,
     cache: bool,
-    shards: Any = None,
+    **keywords: Any,
 ) -> Setup:
     """The parameter space and the perturbation of ``model``, at its own parameters.
 
@@ -399,73 +449,49 @@ def perturbation_of(
     ``θ``). With ``cache``, the symmetry search and the perturbation (its block base points and
     factorizations) of an earlier call on the same model with unchanged weights are reused
     (:mod:`geosharp.estimators.cache`). Adaptive and Euclidean measures of the whole model never
-    look at the blocks: their space is the parameters alone.
+    look at the blocks: their space is the parameters alone. A sharded model's perturbation is
+    :func:`geosharp.estimators.sharded.run.prepare`'s.
 
-    A sharded model (``shards``, a :class:`~geosharp.estimators.sharded.ShardedParams`) gets the
-    perturbation of the rank's shards at its base point (:attr:`ShardedParams.base`), with its
-    norms summed over the ranks; nothing is cached (the call writes the model's shards).
+    Args:
+        model: The model.
+        space: Its parameter space (``None``: found here).
+        settings: The perturbation's settings; or pass its fields as ``keywords``.
+        cache: Reuse the symmetry search and the perturbation.
+        **keywords: The fields of :class:`PerturbationSettings` (``measure=…, metric=…, …``),
+            without ``settings``.
 
     Raises:
         ValueError: If the model has no trainable parameters, or ``perturb="blocks"`` and it
             has no symmetry blocks.
     """
-    blocks_needed = measure == "geodesic" or perturb == "blocks"
-    if shards is not None:
-        space = shards.space() if not blocks_needed else shards.block_space(model, key_bias)
-    elif space is None:
+    if settings is None:
+        settings = PerturbationSettings(**keywords)
+    elif keywords:
+        raise TypeError(f"perturbation_of: settings given, and keywords {sorted(keywords)}")
+    key_bias = settings.key_bias
+    if space is None:
 
         def find() -> ParameterSpace:
-            if blocks_needed:
+            if settings.blocks_needed:
                 return find_symmetries(model, key_bias=key_bias)
             return find_symmetries(model, adapters=[], key_bias=key_bias)
 
         if cache:
-            entry = "space" if blocks_needed else "space-plain"  # both kept: measures alternate
+            # both kept: measures alternate
+            entry = "space" if settings.blocks_needed else "space-plain"
             space, _ = CACHE.get(entry, model, ("find", key_bias), find)
         else:
             space = find()
-    if shards is not None:  # a rank's shards may be empty; the model's parameters are not
-        base = {**shards.base, **shards.padding}
-    else:
-        if space.numel() == 0:
-            raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-        named = dict(model.named_parameters())
-        base = {n: named[n].detach() for n in space.param_names}
-    if perturb == "blocks" and not space.blocks:
-        raise ValueError(
-            "perturb='blocks' but the model has no symmetry blocks: nothing would move"
-        )
-    pert_kw = perturbation_kwargs(measure, metric, order, perturb)
-    dtype = base[space.param_names[0]].dtype
+    if space.numel() == 0:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    named = dict(model.named_parameters())
+    base = {n: named[n].detach() for n in space.param_names}
+    settings.check_blocks(space)
 
     def build() -> Perturbation:
-        return Perturbation(
-            space,
-            base,
-            work_dtype=dtype if low_memory else None,
-            eps=eps,
-            corrected_norm=corrected_norm,
-            exact_steps=exact_steps,
-            perturb=perturb,
-            row_sum=None if shards is None else shards.row_sum,
-            **pert_kw,
-        )
+        return settings.perturbation(space, base)
 
-    if shards is not None:
-        pert = build()
-        pert.reduce = shards.sum
-        if shards.in_place == "rest":  # the block parameters' base point: the pieces' copies
-
-            def base_source(targets: dict) -> dict:
-                with pert.assembled_into(targets):
-                    return pert.base_params()
-
-            shards.base_source = base_source
-            shards.gather = GatheredEndpoint.build(shards, pert)
-            shards.gathered = shards.gather is not None
-        return Setup(space, base, pert, False)
     if not cache:
         return Setup(space, base, build(), False)
-    key = (id(space), eps, corrected_norm, exact_steps, perturb, low_memory, *pert_kw.items())
-    pert, hit = CACHE.get("perturbation", model, key, build)
+    pert, hit = CACHE.get("perturbation", model, settings.cache_key(space), build)
     return Setup(space, base, pert, hit)

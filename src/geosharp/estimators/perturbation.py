@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from geosharp.estimators import linf, memory, rows
-from geosharp.estimators.assembly import _Assembly
+from geosharp.estimators.assembly import Assembly
 from geosharp.estimators.pieces import Piece, Xi, _base_params, build_pieces
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
 from geosharp.geometry.draws import generator_for
@@ -79,9 +79,13 @@ class Perturbation:
             tangents kept in the model's dtype; the model's dtype runs them in float32, see
             :attr:`geosharp.geometry.GLExecution.work_dtype`).
         row_sum: The space is one rank's shards of a sharded model, whose blocks hold this
-            rank's rows of their factors (:mod:`geosharp.estimators.sharded_space`); sums an
+            rank's rows of their factors (:mod:`geosharp.estimators.sharded.space`); sums an
             ``h × h`` contraction over the ranks (:attr:`GLExecution.row_sum
             <geosharp.geometry.GLExecution.row_sum>`). ``None``: one process holds every row.
+        reduce: Sums a tensor of partial sums over the ranks holding the other shards (a
+            sharded model's rank, :attr:`reduce`); ``None``: one process holds it whole.
+        draws: Draws the rank's part of the unsharded noise (:attr:`draws`); ``None``: drawn
+            here.
     """
 
     def __init__(
@@ -98,6 +102,8 @@ class Perturbation:
         perturb: str = "all",
         work_dtype: torch.dtype | None = None,
         row_sum: RowSum | None = None,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+        draws: Any = None,
     ) -> None:
         if perturb not in PERTURB:
             raise ValueError(f"perturb must be one of {PERTURB}, got {perturb!r}")
@@ -114,7 +120,11 @@ class Perturbation:
         #: Sums a tensor of partial sums over the ranks holding the other shards of the
         #: perturbation (``None``: one process holds it whole; see
         #: :mod:`geosharp.estimators.sharded`). Applied to every norm and pairing.
-        self.reduce: Callable[[Tensor], Tensor] | None = None
+        self.reduce: Callable[[Tensor], Tensor] | None = reduce
+        #: Draws the noise of a sharded model's rank, its part of the unsharded draw
+        #: (:class:`~geosharp.estimators.sharded.draws.ShardedDraws`: ``random(pert, generator,
+        #: scale)`` and ``uniform(pert, generator)``); ``None``: drawn here.
+        self.draws: Any = draws
         self.measure = measure
         self.metric = metric
         self.order = order
@@ -145,7 +155,7 @@ class Perturbation:
         self.pieces: list[Piece] = built.pieces
         self._rest_piece: int | None = built.rest
         self._layout = built.layout
-        self._assembly = _Assembly(
+        self._assembly = Assembly(
             space, self.pieces, self._rest_piece, self._layout, devices, built.plans
         )
 
@@ -228,10 +238,6 @@ class Perturbation:
         dd, *inner = (0.0 if v is None else float(v) for v in sums)
         return out, dd, inner
 
-    #: Draws the noise of a sharded model's rank, its part of the unsharded draw
-    #: (:class:`~geosharp.estimators.sharded_draws.ShardedDraws`); ``None``: drawn here.
-    draws: Any = None
-
     def random(self, generator: torch.Generator | None, scale: float) -> Xi:
         """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
         if self.draws is not None:
@@ -293,7 +299,8 @@ class Perturbation:
 
         Differentiable in ``ξ``. Parameters with no coordinate in a symmetry block are their
         moved component itself (no gather, no copy, and their gradient is the model's own);
-        only the parameters that hold block coordinates are gathered (see :class:`_Assembly`).
+        only the parameters that hold block coordinates are gathered (see
+        :class:`~geosharp.estimators.assembly.Assembly`).
 
         Args:
             xi: The perturbation, or (``applied=True``) one whose straight-line piece holds
@@ -362,13 +369,36 @@ class Perturbation:
         """Position in :attr:`pieces` of the piece of the coordinates in no block (or None)."""
         return self._rest_piece
 
+    @property
+    def layout(self) -> list[tuple[int, Tensor | None]]:
+        """Where the rest piece's components lie: one ``(parameter, local positions)`` each.
+
+        ``parameter`` is a position in :attr:`space`'s parameters; ``local positions`` is
+        ``None`` for a component that is the whole parameter (in its shape), else the flat
+        positions inside the parameter of the coordinates in no block (a component of a
+        parameter that also holds block coordinates: the Q, K, V, O projections' rest).
+        """
+        return list(self._layout)
+
+    @property
+    def assembly(self) -> Assembly:
+        """How the moved pieces become the perturbed parameters (:class:`Assembly`).
+
+        Its public members say where every symmetry piece's rows lie in the parameters
+        (``plan``, ``sym_pieces``, ``gathered``, ``mixed``, ``mixed_local``); a sharded model
+        makes ``θ′`` of the blocks where FSDP gathers them from it
+        (:class:`~geosharp.estimators.sharded.gather.GatheredEndpoint`). Read it, never write it.
+        """
+        return self._assembly
+
     def grad_at_zero(self, grads: Sequence[Tensor]) -> Xi:
         """``∂L/∂ξ`` at ``ξ = 0`` from ``∂L/∂θ`` (one tensor per parameter of the space).
 
         The adjoint of :meth:`endpoint_params` at ``ξ = 0`` wherever every piece's endpoint has
         the identity as its derivative there (orders 1 and 2, held pieces): the parameter
-        gradient laid out as the pieces (:meth:`_Assembly.pull_back`), in each piece's tangent
-        dtype; held pieces get zeros.
+        gradient laid out as the pieces (:meth:`Assembly.pull_back
+        <geosharp.estimators.assembly.Assembly.pull_back>`), in each piece's tangent dtype; held
+        pieces get zeros.
         """
         out = self._assembly.pull_back(self.pieces, grads)
         xi: Xi = []
@@ -406,7 +436,7 @@ class Perturbation:
         representable, e.g. ``ξ = 0``), so an ascent carries the perturbation of the point it
         evaluated. Pieces that do not move on straight lines are left as they are, and so are
         the rest piece's components ``skip`` (a caller holding their ``θ′`` elsewhere: a
-        sharded model's shards, :mod:`geosharp.estimators.sharded_objective`).
+        sharded model's shards, :mod:`geosharp.estimators.sharded.objective`).
         """
         k = self._rest_piece
         if not self.straight_rest or k is None:

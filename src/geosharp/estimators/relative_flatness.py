@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.sharded_check import check_unsharded
+from geosharp.estimators.sharded.check import check_unsharded
 from geosharp.estimators.sharpness import SharpnessResult
 from geosharp.symmetry.verify import eval_mode
 from geosharp.symmetry.verify import to_device as _to_device

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from geosharp.estimators.pieces import Piece, Xi, _row_positions
 
 if TYPE_CHECKING:  # rows.py is imported by perturbation.py
-    from geosharp.estimators.assembly import _Assembly
+    from geosharp.estimators.assembly import Assembly
     from geosharp.estimators.perturbation import Perturbation
 
 __all__ = ["MAX_ROW_SHARE", "BatchRows", "cut_to_rows", "row_tables", "table_modules"]
@@ -43,7 +43,7 @@ __all__ = ["MAX_ROW_SHARE", "BatchRows", "cut_to_rows", "row_tables", "table_mod
 MAX_ROW_SHARE = 0.75
 
 
-def row_tables(pieces: list[Piece], rest_piece: int | None, assembly: _Assembly) -> dict[str, int]:
+def row_tables(pieces: list[Piece], rest_piece: int | None, assembly: Assembly) -> dict[str, int]:
     """The parameters a perturbation can cut to rows: name → component of its rest piece.
 
     Whole 2-D (or higher) parameters of a straight-line rest piece (``rest_piece``, ``None``

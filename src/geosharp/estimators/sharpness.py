@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -36,6 +37,7 @@ from geosharp.estimators.distributed import BatchSplit
 from geosharp.estimators.harness import (
     LossFn,
     PassBar,
+    PerturbationSettings,
     check_float,
     check_int,
     objectives,
@@ -43,10 +45,8 @@ from geosharp.estimators.harness import (
 )
 from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES
-from geosharp.estimators.sharded import ShardedParams, in_place_ok, restored
-from geosharp.estimators.sharded_check import is_sharded
-from geosharp.estimators.sharded_draws import ShardedDraws
-from geosharp.estimators.sharded_objective import objective_class
+from geosharp.estimators.sharded.check import is_sharded
+from geosharp.estimators.sharded.run import ShardedRun, prepare
 from geosharp.estimators.worst import ExactStepsWarning, WorstCase, exact_steps_warning
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.verify import eval_mode
@@ -256,22 +256,7 @@ def sharpness(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_materialized(model, "gs.sharpness")
-    shards = None
-    if is_sharded(model):
-        if space is not None:
-            raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
-        if distributed:
-            raise ValueError(
-                "distributed=True splits whole batches across ranks, each holding the whole "
-                "model; a sharded model measures every batch on every rank, on the rank's rows "
-                "of it: leave distributed unset"
-            )
-        shards = ShardedParams(model, in_place=in_place_ok(measure, rho, perturb, kind))
-        distributed = False  # every rank measures every batch, on its own rows of it
-
-    setup = perturbation_of(
-        model,
-        space,
+    pert_settings = PerturbationSettings(
         measure=measure,
         metric=metric,
         order=order,
@@ -281,12 +266,15 @@ def sharpness(
         exact_steps=exact_steps,
         key_bias=key_bias,
         low_memory=low_memory,
-        cache=cache,
-        shards=shards,
     )
-    if shards is not None:  # random draws: each rank its part of the unsharded draw
-        blocks_laid_out = measure == "geodesic" or perturb == "blocks"
-        setup.pert.draws = ShardedDraws(model, shards, key_bias if blocks_laid_out else None)
+    run: ShardedRun | None = None
+    if is_sharded(model):  # every rank measures every batch, on its own rows of it
+        run = prepare(
+            model, pert_settings, kind=kind, rho=rho, space=space, distributed=distributed
+        )
+        setup, distributed = run.setup, False
+    else:
+        setup = perturbation_of(model, space, pert_settings, cache=cache)
     space = setup.space
     theta = [setup.base[n] for n in space.param_names]
     device, dtype = theta[0].device, theta[0].dtype
@@ -305,8 +293,9 @@ def sharpness(
             "here (every coordinate uses the adaptive geometry); see space.summary()",
             stacklevel=2,
         )
-    make = None if shards is None else objective_class(shards)
-    with eval_mode(model), split, restored(shards):
+    make = None if run is None else run.objective
+    restored = contextlib.nullcontext() if run is None else run.restored()
+    with eval_mode(model), split, restored:
         fs = objectives(
             model, loss_fn, setup.pert, local, seed=seed, device=device, bar=bar, make=make
         )
@@ -344,14 +333,14 @@ def sharpness(
         "cached_base_point": setup.cached,
         "exact_steps": exact_steps if order == "exact" else None,
         "max_relative_speed": kappa,
-        "n_params": space.numel() if shards is None else shards.numel,
+        "n_params": space.numel() if run is None else run.shards.numel,
         "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
         "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
         if measure == "geodesic" and metric != "adaptive"
         else 0,
         "dtype": str(dtype),
         "device": str(device),
-        "sharded": None if shards is None else shards.describe(),
+        "sharded": None if run is None else run.describe(),
     }
     trouble = exact_steps_warning(f"{name} at rho={rho:g}", kappa, exact_steps)
     if trouble is not None:

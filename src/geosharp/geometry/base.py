@@ -273,7 +273,7 @@ class Geometry(ABC):
         Per draw: the shapes it covers (one ``torch.randn`` over their elements, concatenated,
         then split) and its dtype. With :meth:`tangent_from_normals` a caller can draw the
         numbers itself: a rank of a sharded model draws its part of them
-        (:mod:`~geosharp.estimators.sharded_draws`). A point on one device.
+        (:mod:`~geosharp.estimators.sharded.draws`). A point on one device.
 
         Raises:
             NotImplementedError: For a geometry that does not give its draws (the default).

@@ -21,8 +21,7 @@ and dtype/device agnostic. The formulas are the pure functions of
 :mod:`~geosharp.geometry.gl_math`; :class:`GLGeometry` factorizes the base point once
 (:mod:`~geosharp.geometry.gl_factors`) and evaluates them under one execution policy
 (:class:`~geosharp.geometry.gl_execution.GLExecution`: dtypes, chunks of heads). The group
-action is :mod:`~geosharp.geometry.gl_action`'s; one-call functions on raw ``(G, H)`` are
-:mod:`~geosharp.geometry.gl_functional`'s.
+action is :mod:`~geosharp.geometry.gl_action`'s.
 
 Example:
     >>> import torch
@@ -60,6 +59,7 @@ from geosharp.geometry._validate import (
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.gl_diagnose import exact_geodesic_trouble, relative_speed
+from geosharp.geometry.gl_endpoint import order2_adjoint_by_chunks, order2_factors_by_chunks
 from geosharp.geometry.gl_execution import GLExecution, by_head
 from geosharp.geometry.gl_factors import (
     GLFactors,
@@ -68,7 +68,7 @@ from geosharp.geometry.gl_factors import (
     factorize,
     gram_matrices,
 )
-from geosharp.geometry.gl_rows import contract, sum_chunks
+from geosharp.geometry.gl_rows import RowSum, contract, sum_chunks
 from geosharp.geometry.gl_sampling import GLSampling
 
 #: Reads ``(G, H)`` of some flattened heads in a dtype (:meth:`GLGeometry.read_point_from`).
@@ -222,19 +222,26 @@ class GLGeometry(GLSampling, Geometry):
             return self._reader(slice(None), self.execution.work_dtype)
         return self._held if self._held is not None else self.execution.widen(self.G, self.H)
 
-    def read_point_from(self, reader: PointReader) -> None:
+    def read_point_from(self, reader: PointReader) -> tuple[Tensor, ...]:
         """Read the base point through ``reader``, a chunk of heads at a time, from now on.
 
         ``reader(heads, dtype)`` returns ``(G, H)`` of the flattened heads ``heads`` (a slice)
         as fresh tensors in ``dtype``. The per-step products (the projection, the horizontal
-        gradient, the vertical-space solve) then read no tensor of :attr:`point` and hold no
-        copy of it, so the caller may give their memory back: a model sharded by FSDP2 reads
-        the rows from its shards
-        (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`). The order-2 endpoint
-        and :meth:`vertical` still read :attr:`point` (the sampler only its shapes).
+        gradient, the vertical-space solve, :meth:`order2_factors`, :meth:`order2_adjoint`)
+        then read no tensor of :attr:`point` and hold no copy of it, so the caller may give
+        their memory back: a model sharded by FSDP2 reads the rows from its shards
+        (:class:`~geosharp.estimators.sharded.gather.GatheredEndpoint`). :meth:`geodesic` and
+        :meth:`vertical` still read :attr:`point` (the sampler only its shapes).
+
+        Returns:
+            The tensors of the base point this geometry no longer reads: those of
+            :attr:`point` and of the copy it held in the work dtype (if any), for the caller to
+            free.
         """
+        released = (*self.point, *(self._held or ()))
         self._reader = reader
         self._held = None
+        return released
 
     def _read_grams(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(GᵀG, HᵀH)`` in ``dtype``, read a chunk of heads at a time, summed over the ranks."""
@@ -457,6 +464,47 @@ class GLGeometry(GLSampling, Geometry):
     def row_endpoint(self, order: int | str) -> bool:
         """At order 2 (:func:`~geosharp.geometry.gl_endpoint.order2_factors_by_chunks`)."""
         return order == 2
+
+    @property
+    def head_slices(self) -> list[slice]:
+        """The chunks of the flattened heads that the per-step products run over, in order."""
+        return list(self._slices)
+
+    def order2_factors(
+        self, xG: Tensor, xH: Tensor, row_sum: RowSum | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+        """The ``h × h`` factors of the order-2 endpoint at ``ξ``: ``(C_G, B_G, C_H, B_H, s)``.
+
+        ``G′ = G (I + s B_G) + ξ_G C_G`` and ``H′ = H (I + s B_H) + ξ_H C_H`` row by row
+        (:meth:`row_endpoint`): a caller holding the rows of ``G`` elsewhere (a sharded model's
+        gathered layers) makes ``θ′`` from them. ``ξ`` has its heads flattened, in
+        ``execution.endpoint_dtype``; the point is read a chunk of heads at a time
+        (:meth:`point_rows`); ``row_sum`` sums the contractions over the ranks holding the
+        other rows (``None``: every row is here).
+        :func:`~geosharp.geometry.gl_endpoint.order2_factors_by_chunks`.
+        """
+        inv = self._endpoint_inv
+        return order2_factors_by_chunks(
+            self.point_rows, self._slices, xG, xH, *inv, self.metric, row_sum
+        )
+
+    def order2_adjoint(
+        self,
+        xi: tuple[Tensor, Tensor],
+        factors: tuple[Tensor, Tensor, float],
+        grad: tuple[Tensor, Tensor],
+        row_sum: RowSum | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``∂L/∂ξ`` of the order-2 endpoint from ``grad = (∂L/∂G′, ∂L/∂H′)``, in place.
+
+        ``factors``: ``(C_G, C_H, s)`` of :meth:`order2_factors` at ``ξ`` (no second forward of
+        the endpoint); ``ξ`` and ``grad`` as there, ``grad`` overwritten with the result.
+        :func:`~geosharp.geometry.gl_endpoint.order2_adjoint_by_chunks`.
+        """
+        inputs = (*xi, *self._endpoint_inv)
+        return order2_adjoint_by_chunks(
+            self.point_rows, self._slices, inputs, factors, self.metric, grad, row_sum
+        )
 
     def relative_speed(self, xi: Tangent) -> Tensor:
         """:func:`~geosharp.geometry.gl_diagnose.relative_speed`: two ``h × h`` contractions."""

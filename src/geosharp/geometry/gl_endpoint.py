@@ -24,7 +24,7 @@ def _eye_like(M: Tensor) -> Tensor:
     return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
 
 
-def _add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+def add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     """``X + α·A @ B`` in one batched pass (``baddbmm``) over any leading dimensions.
 
     ``inplace=True`` accumulates into ``X`` (a temporary of the caller's): an out-of-place
@@ -94,12 +94,12 @@ def _order2_forward(
     (``inplace``, outside autograd; otherwise one ``baddbmm``), with no pass that copies ``G``.
     """
     cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
-    Gp = _add_mm(G @ _add_eye(bG, s), xG, cG, inplace=inplace)
-    Hp = _add_mm(H @ _add_eye(bH, s), xH, cH, inplace=inplace)
+    Gp = add_mm(G @ add_eye(bG, s), xG, cG, inplace=inplace)
+    Hp = add_mm(H @ add_eye(bH, s), xH, cH, inplace=inplace)
     return Gp, Hp, cG, cH, s
 
 
-def _add_eye(B: Tensor, s: float) -> Tensor:
+def add_eye(B: Tensor, s: float) -> Tensor:
     """``I + s·B`` (batched ``h × h``)."""
     return torch.add(_eye_like(B), B, alpha=s)
 
@@ -202,7 +202,7 @@ def order2_adjoint(
 
 def _adjoint_rows(g: Tensor, c: Tensor, X: Tensor, S: Tensor, x: Tensor, T: Tensor) -> Tensor:
     """``∂ξ_X = g Cᵀ + X·S + ξ_X·T``, accumulated into the fresh ``g Cᵀ`` (no copy of ``g``)."""
-    return _add_mm(_add_mm(g @ c.mT, X, S, inplace=True), x, T, inplace=True)
+    return add_mm(add_mm(g @ c.mT, X, S, inplace=True), x, T, inplace=True)
 
 
 def _adjoint_from(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from geosharp.geometry.gl_endpoint import _add_mm, _hand_backward, _order2_forward, _Order2Endpoint
+from geosharp.geometry.gl_endpoint import _hand_backward, _order2_forward, _Order2Endpoint, add_mm
 from geosharp.geometry.gl_factors import GLFactors, _gram
 from geosharp.geometry.gl_rows import RowSum, contract
 
@@ -131,7 +131,7 @@ def horizontal_projection(
 
     ``inplace=True`` accumulates into ``ξ`` (a caller's temporary; the same values).
     """
-    return _add_mm(xG, G, L, inplace=inplace), _add_mm(xH, H, L.mT, alpha=-1.0, inplace=inplace)
+    return add_mm(xG, G, L, inplace=inplace), add_mm(xH, H, L.mT, alpha=-1.0, inplace=inplace)
 
 
 def horizontal_residual(

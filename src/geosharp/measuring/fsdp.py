@@ -19,7 +19,7 @@ evenly). Then :class:`FsdpRun`
    (:func:`transformer_layers`: the modules of a Hugging Face model's ``_no_split_modules``
    classes in its ``nn.ModuleList``\ s, else the children of the ``nn.ModuleList``\ s of
    repeated modules) and to the root, which moves each rank's shard to its device, every call
-   with the ``shard_placement_fn`` of :func:`geosharp.estimators.placement.shard_placement`
+   with the ``shard_placement_fn`` of :func:`geosharp.estimators.sharded.placement.shard_placement`
    (built on the model before sharding it): ``W_q``, ``W_k``, ``W_v`` and LoRA's ``A`` are split
    along dimension 1, so that no row of a symmetry block is split across ranks (the geodesic and
    attention-only measures need whole rows, SPEC §10.3; the element-wise ones do not care);
@@ -157,7 +157,7 @@ class FsdpRun:
 
         Sets :attr:`along_dim_1`. ``None`` (FSDP's default) if the symmetry finder fails.
         """
-        from geosharp.estimators.placement import shard_placement
+        from geosharp.estimators.sharded.placement import shard_placement
 
         try:  # on the whole model: before fully_shard
             place = shard_placement(model, world=self.world)

@@ -15,10 +15,10 @@ gathering the weights whole:
 - **refused before any work** (:func:`check_plan`), one line each: the curvature measures and
   relative flatness;
 - **checked, collectively**: every trainable parameter is a sharded ``DTensor`` on one mesh
-  (:class:`~geosharp.estimators.sharded.ShardedParams`), no weight's ``1/w²`` overflows (counted
-  on the shards and summed over the ranks: a sharded model is not copied, so it is refused
-  rather than flushed), every rank holds as many batches and, batch by batch, as many rows
-  (the batch's loss is the mean of the ranks' losses), and the clean loss of every batch —
+  (:class:`~geosharp.estimators.sharded.params.ShardedParams`), no weight's ``1/w²`` overflows
+  (counted on the shards and summed over the ranks: a sharded model is not copied, so it is
+  refused rather than flushed), every rank holds as many batches and, batch by batch, as many
+  rows (the batch's loss is the mean of the ranks' losses), and the clean loss of every batch —
   a plain forward of the model (FSDP gathers one layer at a time), the mean over ranks — is
   finite with valid labels. A rank whose batch fails tells the others, so that every rank
   raises the same error instead of waiting for it;
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from geosharp.estimators.sharded import ShardedParams
+from geosharp.estimators.sharded.params import ShardedParams
+from geosharp.estimators.sharded.space import local_space
 from geosharp.measures import Measure
 from geosharp.measuring.checks import batch_loss, check_finite_loss, count_unrepresentable
 from geosharp.measuring.errors import MeasureError
@@ -220,7 +221,7 @@ def prepare_sharded(
         loss_name: Its name.
         say: Called with what was checked or skipped.
         blocks: Some measure uses the symmetry blocks: lay them out on the ranks' rows now
-            (:func:`~geosharp.estimators.sharded_space.local_space`), so that a row split
+            (:func:`~geosharp.estimators.sharded.space.local_space`), so that a row split
             across ranks is refused before any measurement.
 
     Returns:
@@ -238,7 +239,7 @@ def prepare_sharded(
     _check_representable(shards)
     if blocks:
         try:
-            space = shards.block_space(model, "quotient")
+            space, _ = local_space(model, shards, "quotient")  # the rank's rows
         except (ValueError, NotImplementedError) as err:  # on every rank alike
             raise MeasureError(str(err)) from err
         n = sum(b.count for b in space.blocks)

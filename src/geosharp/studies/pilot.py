@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.measuring.checks import clean_pass
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.flags import AT_CHANCE, reference_loss

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.errors import MeasureError
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.measuring.results import flags_text, rho_text
 from geosharp.measuring.twin import TWIN_TOL, make_twin, output_change, promised, relative_change
 from geosharp.studies.runner import Shard, Study, StudyMeasure

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp._version import __version__
-from geosharp.estimators.sharded_check import is_sharded
+from geosharp.estimators.sharded.check import is_sharded
 from geosharp.measures import Measure, from_kwargs
 from geosharp.measures.base import Outcome
 from geosharp.measuring.cells import checked_row, this_rank_alone

@@ -11,10 +11,10 @@ import sys
 
 from torch import nn
 
-__all__ = ["check_unsharded", "is_sharded"]
+__all__ = ["check_unsharded", "dtensor_type", "fsdp_modules", "is_sharded"]
 
 
-def _dtensor_type() -> type | None:
+def dtensor_type() -> type | None:
     """``DTensor``, if ``torch.distributed.tensor`` is imported (else no model can hold one).
 
     Looked up, never imported: a call on an ordinary model loads nothing of FSDP's.
@@ -23,7 +23,8 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules of ``model`` (``fully_shard``'s), none if FSDP2 is not imported."""
     module = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(module, "FSDPModule", None) if module is not None else None
     if cls is None:  # FSDP2 not imported: no module of the model can be one
@@ -33,9 +34,9 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is sharded: an FSDP2 module in it, or a trainable ``DTensor``."""
-    if _fsdp_modules(model):
+    if fsdp_modules(model):
         return True
-    dt = _dtensor_type()
+    dt = dtensor_type()
     return dt is not None and any(p.requires_grad and isinstance(p, dt) for p in model.parameters())
 
 
@@ -53,7 +54,7 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
     Raises:
         NotImplementedError: If a trainable parameter is a ``DTensor``.
     """
-    dt = _dtensor_type()
+    dt = dtensor_type()
     if dt is None:
         return
     names = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, dt)]

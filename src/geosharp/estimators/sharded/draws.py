@@ -12,9 +12,9 @@ chunk (:func:`stream`), and keeps the numbers at its own coordinates (:class:`Sh
 
 - the element-wise pieces (adaptive, Euclidean, the coordinates outside the blocks) keep the
   numbers of the rank's slice of every parameter (a parameter's global positions and the
-  rank's slice of them: :class:`~geosharp.estimators.sharded_space._Layout`);
+  rank's slice of them: :class:`~geosharp.estimators.sharded.space._Layout`);
 - a block piece keeps the rows of its factors that the rank holds, in order, at the rows the
-  rank's block gives them (:mod:`~geosharp.estimators.sharded_space`); its padding rows get
+  rank's block gives them (:mod:`~geosharp.estimators.sharded.space`); its padding rows get
   zeros, so they stay zero through the covariant factors and the horizontal projection, and
   add nothing to the ``h × h`` contractions (``Ωᵀ X`` of the factors, those of the
   projection), which are summed over the ranks;
@@ -265,7 +265,7 @@ class ShardedDraws:
 
     Args:
         model: The sharded model.
-        shards: Its :class:`~geosharp.estimators.sharded.ShardedParams`.
+        shards: Its :class:`~geosharp.estimators.sharded.params.ShardedParams`.
         key_bias: As :func:`~geosharp.symmetry.find_symmetries`, when the measure lays out the
             symmetry blocks (``None``: the element-wise measures, one piece of every parameter).
     """
@@ -335,7 +335,7 @@ def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
 
 def _plan(model: nn.Module, shards: Any, key_bias: str | None, pert: Any) -> list[list[_Draw]]:
     """The draws of every piece of the rank's perturbation ``pert``, from the global layout."""
-    from geosharp.estimators.sharded_space import _layouts
+    from geosharp.estimators.sharded.space import _layouts
     from geosharp.symmetry import find_symmetries
 
     if key_bias is None:  # the element-wise measures: the parameters, no blocks
@@ -450,7 +450,7 @@ def _block_fields(
     ``concatenated``: the fields' numbers lie one after the other in one buffer (else each
     field in its own).
     """
-    from geosharp.estimators.sharded_space import _localize
+    from geosharp.estimators.sharded.space import _localize
 
     cls = type(blocks[0])
     if len(shapes) != len(cls.index_fields):

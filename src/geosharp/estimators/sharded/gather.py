@@ -30,6 +30,7 @@ written into it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -37,12 +38,8 @@ import torch
 from torch import Tensor
 
 from geosharp.estimators.assembly import read_heads, read_parts
-from geosharp.geometry.gl_endpoint import (
-    _add_eye,
-    _add_mm,
-    order2_adjoint_by_chunks,
-    order2_factors_by_chunks,
-)
+from geosharp.estimators.sharded import fsdp2
+from geosharp.geometry.gl_endpoint import add_eye, add_mm
 
 __all__ = ["GatheredEndpoint"]
 
@@ -67,29 +64,20 @@ class _Part(NamedTuple):
     part: Any  # the assembly's _Part (its view of the parameter)
 
 
-def _comm_class() -> type:
-    """:class:`_EndpointComm`, made on first use (FSDP's ``AllGather`` is imported lazily)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+class _ThetaWriter:
+    """Writes the rank's rows of ``θ′`` of one slot into FSDP's copy of its shard (one rank)."""
 
-    class _EndpointComm(AllGather):
-        """FSDP's all-gather of one module, the rank's ``θ′`` rows written into its input first."""
+    def __init__(self, owner: GatheredEndpoint, slot: _Slot) -> None:
+        self.owner, self.slot = owner, slot
 
-        def __init__(self, inner: Any, slots: list[_Slot], owner: GatheredEndpoint) -> None:
-            self.inner, self.slots, self.owner = inner, slots, owner
+    @property
+    def active(self) -> bool:
+        """Whether a loss is running (else FSDP copies the shard, ``w``, as it is)."""
+        return self.owner.active
 
-        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device):
-            return self.inner.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            self.owner._fill(self.slots, input_tensor)
-            return self.inner(
-                output_tensor=output_tensor,
-                input_tensor=input_tensor,
-                group=group,
-                async_op=async_op,
-            )
-
-    return _EndpointComm
+    def __call__(self, buf: Tensor) -> None:
+        slot = self.slot
+        self.owner.write_theta(slot.param, buf.narrow(0, 0, slot.numel).view(slot.shape))
 
 
 class GatheredEndpoint:
@@ -106,7 +94,7 @@ class GatheredEndpoint:
         #: every parameter of the rank's space, by position: the shards hold ``w`` throughout
         self.tensors = [merged[n] for n in names]
         at = {n: j for j, n in enumerate(names)}
-        asm = pert._assembly
+        asm = pert.assembly
         #: the GL pieces and their assembly plans (where their rows lie in the parameters)
         self.plans = {
             k: factors
@@ -122,8 +110,7 @@ class GatheredEndpoint:
                     self.parts.setdefault(part.param, []).append(_Part(k, c, heads, rows, part))
         #: the rest coordinates inside those parameters: (parameter, local positions, rest comp)
         self.mixed = [(j, local, asm.mixed[m]) for m, (j, local) in enumerate(asm.mixed_local)]
-        rest = pert._rest_piece
-        self._rest_moves = rest is not None and pert.straight_rest
+        self._rest_moves = pert.rest_index is not None and pert.straight_rest
         #: the parameters whose shard is not ``θ′`` as it is
         self._writes = set(self.parts) | {j for j, _, _ in self.mixed}
         #: per FSDP module, the slots of those parameters, renumbered from the shards' order to
@@ -145,7 +132,7 @@ class GatheredEndpoint:
     @classmethod
     def build(cls, shards: Any, pert: Any) -> GatheredEndpoint | None:
         """The endpoint of ``pert`` on ``shards``'s model, or ``None`` where it does not serve."""
-        asm = pert._assembly
+        asm = pert.assembly
         if asm.plan is None or not asm.gathered or not shards.copied:
             return None
         for k in asm.sym_pieces:
@@ -159,7 +146,7 @@ class GatheredEndpoint:
                 return None
             if geom.G.dim() != 3 or geom.H.dim() != 3:
                 return None
-        rest = pert._rest_piece
+        rest = pert.rest_index
         if asm.mixed_local and rest is not None and not pert.straight_rest:
             if not pert.pieces[rest].geometry.is_trivial:
                 return None
@@ -176,7 +163,7 @@ class GatheredEndpoint:
     def step(self, moved: list | None) -> None:
         """The factors of ``θ′`` at the moved pieces (one ``h × h`` sum over ranks per piece).
 
-        ``moved``: the pieces as :meth:`~geosharp.estimators.sharded_objective` moves them (the
+        ``moved``: the pieces as :meth:`~geosharp.estimators.sharded.objective` moves them (the
         block pieces still ``ξ``, the rest's components inside the projections ``θ′``);
         ``None`` deactivates.
         """
@@ -188,16 +175,8 @@ class GatheredEndpoint:
             geom = self.pert.pieces[k].geometry
             ex = geom.execution
             xG, xH = (t.to(ex.endpoint_dtype) for t in moved[k])
-            cG, bG, cH, bH, s = order2_factors_by_chunks(
-                geom.point_rows,
-                geom._slices,
-                xG,
-                xH,
-                *geom._endpoint_inv,
-                geom.metric,
-                self._sum(ex),
-            )
-            factors[k] = (_add_eye(bG, s), cG, _add_eye(bH, s), cH)
+            cG, bG, cH, bH, s = geom.order2_factors(xG, xH, self._sum(ex))
+            factors[k] = (add_eye(bG, s), cG, add_eye(bH, s), cH)
             self._adjoint[k] = (cG, cH, s)
         self._factors, self._moved = factors, moved
 
@@ -207,7 +186,7 @@ class GatheredEndpoint:
 
         Through the assembly's views, in the endpoint's dtype; the projections' own gradients
         are then let go (FSDP's buffers of those layers with them: the rest of their gradients
-        was cloned, :meth:`~geosharp.estimators.sharded.ShardedParams.backward`).
+        was cloned, :meth:`~geosharp.estimators.sharded.params.ShardedParams.backward`).
         """
         pert = self.pert
         names = pert.space.param_names
@@ -245,20 +224,14 @@ class GatheredEndpoint:
             if k in self._adjoint:  # the rows of dL/dθ′ become those of dL/dξ (in place)
                 geom = piece.geometry
                 ex = geom.execution
-                inputs = (*(t.to(ex.endpoint_dtype) for t in x), *geom._endpoint_inv)
-                dx = order2_adjoint_by_chunks(
-                    geom.point_rows,
-                    geom._slices,
-                    inputs,
-                    self._adjoint[k],
-                    geom.metric,
-                    tuple(rows.pop(k)),
-                    self._sum(ex),
+                xG, xH = (t.to(ex.endpoint_dtype) for t in x)
+                dx = geom.order2_adjoint(
+                    (xG, xH), self._adjoint[k], tuple(rows.pop(k)), self._sum(ex)
                 )
                 out.append(tuple(d.to(t.dtype) for d, t in zip(dx, x, strict=True)))
-            elif k == pert._rest_piece and self._rest_moves:
+            elif k == pert.rest_index and self._rest_moves:
                 comps = []
-                for (j, local), t in zip(pert._layout, x, strict=True):
+                for (j, local), t in zip(pert.layout, x, strict=True):
                     gj = g[j]
                     comps.append(
                         gj.view(t.shape) if local is None else gj.reshape(-1)[local.to(gj.device)]
@@ -273,42 +246,48 @@ class GatheredEndpoint:
         """The geometry's sum over ranks, ``None`` with one rank (every row is here)."""
         return execution.row_sum if self.shards.world > 1 else None
 
+    @property
+    def active(self) -> bool:
+        """Whether a loss is running: :meth:`step` was given the moved pieces."""
+        return self._factors is not None
+
     @contextlib.contextmanager
     def during_loss(self) -> Iterator[None]:
-        """Within: FSDP gathers ``θ′`` (the shards keep ``w``)."""
+        """Within: FSDP gathers ``θ′`` (the shards keep ``w``).
+
+        Several ranks: each module's all-gather is FSDP's own behind FSDP's public hook for a
+        custom all-gather, which writes the rank's rows of ``θ′`` into its input first. One
+        rank: FSDP copies each shard into its unsharded parameter, no collective; the shard it
+        copies is made ``θ′`` first (a copy of it: the shard keeps ``w``).
+        """
         installed: list[tuple[Any, Any]] = []
-        swapped: list[tuple[Any, type]] = []
         try:
-            for module, slots in self._comms:
-                if self.shards.world > 1:  # FSDP's public hook for a custom all-gather
-                    inner = _group(module)._all_gather_comm
+            if self.shards.world > 1:
+                for module, slots in self._comms:
+                    inner = fsdp2.all_gather_comm(module)
                     installed.append((module, inner))
-                    module.set_custom_all_gather(_comm_class()(inner, slots, self))
-                    continue
-                # one rank: FSDP copies each shard into its unsharded parameter, no collective;
-                # the shard it copies is made θ′ first (a copy of it: the shard keeps w)
-                for slot in slots:
-                    fp = slot.fsdp_param
-                    swapped.append((fp, type(fp)))
-                    fp.__class__ = _theta_param_class(type(fp))
-                    fp._geosharp_theta = (self, slot)
-            yield
+                    fill = functools.partial(self._fill, slots)
+                    module.set_custom_all_gather(fsdp2.endpoint_all_gather(inner, fill))
+                yield
+            else:
+                writers = [
+                    (s.fsdp_param, _ThetaWriter(self, s)) for _, ss in self._comms for s in ss
+                ]
+                with fsdp2.theta_inputs(writers):
+                    yield
         finally:
             for module, inner in installed:
                 module.set_custom_all_gather(inner)
-            for fp, cls in swapped:
-                fp.__class__ = cls
-                del fp._geosharp_theta
 
     def _fill(self, slots: list[_Slot], inp: Tensor) -> None:
         """Write the rank's rows of ``θ′`` into the all-gather input ``inp`` (if active)."""
         if self._factors is None:
             return
         for slot in slots:
-            self._theta(slot.param, inp.narrow(0, slot.offset, slot.numel).view(slot.shape))
+            self.write_theta(slot.param, inp.narrow(0, slot.offset, slot.numel).view(slot.shape))
 
     @torch.no_grad()
-    def _theta(self, j: int, dest: Tensor) -> None:
+    def write_theta(self, j: int, dest: Tensor) -> None:
         """``θ′`` of parameter ``j``'s rank shard written into ``dest`` (which holds ``w``)."""
         w = self.tensors[j]
         moved, factors = self._moved, self._factors
@@ -318,11 +297,11 @@ class GatheredEndpoint:
             x = moved[p.piece][p.comp][p.heads, p.rows]
             rows = p.part.view(w).reshape(x.shape).to(dt)
             E, C = factors[p.piece][2 * p.comp], factors[p.piece][2 * p.comp + 1]
-            out = _add_mm(rows @ E[p.heads], x.to(dt), C[p.heads], inplace=True)  # as the forward
+            out = add_mm(rows @ E[p.heads], x.to(dt), C[p.heads], inplace=True)  # as the forward
             view = p.part.view(dest)
             view.copy_(out.to(geom.dtype).view(view.shape))
         if self._rest_moves:
-            rest = moved[self.pert._rest_piece]
+            rest = moved[self.pert.rest_index]
             for jj, local, c in self.mixed:
                 if jj == j:
                     flat = dest.view(-1)
@@ -337,14 +316,13 @@ class GatheredEndpoint:
         projection, the step's factors and the pullback hold one chunk of ``G``, ``H``. The
         point's tensors (copies read through the assembly's plan, ``_block_pieces``, never the
         shards themselves) and a widened copy the geometry holds keep their shapes and lose their
-        storage: nothing of this call reads them again (the order-2 endpoint is :meth:`_theta`).
+        storage: nothing of this call reads them again (the order-2 endpoint is
+        :meth:`write_theta`).
         """
         seen: set[int] = set()
         for k, factors in self.plans.items():
             geom = self.pert.pieces[k].geometry
-            held = getattr(geom, "_held", None) or ()
-            geom.read_point_from(self._reader(factors, geom.point))
-            for t in (*geom.point, *held):
+            for t in geom.read_point_from(self._reader(factors, geom.point)):
                 if _ptr(t) not in seen:
                     seen.add(_ptr(t))
                     t.untyped_storage().resize_(0)
@@ -363,42 +341,8 @@ class GatheredEndpoint:
         return read
 
 
-_THETA_CLASSES: dict[type, type] = {}
-
-
-def _theta_param_class(base: type) -> type:
-    """FSDP's parameter class whose all-gather input is ``θ′`` (a world of one rank).
-
-    With one rank FSDP gathers nothing: it copies :attr:`all_gather_inputs` (the shard) into
-    the unsharded parameter. This subclass, given to the parameters holding block rows while
-    the loss runs, returns a copy of the shard with the rank's rows of ``θ′`` written into it.
-    """
-    if base not in _THETA_CLASSES:
-
-        class _ThetaParam(base):  # type: ignore[misc, valid-type]
-            @property
-            def all_gather_inputs(self) -> list[Tensor]:
-                out = base.all_gather_inputs.fget(self)
-                owner, slot = self._geosharp_theta
-                if owner._factors is None:
-                    return out
-                data = out[0]
-                buf = data.clone() if _ptr(data) == _ptr(self._sharded_param_data) else data
-                owner._theta(slot.param, buf.narrow(0, 0, slot.numel).view(slot.shape))
-                return [buf]
-
-        _THETA_CLASSES[base] = _ThetaParam
-    return _THETA_CLASSES[base]
-
-
 def _ptr(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _group(module: Any) -> Any:
-    """The one FSDP parameter group of ``module``."""
-    (group,) = module._get_fsdp_state()._fsdp_param_groups
-    return group
 
 
 def _slots(shards: Any) -> list[tuple[Any, list[_Slot]]] | None:
@@ -412,7 +356,7 @@ def _slots(shards: Any) -> list[tuple[Any, list[_Slot]]] | None:
     index = {id(p): j for j, p in enumerate(shards.params)}
     out = []
     for module in shards.modules:
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp2.param_groups(module)
         if len(groups) > 1:
             return None
         if not groups:
@@ -420,8 +364,8 @@ def _slots(shards: Any) -> list[tuple[Any, list[_Slot]]] | None:
         slots, offset, dtypes = [], 0, set()
         cast = getattr(groups[0].mp_policy, "param_dtype", None)  # FSDP's mixed precision
         for fp in groups[0].fsdp_params:
-            data = fp._sharded_param_data  # the all-gather input: the padded shard, flat
-            if fp.offload_to_cpu or hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            data = fsdp2.sharded_param_data(fp)  # the all-gather input: the padded shard, flat
+            if fsdp2.unsupported_param(fp):
                 return None
             dtypes.add(cast or fp.sharded_param.dtype)
             j = index.get(id(fp.sharded_param))

@@ -18,7 +18,7 @@ substituted tensors would be bypassed):
 3. that gradient is pulled back through the rank's shard of the endpoint map (autograd,
    locally) to ``ξ``'s shard
 
-(the objective of :mod:`~geosharp.estimators.sharded_objective`).
+(the objective of :mod:`~geosharp.estimators.sharded.objective`).
 
 The value of a batch is the mean over ranks of the ranks' losses (one scalar all-reduce); the
 norms and pairings of Auto-PGD are sums over ranks of local sums (one scalar all-reduce per
@@ -27,29 +27,33 @@ takes the same step decisions and gets the same result. When the call ends the m
 hold their values again, bit for bit: subtracted exactly (:meth:`ShardedParams.shift`, adaptive
 sharpness at ``ρ ≤ 0.4``), never written (the attention projections of an order-2 geodesic,
 whose ``θ′`` is made where FSDP gathers each layer,
-:mod:`~geosharp.estimators.sharded_gather`), or written back from a copy of the base point.
+:mod:`~geosharp.estimators.sharded.gather`), or written back from a copy of the base point.
 
 Every sharpness measure is measured so: the element-wise ones (adaptive and Euclidean, ℓ2 or
 ℓ∞ balls), geodesic sharpness and the attention-only measures at order 1, 2 or exact (their
-symmetry blocks laid out on the rank's rows, :mod:`~geosharp.estimators.sharded_space`, SPEC
+symmetry blocks laid out on the rank's rows, :mod:`~geosharp.estimators.sharded.space`, SPEC
 §10.6, their geometry summing its ``h × h`` contractions over the ranks,
 :meth:`ShardedParams.row_sum`, differentiably for the exact geodesic's integrator), worst case
 from ``ξ = 0`` or random starts and average case (every rank draws its part of the noise one
-process would draw, :mod:`~geosharp.estimators.sharded_draws`).
+process would draw, :mod:`~geosharp.estimators.sharded.draws`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from geosharp.estimators.sharded_check import _dtensor_type, _fsdp_modules
+from geosharp.estimators.sharded.check import dtensor_type, fsdp_modules
+from geosharp.estimators.sharded.fsdp2 import local_shard
 from geosharp.symmetry import ParameterSpace
+
+#: ``source(targets)``: the base point of the parameters holding block coordinates, by name,
+#: assembled into ``targets`` (:meth:`ShardedParams.writable`) where it can.
+BaseSource = Callable[[dict[int, Tensor]], dict[str, Tensor]]
 
 
 class ShardedParams:
@@ -58,6 +62,10 @@ class ShardedParams:
     Args:
         model: A model whose every trainable parameter is a ``DTensor`` on one 1-D device mesh,
             sharded along one dimension (``fully_shard`` of the layers and of the root).
+        in_place: How the base point is kept (:attr:`in_place`, :func:`in_place_ok`).
+        key_bias: Lay the model's symmetry blocks out on the rank's rows (as
+            :func:`~geosharp.symmetry.find_symmetries`'s ``key_bias``) into
+            :attr:`rank_space`; ``None``: no blocks (the element-wise measures).
 
     Raises:
         ValueError: If some trainable parameter is not a ``DTensor`` (a module left out of
@@ -66,11 +74,13 @@ class ShardedParams:
             meshes, or none is trainable.
     """
 
-    def __init__(self, model: nn.Module, in_place: bool | str = False) -> None:
+    def __init__(
+        self, model: nn.Module, in_place: bool | str = False, key_bias: str | None = None
+    ) -> None:
         #: FSDP's modules, resharded before every write (see :meth:`reshard`)
-        self.modules = _fsdp_modules(model)
+        self.modules = fsdp_modules(model)
         self.reshard()
-        dt = _dtensor_type()
+        dt = dtensor_type()
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
@@ -111,15 +121,15 @@ class ShardedParams:
         self.group = mesh.get_group()
         self.world = mesh.size()
         #: the local shards themselves (views of FSDP's storage: a write is what it gathers)
-        self.locals = [p._local_tensor for p in self.params]
+        self.locals = [local_shard(p) for p in self.params]
         #: ``True``: θ′ = w + ξ is added into the shards and subtracted again, exactly
         #: (:meth:`shift`); ``"rest"``: so for the parameters with no symmetry-block coordinate,
-        #: while those with one are copied (:meth:`block_space`) and θ′ is written over them;
+        #: while those with one are copied (:meth:`_block_space`) and θ′ is written over them;
         #: ``False``: the base point is a copy of the shards and θ′ is written over them
         self.in_place = in_place
         #: the parameters θ′ is written over (not added into): their base point is a copy (one
         #: 1/world parameter-sized buffer for all of them) or, ``"rest"``, the perturbation's
-        #: pieces (:attr:`base_source`); the others' base point is the shards themselves
+        #: pieces (:meth:`to_base`'s ``source``); the others' base point is the shards themselves
         self.copied = set() if in_place else set(self.names)
         self.base = {
             n: t.detach().clone() if n in self.copied else t.detach()
@@ -131,29 +141,21 @@ class ShardedParams:
         #: the positions of every shard's negative zeros (in place): ``w + ξ − ξ`` turns ``−0``
         #: into ``+0`` (``−0 + 0 = +0``), so :meth:`unshift` writes them back
         self._negative_zeros = [_negative_zeros(t) for t in self.locals] if in_place else []
-        #: the zero rows padding the rank's block heads (:func:`block_space`), by name
+        #: the zero rows padding the rank's block heads (:meth:`_block_space`), by name
         self.padding: dict[str, Tensor] = {}
-        #: ``"rest"``: ``fn(targets)``, the base point of the parameters holding block
-        #: coordinates, by name, assembled from the perturbation's pieces into ``targets``
-        #: (:meth:`writable`) where it can (set by the call once the perturbation is built,
-        #: :meth:`~geosharp.estimators.perturbation.Perturbation.base_params`): their block
-        #: base points and rest values are copies already, so these shards are not copied
-        self.base_source: Any = None
-        #: ``"rest"``: θ′ of the blocks made where FSDP gathers each layer, the shards holding
-        #: ``w`` throughout (:class:`~geosharp.estimators.sharded_gather.GatheredEndpoint`, set
-        #: by the call where it serves; ``None``: θ′ written over the shards)
-        self.gather: Any = None
-        #: whether :attr:`gather` served the call (kept for :meth:`describe` after
-        #: :meth:`release`)
-        self.gathered = False
+        #: the rank's parameter space: the shards' parameters with the model's symmetry
+        #: blocks on the rank's rows (``key_bias`` given), else with no blocks (:meth:`space`)
+        self.rank_space = self.space() if key_bias is None else self._block_space(model, key_bias)
 
-    def block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
+    def _block_space(self, model: nn.Module, key_bias: str) -> ParameterSpace:
         """The rank's space with the model's symmetry blocks on the rank's rows (SPEC §10.1).
 
-        See :func:`~geosharp.estimators.sharded_space.local_space`; its zero padding rows
-        become :attr:`padding` (a part of the base point, never written to the model).
+        See :func:`~geosharp.estimators.sharded.space.local_space`; its zero padding rows
+        become :attr:`padding` (a part of the base point, never written to the model). With
+        :attr:`in_place` ``"rest"`` the parameters holding block coordinates join
+        :attr:`copied`: their base point is the perturbation's pieces.
         """
-        from geosharp.estimators.sharded_space import local_space
+        from geosharp.estimators.sharded.space import local_space
 
         space, self.padding = local_space(model, self, key_bias)
         if self.in_place == "rest":  # θ′ is written over the parameters holding block coordinates
@@ -161,7 +163,7 @@ class ShardedParams:
             for j, n in enumerate(self.names):
                 if j not in whole and self.locals[j].numel():
                     # no copy: the perturbation's pieces gather their values (the base point
-                    # restored from them, :attr:`base_source`)
+                    # restored from them, :meth:`to_base`'s ``source``)
                     self.copied.add(n)
         return space
 
@@ -180,15 +182,16 @@ class ShardedParams:
         dist.all_reduce(out, group=self.group)
         return out.to(t.dtype)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, gathered: bool = False) -> dict[str, Any]:
         """What a result records of the sharding.
 
         The world size, the sharded dimensions, and whether the base point was a copy of the
-        shards (``"copy"``) or the shards themselves (``"in place"``, :meth:`shift`).
+        shards (``"copy"``) or the shards themselves (``"in place"``, :meth:`shift`;
+        ``gathered``: the blocks' ``θ′`` was made where FSDP gathers them).
         """
         dims = sorted({p.placements[0].dim for p in self.params})
         base = {True: "in place", "rest": "in place outside the blocks"}.get(self.in_place, "copy")
-        if self.gathered:  # the blocks' θ′ is made where FSDP gathers: w stays put
+        if gathered:  # the blocks' θ′ is made where FSDP gathers: w stays put
             base = "in place (blocks gathered)"
         return {"world": self.world, "shard_dims": dims, "base_point": base}
 
@@ -270,31 +273,43 @@ class ShardedParams:
                     w[torch.unravel_index(where, w.shape)] = -0.0
         self._shifted = None
 
-    def to_base(self) -> None:
-        """Put the base point in the shards: subtract a pending shift, or write it back."""
+    def to_base(self, source: BaseSource | None = None, *, written: bool = True) -> None:
+        """Put the base point in the shards: subtract a pending shift, or write it back.
+
+        ``written``: whether ``θ′`` was written over the shards :attr:`copied` (``False``: the
+        blocks' ``θ′`` was made where FSDP gathers them; the shards held ``w`` throughout).
+
+        ``source(targets)``: with :attr:`in_place` ``"rest"``, the base point of the parameters
+        holding block coordinates, by name, assembled from the perturbation's pieces into
+        ``targets`` (:meth:`writable`) where it can
+        (:meth:`~geosharp.estimators.sharded.run.ShardedRun.base_point`): their block base
+        points and rest values are copies already, so these shards are not copied.
+        """
         self.unshift()
-        if not self.copied or self.gathered:  # gathered: θ′ never written over the shards
+        if not self.copied or not written:
             self.reshard()
             return
         if self.in_place == "rest":
-            if self.base_source is None:
+            if source is None:
                 raise RuntimeError(
                     "the base point of the parameters holding block coordinates is not known: "
                     "the perturbation was not built (please report this)"
                 )
             with torch.no_grad():
-                self.write(self.base_source(self.writable()))
+                self.write(source(self.writable()))
         else:
             self.write(self.base)
 
-    def restore(self) -> None:
+    def restore(self, source: BaseSource | None = None, *, written: bool = True) -> None:
         """Put the base point back: the shards bit-identical to before the call.
+
+        ``source``, ``written``: as :meth:`to_base`.
 
         Raises:
             RuntimeError: If in place and the shards' bits differ from the call's start (never
                 expected: :meth:`shift` is exact under its condition).
         """
-        self.to_base()
+        self.to_base(source, written=written)
         if self._bits is not None and _bits(self.locals) != self._bits:
             raise RuntimeError(
                 "the model's shards differ from their values before the call: a perturbation "
@@ -304,12 +319,11 @@ class ShardedParams:
     def release(self) -> None:
         """Drop the base point's copy and the padding when the call is over.
 
-        The call's objective class closes over this object, and a class is always in a
-        reference cycle: without this, the copy of the shards (a parameter-sized buffer per
-        world) would live until Python's cycle collector runs, under the next call's peak.
+        Whatever still holds this object (a perturbation's draws, an objective kept by the
+        caller) then holds no copy of the shards (a parameter-sized buffer per world) under the
+        next call's peak.
         """
         self.base, self.padding, self._negative_zeros = {}, {}, []
-        self.base_source = self.gather = None
 
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (FSDP accumulates into them)."""
@@ -368,18 +382,6 @@ class ShardedParams:
     def mean_loss(self, loss: Tensor) -> float:
         """The mean over ranks of the ranks' losses."""
         return float(self.sum(loss.reshape(1)) / self.world)
-
-
-@contextlib.contextmanager
-def restored(shards: ShardedParams | None) -> Iterator[None]:
-    """Write the base point back into the model's shards on any exit (nothing if ``None``)."""
-    try:
-        yield
-    finally:
-        if shards is not None:
-            shards.restore()
-            shards.zero_grad()
-            shards.release()
 
 
 def _bits(tensors: Sequence[Tensor]) -> list[int]:

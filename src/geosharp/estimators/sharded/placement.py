@@ -1,7 +1,7 @@
 """Where FSDP2 shards a model's parameters so that no symmetry block's row is split (SPEC §10.3).
 
 :func:`shard_placement` is the ``shard_placement_fn`` of ``fully_shard`` that
-:mod:`~geosharp.estimators.sharded_space` needs: every rank holds whole rows of every head
+:mod:`~geosharp.estimators.sharded.space` needs: every rank holds whole rows of every head
 (``geosharp.shard_placement``).
 """
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geosharp.estimators.sharded.fsdp2 import local_shape_and_offset
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
@@ -75,12 +76,10 @@ class _Layout:
 
 def _layouts(space: ParameterSpace, shards: Any) -> list[_Layout]:
     """Each parameter's :class:`_Layout` on this rank (from its ``DTensor`` placement)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     local = shards.space()
     out = []
     for j, p in enumerate(shards.params):
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        shape, offset = local_shape_and_offset(p)
         dim = p.placements[0].dim
         out.append(
             _Layout(
@@ -135,7 +134,7 @@ def local_space(
 
     Args:
         model: The model (every trainable parameter a ``DTensor``).
-        shards: Its :class:`~geosharp.estimators.sharded.ShardedParams`.
+        shards: Its :class:`~geosharp.estimators.sharded.params.ShardedParams`.
         key_bias: As :func:`~geosharp.symmetry.find_symmetries`.
 
     Returns:
