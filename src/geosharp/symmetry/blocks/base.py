@@ -18,8 +18,9 @@ A block knows
   the block's group;
 * **what callers outside the symmetry layer may ask of it**: :attr:`~SymmetryBlock.gl_pairs`,
   :attr:`~SymmetryBlock.whole_gl` (the balance diagnostics) and
-  :attr:`~SymmetryBlock.shard_layout` (how its coordinates are split over the ranks of a model
-  sharded by FSDP2), so no caller asks for a block's class;
+  :attr:`~SymmetryBlock.shard_layout` and :meth:`~SymmetryBlock.sharded_layout` (how its
+  coordinates are split over the ranks of a model sharded by FSDP2, or the one-line refusal),
+  so no caller asks for a block's class;
 * **how it is reported**: :attr:`~SymmetryBlock.category` (summaries, budget splits,
   diagnostics), :attr:`~SymmetryBlock.family` (the "parameters per geometry" table) and
   :attr:`~SymmetryBlock.space_note` (a remark of every space holding such a block).
@@ -218,6 +219,21 @@ class SymmetryBlock(ABC):
             The moved block.
         """
         return replace(self, **{f: getattr(self, f).to(device) for f in self.index_fields})
+
+    def sharded_layout(self) -> str:
+        """:attr:`shard_layout`, checked: how a sharded run lays this block out on its ranks.
+
+        Raises:
+            NotImplementedError: In one line naming the block, its class and its group, if the
+                class has no layout on a sharded model (``shard_layout = None``: its
+                coordinates lie on different ranks).
+        """
+        if self.shard_layout is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} blocks ({self.name!r}, {self.group}) on a sharded model "
+                "are not implemented (their coordinates lie on different ranks)"
+            )
+        return self.shard_layout
 
     # -- the group ------------------------------------------------------------------------------
     @property
