@@ -19,7 +19,7 @@ def rotary_blind_llama(path, module):
     h = cfg.hidden_size // cfg.num_attention_heads
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
     return _separate_linear_claim(
-        path, module, names, cfg.num_attention_heads, h, cfg.num_key_value_heads
+        path, module, names, cfg.num_attention_heads, h, num_kv_heads=cfg.num_key_value_heads
     )
 
 

@@ -21,6 +21,7 @@ Example:
     ['self_attn[QK]', 'self_attn[VO]']
 """
 
+from geosharp.symmetry.adapter_kit import AttentionSlices
 from geosharp.symmetry.adapters import ADAPTERS, Adapter, attention_claim, register_adapter
 from geosharp.symmetry.blocks import (
     DiagonalPair,
@@ -51,6 +52,7 @@ ADAPTERS[0:0] = [a for a in EXTRA_ADAPTERS if a not in ADAPTERS]
 __all__ = [
     "ADAPTERS",
     "Adapter",
+    "AttentionSlices",
     "BlockSpec",
     "Claim",
     "DiagonalPair",

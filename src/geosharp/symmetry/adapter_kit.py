@@ -11,6 +11,7 @@ written from these (see the module docstring of :mod:`~geosharp.symmetry.adapter
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -22,26 +23,48 @@ from geosharp.symmetry.specs import (
     TranslationSpec,
 )
 
-__all__ = ["QK_NORM_NOTE", "attention_claim", "qk_norm_note", "rotary_note", "rotary_spec"]
+__all__ = [
+    "QK_NORM_NOTE",
+    "AttentionSlices",
+    "attention_claim",
+    "qk_norm_note",
+    "rotary_note",
+    "rotary_spec",
+]
 
 
 def _join(path: str, local: str) -> str:
     return f"{path}.{local}" if path else local
 
 
+@dataclass(frozen=True)
+class AttentionSlices:
+    """Where the heads of one attention module's projections are: its parameter slices.
+
+    Attributes:
+        q: Slices of the query projection with heads on the sliced axis (weight, then bias).
+        k: Slices of the key projection, without its bias (that is ``k_bias``).
+        v: Slices of the value projection.
+        o: Slices of the output projection with heads on the sliced axis (no bias).
+        k_bias: Slices of the key bias.
+    """
+
+    q: Sequence[ParamSlice]
+    k: Sequence[ParamSlice]
+    v: Sequence[ParamSlice]
+    o: Sequence[ParamSlice]
+    k_bias: Sequence[ParamSlice] = ()
+
+
 def attention_claim(
     path: str,
+    slices: AttentionSlices,
     *,
-    q: Sequence[ParamSlice],
-    k: Sequence[ParamSlice],
-    v: Sequence[ParamSlice],
-    o: Sequence[ParamSlice],
     num_heads: int,
     head_dim: int,
     num_kv_heads: int | None = None,
     rotary: RotarySpec | bool | None = None,
     qk_note: str | None = None,
-    k_bias: Sequence[ParamSlice] = (),
     key_bias_free: bool = True,
 ) -> Claim:
     """The QK and VO blocks of one multi-head attention module (SPEC §3, §8).
@@ -59,10 +82,7 @@ def attention_claim(
 
     Args:
         path: Dotted module path (used for block names).
-        q: Slices of the query projection with heads on the sliced axis (weight, then bias).
-        k: Slices of the key projection, without its bias (pass that as ``k_bias``).
-        v: Slices of the value projection.
-        o: Slices of the output projection with heads on the sliced axis (no bias).
+        slices: Where the heads of Q, K, V, O and the key bias are.
         num_heads: Number of query heads.
         head_dim: Head dimension ``h``.
         num_kv_heads: Number of key/value heads (default ``num_heads``).
@@ -72,7 +92,6 @@ def attention_claim(
         qk_note: Any reason why Q/K has no continuous symmetry at all (e.g. a learned QK-norm,
             relative position terms ``q·r``); then only the VO block is returned, with this
             note.
-        k_bias: Slices of the key bias.
         key_bias_free: Whether the attention scores ignore a common shift of all keys.
 
     Returns:
@@ -90,24 +109,26 @@ def attention_claim(
     if rotary is True:
         rotary = RotarySpec(head_dim, "half")
     rotary = rotary or None
+    q, k, v, o, k_bias = slices.q, slices.k, slices.v, slices.o, slices.k_bias
     label = path or "<model>"
     claim = Claim()
     qk_name = f"{label}[QK]"
+    at = {"module": path, "heads": kv, "head_dim": head_dim}
     if qk_note:
         claim.notes.append(qk_note)
     elif rotary is not None or not key_bias_free or not k_bias:
         h_rows = (*k, *k_bias)
         claim.blocks.append(
-            BlockSpec(qk_name, "QK", path, kv, head_dim, tuple(q), h_rows, rotary=rotary)
+            BlockSpec(name=qk_name, kind="QK", **at, g=tuple(q), h=h_rows, rotary=rotary)
         )
         if rotary is not None:
             claim.notes.append(rotary_note(rotary, head_dim))
     else:
-        claim.blocks.append(BlockSpec(qk_name, "QK", path, kv, head_dim, tuple(q), tuple(k)))
+        claim.blocks.append(BlockSpec(name=qk_name, kind="QK", **at, g=tuple(q), h=tuple(k)))
         claim.translations.append(
-            TranslationSpec(f"{label}[b_k]", path, kv, head_dim, tuple(k_bias), fold_into=qk_name)
+            TranslationSpec(name=f"{label}[b_k]", **at, pieces=tuple(k_bias), fold_into=qk_name)
         )
-    claim.blocks.append(BlockSpec(f"{label}[VO]", "VO", path, kv, head_dim, tuple(v), tuple(o)))
+    claim.blocks.append(BlockSpec(name=f"{label}[VO]", kind="VO", **at, g=tuple(v), h=tuple(o)))
     return claim
 
 
@@ -292,6 +313,7 @@ def _separate_linear_claim(
     names: tuple[str, str, str, str],
     num_heads: int,
     head_dim: int,
+    *,
     num_kv_heads: int | None = None,
     rotary: RotarySpec | None = None,
     qk_note: str | None = None,
@@ -304,13 +326,16 @@ def _separate_linear_claim(
     _check_width(path, "key", k.out_features, kv, head_dim)
     _check_width(path, "value", v.out_features, kv, head_dim)
     _check_width(path, "output", o.in_features, num_heads, head_dim)
-    return attention_claim(
-        path,
+    slices = AttentionSlices(
         q=_linear_in(path, qn, q),
         k=_linear_weight(path, kn),
         k_bias=_linear_bias(path, kn, k),
         v=_linear_in(path, vn, v),
         o=_linear_out(path, on),
+    )
+    return attention_claim(
+        path,
+        slices,
         num_heads=num_heads,
         head_dim=head_dim,
         num_kv_heads=kv,

@@ -48,6 +48,7 @@ from torch import nn
 
 from geosharp.symmetry.adapter_kit import (
     QK_NORM_NOTE,
+    AttentionSlices,
     _all_linear,
     _check_width,
     _config,
@@ -134,9 +135,8 @@ def torch_multihead_attention(path: str, module: nn.Module) -> Claim | None:
     if module.bias_v is not None:
         v.append(ParamSlice(p("bias_v"), -1))
     o = [ParamSlice(p("out_proj.weight"), 1)]
-    return attention_claim(
-        path, q=q, k=k, v=v, o=o, num_heads=B, head_dim=h, k_bias=k_bias, key_bias_free=free
-    )
+    slices = AttentionSlices(q=q, k=k, v=v, o=o, k_bias=k_bias)
+    return attention_claim(path, slices, num_heads=B, head_dim=h, key_bias_free=free)
 
 
 # -- geosharp's own models ------------------------------------------------------------------------
@@ -159,7 +159,9 @@ def geosharp_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     kv = _first_int(getattr(module, "num_kv_heads", None), heads)
     rotary = rotary_spec(module, h) if getattr(module, "rotary", False) else None
-    return _separate_linear_claim(path, module, ("q", "k", "v", "o"), heads, h, kv, rotary)
+    return _separate_linear_claim(
+        path, module, ("q", "k", "v", "o"), heads, h, num_kv_heads=kv, rotary=rotary
+    )
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------
@@ -189,7 +191,14 @@ def bert_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     h = h or inner.query.out_features // heads
     return _separate_linear_claim(
-        path, module, names, heads, h, heads, rotary_spec(inner, h), _relative_note(inner)
+        path,
+        module,
+        names,
+        heads,
+        h,
+        num_kv_heads=heads,
+        rotary=rotary_spec(inner, h),
+        qk_note=_relative_note(inner),
     )
 
 
@@ -245,7 +254,9 @@ def clip_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     h = _first_int(getattr(module, "head_dim", None)) or module.q_proj.out_features // heads
     kv = _first_int(getattr(module, "num_key_value_heads", None), heads)
-    return _separate_linear_claim(path, module, names, heads, h, kv, rotary_spec(module, h))
+    return _separate_linear_claim(
+        path, module, names, heads, h, num_kv_heads=kv, rotary=rotary_spec(module, h)
+    )
 
 
 def gpt2_attention(path: str, module: nn.Module) -> Claim | None:
@@ -292,7 +303,8 @@ def gpt2_attention(path: str, module: nn.Module) -> Claim | None:
         k_bias.append(ParamSlice(b, 0, k_start, k_start + E))
         v.append(ParamSlice(b, 0, k_start + E, k_start + 2 * E))
     o = [ParamSlice(_join(path, "c_proj.weight"), 0)]
-    return attention_claim(path, q=q, k=k, v=v, o=o, num_heads=heads, head_dim=h, k_bias=k_bias)
+    slices = AttentionSlices(q=q, k=k, v=v, o=o, k_bias=k_bias)
+    return attention_claim(path, slices, num_heads=heads, head_dim=h)
 
 
 def llama_attention(path: str, module: nn.Module) -> Claim | None:
@@ -332,7 +344,14 @@ def llama_attention(path: str, module: nn.Module) -> Claim | None:
         heads,
     )
     return _separate_linear_claim(
-        path, module, names, heads, h, kv, rotary_spec(module, h), qk_norm_note(module)
+        path,
+        module,
+        names,
+        heads,
+        h,
+        num_kv_heads=kv,
+        rotary=rotary_spec(module, h),
+        qk_note=qk_norm_note(module),
     )
 
 

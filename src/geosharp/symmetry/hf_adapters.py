@@ -28,6 +28,7 @@ from __future__ import annotations
 from torch import nn
 
 from geosharp.symmetry.adapter_kit import (
+    AttentionSlices,
     _all_linear,
     _check_width,
     _first_int,
@@ -118,13 +119,16 @@ def _fused_claim(
         return (piece(w, rng),) + ((piece(b, rng),) if b is not None else ())
 
     _check_width(path, "output", module.get_submodule(out).in_features, num_heads, head_dim)
-    return attention_claim(
-        path,
+    slices = AttentionSlices(
         q=rows(q),
         k=(piece(w, k),),
         k_bias=(piece(b, k),) if b is not None else (),
         v=rows(v),
         o=_linear_out(path, out),
+    )
+    return attention_claim(
+        path,
+        slices,
         num_heads=num_heads,
         head_dim=head_dim,
         num_kv_heads=num_kv_heads,
@@ -194,7 +198,7 @@ def albert_attention(path: str, module: nn.Module) -> Claim | None:
         or module.query.out_features // heads
     )
     return _separate_linear_claim(
-        path, module, names, heads, h, heads, None, _relative_note(module)
+        path, module, names, heads, h, num_kv_heads=heads, qk_note=_relative_note(module)
     )
 
 
@@ -258,16 +262,14 @@ def deberta_v2_attention(path: str, module: nn.Module) -> Claim | None:
     for role, lin in (("query", inner.query_proj), ("key", inner.key_proj)):
         _check_width(path, role, lin.out_features, heads, h)
     _check_width(path, "output", module.output.dense.in_features, heads, h)
-    return attention_claim(
-        path,
+    slices = AttentionSlices(
         q=q,
         k=k,
         k_bias=k_bias,
         v=_linear_in(ip, "value_proj", inner.value_proj),
         o=_linear_out(path, "output.dense"),
-        num_heads=heads,
-        head_dim=h,
     )
+    return attention_claim(path, slices, num_heads=heads, head_dim=h)
 
 
 def mpnet_attention(path: str, module: nn.Module) -> Claim | None:
@@ -447,7 +449,16 @@ def phi_attention(path: str, module: nn.Module) -> Claim | None:
         heads,
     )
     rotary = _rotary(getattr(module, "rotary_ndims", None), h, "half")
-    return _separate_linear_claim(path, module, names, heads, h, kv, rotary, qk_norm_note(module))
+    return _separate_linear_claim(
+        path,
+        module,
+        names,
+        heads,
+        h,
+        num_kv_heads=kv,
+        rotary=rotary,
+        qk_note=qk_norm_note(module),
+    )
 
 
 def phi3_attention(path: str, module: nn.Module) -> Claim | None:
@@ -502,7 +513,7 @@ def gptj_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     dims = getattr(module, "rotary_dim", None)
     rotary = _rotary(h if dims is None else dims, h, "interleaved")
-    return _separate_linear_claim(path, module, names, heads, h, heads, rotary)
+    return _separate_linear_claim(path, module, names, heads, h, num_kv_heads=heads, rotary=rotary)
 
 
 #: Inserted at the front of :data:`geosharp.symmetry.adapters.ADAPTERS`, in this order.
