@@ -271,7 +271,9 @@ def autopgd(
                 + ga * ga * prev_nsq
                 + 2.0 * (al * be * xd + al * ga * cross + be * ga * pd)
             )
-            new, r = _l2_step(xi, direction, xi_prev, reuse, (al, be, ga), nsq, rho)
+            new, r = _l2_step(
+                xi, direction, xi_prev, reuse=reuse, coef=(al, be, ga), nsq=nsq, rho=rho
+            )
             # ⟨ξ_{k+1}, ξ_k⟩ = r⟨u, ξ_k⟩, then shift: ξ_k becomes ξ_{k−1}
             cross = r * (al * xi_nsq + be * xd + ga * cross)
             prev_nsq, xi_nsq = xi_nsq, r * r * max(nsq, 0.0)

@@ -84,9 +84,9 @@ class WorstCase:
                     start,
                     self.rho,
                     self.steps,
-                    self.norm,
-                    self.low_memory,
-                    self.buffer_budget,
+                    norm=self.norm,
+                    low_memory=self.low_memory,
+                    buffer_budget=self.buffer_budget,
                 )
             else:
                 res = autopgd(
@@ -142,7 +142,7 @@ def ascent_from_zero(
     pair, grad = [clean, grad], None
     fc = f if cut is f.pert else f.on(cut)
     keep = best_direction_rule(cut, low_memory, buffer_budget)
-    return cut, autopgd(cut, fc, rho, steps, None, norm, pair, keep)
+    return cut, autopgd(cut, fc, rho, steps, None, norm=norm, start=pair, keep_best_direction=keep)
 
 
 def random_start(pert: Perturbation, gen: torch.Generator, rho: float, norm: str) -> Xi:

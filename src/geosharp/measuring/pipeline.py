@@ -188,11 +188,22 @@ def load_for_measure(
         raise MeasureError(f"--loss mse does not fit the {task} task (a cross-entropy over tokens)")
     say(f"task: {task} ({why})")
     table, num_labels, label2id = _read_labels(source, opts, task)
-    loaded = _load_model(source, opts, task, num_labels, label2id, say, warn)
+    loaded = _load_model(
+        source, opts, task, num_labels=num_labels, label2id=label2id, say=say, warn=warn
+    )
     freeze(loaded.model, opts.freeze, say)  # a pattern matching nothing fails before the data
     data = _load_batches(opts, task, loaded, table, say, warn)
     flushed = _flush_unrepresentable(loaded.model, opts.dtype, warn)
-    return ReadyModel(source, opts, task, why, loaded, data, loss, flushed)
+    return ReadyModel(
+        source=source,
+        options=opts,
+        task=task,
+        task_reason=why,
+        loaded=loaded,
+        data=data,
+        loss=loss,
+        flushed=flushed,
+    )
 
 
 def freeze(model: torch.nn.Module, patterns: Sequence[str], say: Say | None = None) -> int:
@@ -313,6 +324,7 @@ def _load_model(
     source: ModelSource,
     opts: MeasureOptions,
     task: str,
+    *,
     num_labels: int | None,
     label2id: dict[str, int] | None,
     say: Say,

@@ -118,7 +118,17 @@ def prepare_measurement(
     clean = clean_pass(model, loss_fn, batches)
     say(f"clean loss: {sum(clean) / len(clean):.6g} (mean over {len(clean)} batch(es), all finite)")
     invariance = self_check(model, inputs0, space, seed, say) if check else None
-    return CheckedModel(model, batches, loss_fn, loss_name, space, summary, note, clean, invariance)
+    return CheckedModel(
+        model=model,
+        batches=batches,
+        loss_fn=loss_fn,
+        loss_name=loss_name,
+        space=space,
+        summary=summary,
+        adaptive_note=note,
+        clean_losses=clean,
+        invariance=invariance,
+    )
 
 
 def _prepare_batches(

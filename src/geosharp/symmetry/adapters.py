@@ -423,7 +423,10 @@ def peft_lora(path: str, module: nn.Module) -> Claim | None:
         if b_w.dim() < 2 or int(b_w.shape[1]) != r:
             claim.notes.append(f"LoRA adapter {name!r}: unexpected factor shapes, no block")
             continue
-        claim.blocks.append(BlockSpec(f"{label}[LoRA:{name}]", "LoRA", path, 1, r, g, h))
+        lora = f"{label}[LoRA:{name}]"
+        claim.blocks.append(
+            BlockSpec(name=lora, kind="LoRA", module=path, heads=1, head_dim=r, g=g, h=h)
+        )
     if claim.blocks:
         claim.notes.append(
             "LoRA adapters: one GL(r) block per adapter (B A is unchanged by (B M⁻¹, M A)); "

@@ -140,7 +140,13 @@ class Positions:
             for old, piece, off in self._parts
         )
         return Positions(
-            parts, self._heads, self._head_dim, self.shape, self.dtype, self.device, self._ranges
+            parts,
+            self._heads,
+            self._head_dim,
+            self.shape,
+            self.dtype,
+            device=self.device,
+            ranges=self._ranges,
         )
 
     # -- building ---------------------------------------------------------------------------
@@ -216,8 +222,8 @@ class Positions:
                 self._head_dim,
                 self.shape,
                 self.dtype,
-                device,
-                self._ranges,
+                device=device,
+                ranges=self._ranges,
             )
         return self.tensor().to(device, *args, **kwargs)
 

@@ -432,4 +432,6 @@ def declare_block(
         heads = max(min(lengths) // head_dim, 1)
     for piece in (*g_pieces, *h_pieces):
         slice_positions(params[piece.param].shape, piece, heads, head_dim)
-    return BlockSpec(name, kind, module, heads, head_dim, g_pieces, h_pieces)
+    return BlockSpec(
+        name=name, kind=kind, module=module, heads=heads, head_dim=head_dim, g=g_pieces, h=h_pieces
+    )
