@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from geosharp._html import page_end, page_start
 from geosharp.studies.analysis import MIN_MODELS, OPTIONAL_MODEL_FIELDS, Cell
@@ -16,7 +17,7 @@ from geosharp.studies.formatting import display, fmt, fmt_p, rho_key, rho_label,
 from geosharp.studies.plots import value_label
 from geosharp.studies.sections import Section
 
-__all__ = ["cell_text", "html_page", "layout", "markdown_table", "method_text"]
+__all__ = ["Page", "cell_text", "html_page", "layout", "markdown_table", "method_text"]
 
 
 def layout(
@@ -117,48 +118,93 @@ table.models td:first-child { white-space: nowrap; }
 """
 
 
-def html_page(
-    *,
-    title: str,
-    gap_label: str,
-    settings: Mapping[str, object],
-    models: list[dict[str, object]],
-    cells: dict[str, dict[float | None, Cell]],
-    rhos: list[float | None],
-    paper_col: dict[str, str] | None,
-    comparison: dict[str, object] | None,
-    sections: Sequence[Section],
-    images: dict[str, bytes],
-    notes: Sequence[str],
-    method: str,
-    version: str,
-    generated_at: str,
-    headline: Sequence[str] = (),
-) -> str:
-    """The self-contained ``report.html`` page (``headline``: said first, under the title)."""
+@dataclass(frozen=True)
+class Page:
+    """Everything ``report.html`` shows (:func:`html_page`).
+
+    Attributes:
+        title: The report's title.
+        gap_label: How the gap is named.
+        settings: The study's settings (a table).
+        models: The analysed models (the models table).
+        cells: Measure → ρ → its τ cell.
+        rhos: Every ρ of the τ table, in order.
+        paper_col: Measure → the paper's τ as text, or ``None`` (no paper column).
+        comparison: The comparison with the paper (its ``"sentences"``), or ``None``.
+        sections: Extra tables after the τ table.
+        images: Measure → its scatter plot (PNG bytes).
+        notes: Notes at the end of the page.
+        method: The paragraph under the τ table (:func:`method_text`).
+        version: The geosharp version that wrote the page.
+        generated_at: When (ISO time).
+        headline: Sentences said first, under the title.
+    """
+
+    title: str
+    gap_label: str
+    settings: Mapping[str, object]
+    models: list[dict[str, object]]
+    cells: dict[str, dict[float | None, Cell]]
+    rhos: list[float | None]
+    paper_col: dict[str, str] | None
+    comparison: dict[str, object] | None
+    sections: Sequence[Section]
+    images: dict[str, bytes]
+    notes: Sequence[str]
+    method: str
+    version: str
+    generated_at: str
+    headline: Sequence[str] = ()
+
+
+def html_page(*, page: Page) -> str:
+    """The self-contained ``report.html`` page (``page.headline``: said first, under the title)."""
     e = html.escape
-    n_total = len(models)
     out = [
-        *page_start(title, CSS),
-        *([f'<p class="headline">{e(" ".join(headline))}</p>'] if headline else []),
-        f"<p>{n_total} models, {len(cells)} sharpness measure(s); generalization measured by "
-        f"the {e(gap_label)}. τ &lt; 0 means sharper models generalize better.</p>",
+        *page_start(page.title, CSS),
+        *([f'<p class="headline">{e(" ".join(page.headline))}</p>'] if page.headline else []),
+        f"<p>{len(page.models)} models, {len(page.cells)} sharpness measure(s); generalization "
+        f"measured by the {e(page.gap_label)}. τ &lt; 0 means sharper models generalize "
+        "better.</p>",
         "<h2>Settings</h2>",
     ]
-    if settings:
-        out.append("<table>")
-        for key, value in settings.items():
-            out.append(f"<tr><th>{e(str(key))}</th><td>{e(display(value))}</td></tr>")
-        out.append("</table>")
-    else:
-        out.append("<p>No settings recorded.</p>")
+    out += _settings_html(page.settings)
+    out += _tau_html(page)
+    if page.comparison is not None:
+        out.append("<h2>Comparison with the paper</h2>")
+        out.append("<ul>")
+        out.extend(f"<li>{e(str(s))}</li>" for s in page.comparison["sentences"])  # type: ignore[attr-defined]
+        out.append("</ul>")
+    for section in page.sections:
+        out += section.html()
+    out += _plots_html(page.images, page.gap_label)
+    out += _models_html(page.models, page.gap_label)
+    if page.notes:
+        out.append("<h2>Notes</h2>")
+        out.append("<ul>")
+        out.extend(f"<li>{e(str(n))}</li>" for n in page.notes)
+        out.append("</ul>")
+    out += page_end(page.version, page.generated_at)
+    return "\n".join(out)
 
-    out.append(f"<h2>Kendall τ between sharpness and {e(gap_label)}</h2>")
-    out.append("<table>")
-    columns, grid, named = layout(cells, rhos)
-    head = ["measure", *columns] + (["paper τ"] if paper_col else [])
+
+def _settings_html(settings: Mapping[str, object]) -> list[str]:
+    e = html.escape
+    if not settings:
+        return ["<p>No settings recorded.</p>"]
+    rows = [f"<tr><th>{e(str(k))}</th><td>{e(display(v))}</td></tr>" for k, v in settings.items()]
+    return ["<table>", *rows, "</table>"]
+
+
+def _tau_html(page: Page) -> list[str]:
+    """The τ table, its method paragraph."""
+    e = html.escape
+    n_total = len(page.models)
+    out = [f"<h2>Kendall τ between sharpness and {e(page.gap_label)}</h2>", "<table>"]
+    columns, grid, named = layout(page.cells, page.rhos)
+    head = ["measure", *columns] + (["paper τ"] if page.paper_col else [])
     out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
-    for measure, by_rho in cells.items():
+    for measure, by_rho in page.cells.items():
         row = [f"<th>{e(measure)}</th>"]
         for rho in grid[measure]:
             cell = None if isinstance(rho, str) else by_rho.get(rho)
@@ -175,24 +221,19 @@ def html_page(
                     f'<span class="ci">[{e(fmt(s.ci_low))}, {e(fmt(s.ci_high))}] · '
                     f"p = {e(fmt_p(s.p_value))}{e(n)}</span></td>"
                 )
-        if paper_col is not None:
-            row.append(f"<td>{e(paper_col.get(measure, '–'))}</td>")
+        if page.paper_col is not None:
+            row.append(f"<td>{e(page.paper_col.get(measure, '–'))}</td>")
         out.append("<tr>" + "".join(row) + "</tr>")
     out.append("</table>")
-    out.append(f'<p class="method">{e(method)}</p>')
+    out.append(f'<p class="method">{e(page.method)}</p>')
+    return out
 
-    if comparison is not None:
-        out.append("<h2>Comparison with the paper</h2>")
-        out.append("<ul>")
-        out.extend(f"<li>{e(str(s))}</li>" for s in comparison["sentences"])
-        out.append("</ul>")
 
-    for section in sections:
-        out += section.html()
-
+def _plots_html(images: Mapping[str, bytes], gap_label: str) -> list[str]:
+    e = html.escape
     kinds = {value_label(m).split(" (")[0] for m in images}
     heading = "Sharpness" if kinds == {"sharpness"} else "Each measure"
-    out.append(f"<h2>{heading} against {e(gap_label)}</h2>")
+    out = [f"<h2>{heading} against {e(gap_label)}</h2>"]
     out.append(
         '<p class="method">One panel per ρ, each with its own horizontal axis (the values at '
         "different radii differ by orders of magnitude; logarithmic where they span more than "
@@ -204,11 +245,15 @@ def html_page(
             f'<figure><img alt="{e(measure)}: {e(value_label(measure))} against '
             f'{e(gap_label)}" src="data:image/png;base64,{b64}"></figure>'
         )
+    return out
 
-    out.append("<h2>Models</h2>")
+
+def _models_html(models: list[dict[str, object]], gap_label: str) -> list[str]:
+    e = html.escape
+    out = ["<h2>Models</h2>"]
     hp_keys: list[str] = []
     for model in models:
-        hp_keys.extend(k for k in model["hparams"] if k not in hp_keys)
+        hp_keys.extend(k for k in model["hparams"] if k not in hp_keys)  # type: ignore[attr-defined]
     opt = [k for k in OPTIONAL_MODEL_FIELDS if any(k in m for m in models)]
     # Headers wrap at spaces (``label_smoothing`` → "label smoothing"), numbers align right:
     # the table of a dozen hyperparameters fits the page's width.
@@ -217,19 +262,12 @@ def html_page(
     out.append("<tr>" + "".join(f"<th>{e(str(h))}</th>" for h in head) + "</tr>")
     for model in models:
         row = [f"<td>{e(str(model['model_id']))}</td>"]
-        row += [_value_cell(model["hparams"].get(k, "–")) for k in hp_keys]
+        row += [_value_cell(model["hparams"].get(k, "–")) for k in hp_keys]  # type: ignore[attr-defined]
         row += [f'<td class="num">{e(display(model.get(k, "–")))}</td>' for k in opt]
         row.append(f'<td class="num">{e(display(model["gap"]))}</td>')
         out.append("<tr>" + "".join(row) + "</tr>")
     out.append("</table>")
-
-    if notes:
-        out.append("<h2>Notes</h2>")
-        out.append("<ul>")
-        out.extend(f"<li>{e(str(n))}</li>" for n in notes)
-        out.append("</ul>")
-    out += page_end(version, generated_at)
-    return "\n".join(out)
+    return out
 
 
 def _value_cell(value: object) -> str:

@@ -56,9 +56,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ from geosharp.studies.formatting import json_safe, rho_key, slug
 from geosharp.studies.headline import headline
 from geosharp.studies.paper import family_of, paper_columns
 from geosharp.studies.plots import plot_measure
-from geosharp.studies.render import html_page, markdown_table, method_text
+from geosharp.studies.render import Page, html_page, markdown_table, method_text
 from geosharp.studies.sections import (
     DIAGNOSTICS_FILE,
     SECTIONS_FILE,
@@ -95,6 +96,7 @@ __all__ = [
     "FAMILY_ORDER",
     "MIN_MODELS",
     "SECTIONS_FILE",
+    "ReportOptions",
     "ReportPaths",
     "Section",
     "default_paper_match",
@@ -146,6 +148,38 @@ def _geosharp_version() -> str:
     return __version__
 
 
+@dataclass(frozen=True)
+class ReportOptions:
+    """The optional choices of :func:`write_report` (each also accepted as its keyword).
+
+    Attributes:
+        paper: Family label → the paper's τ for this population (SPEC §7), e.g.
+            ``{"adaptive": -0.41, "geodesic inv": -0.71, "geodesic mix": -0.70}``.
+        notes: Free-text notes shown at the end of the page.
+        gap_label: How the gap is named in tables and axes, e.g. "test − train error".
+        paper_match: Measure name → family label in ``paper`` (or None); defaults to
+            :func:`default_paper_match`.
+        sections: Extra tables shown after the τ tables (and appended to ``tau_table.md``).
+        n_boot: Bootstrap resamples for each CI.
+        n_perm: Permutations for each p-value.
+        level: Coverage of the CIs.
+        seed: Seed of the bootstrap and the permutations.
+        expected: ``"positive"`` or ``"negative"``: the sign of τ stated before measuring,
+            the paired verdict's direction when there is no paper τ (``None``: from the data).
+    """
+
+    paper: Mapping[str, float] | None = None
+    notes: Sequence[str] = ()
+    gap_label: str = "generalization gap"
+    paper_match: Callable[[str], str | None] = default_paper_match
+    sections: Sequence[Section] = ()
+    n_boot: int = 2000
+    n_perm: int = 2000
+    level: float = 0.95
+    seed: int = 0
+    expected: str | None = None
+
+
 def write_report(
     out_dir: str | Path,
     *,
@@ -153,16 +187,8 @@ def write_report(
     models: list[dict],
     measurements: list[dict],
     settings: dict,
-    paper: dict[str, float] | None = None,
-    notes: Sequence[str] = (),
-    gap_label: str = "generalization gap",
-    paper_match: Callable[[str], str | None] = default_paper_match,
-    sections: Sequence[Section] = (),
-    n_boot: int = 2000,
-    n_perm: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-    expected: str | None = None,
+    options: ReportOptions | None = None,
+    **choices: Any,
 ) -> ReportPaths:
     """Write the τ table, scatter plots, HTML page and JSON summary of a study.
 
@@ -183,19 +209,10 @@ def write_report(
             or NaN for a failed measurement), optionally ``per_batch`` (ignored here) and
             ``time_s`` (its median per cell goes into ``summary.json``).
         settings: Free-form settings of the study (shown as a table).
-        paper: Family label → the paper's τ for this population (SPEC §7), e.g.
-            ``{"adaptive": -0.41, "geodesic inv": -0.71, "geodesic mix": -0.70}``.
-        notes: Free-text notes shown at the end of the page.
-        sections: Extra tables shown after the τ tables (and appended to ``tau_table.md``).
-        gap_label: How the gap is named in tables and axes, e.g. "test − train error".
-        paper_match: Measure name → family label in ``paper`` (or None); defaults to
-            :func:`default_paper_match`.
-        n_boot: Bootstrap resamples for each CI.
-        n_perm: Permutations for each p-value.
-        level: Coverage of the CIs.
-        seed: Seed of the bootstrap and the permutations.
-        expected: ``"positive"`` or ``"negative"``: the sign of τ stated before measuring,
-            the paired verdict's direction when there is no paper τ (``None``: from the data).
+        options: The optional choices (:class:`ReportOptions`: paper τ, notes, gap label,
+            sections, bootstrap and permutation counts, level, seed, expected sign).
+        **choices: Any field of :class:`ReportOptions` by keyword (``paper=…``,
+            ``gap_label=…``), replacing that of ``options``.
 
     Returns:
         The paths written, as a :class:`ReportPaths`.
@@ -203,51 +220,58 @@ def write_report(
     Raises:
         ValueError: If a model lacks ``model_id`` or ``gap``, ids repeat, a measurement names
             an unknown model or repeats a (model, measure, ρ), or a number is not a number.
+        TypeError: On a keyword that is not a field of :class:`ReportOptions`.
         ImportError: If matplotlib is not installed.
     """
+    unknown = sorted(set(choices) - {f.name for f in fields(ReportOptions)})
+    if unknown:
+        raise TypeError(f"write_report() got unexpected keyword argument(s): {', '.join(unknown)}")
+    opts = replace(options or ReportOptions(), **choices)
     out = Path(out_dir)
-    analysis = _analyse(
-        models,
-        measurements,
-        paper,
-        paper_match,
-        n_boot=n_boot,
-        n_perm=n_perm,
-        level=level,
-        seed=seed,
-        expected=expected,
-    )
+    analysis = _analyse(models, measurements, opts)
+    level = opts.level
     lead = headline(len(analysis.models), analysis.cells, analysis.paired, level)
     flagged = flags_sentence(measurements)
     if flagged is not None:
         lead.append(flagged)
     flag_table = flags_section(
-        measurements, analysis.gaps, level=level, n_boot=n_boot, n_perm=n_perm, seed=seed
+        measurements,
+        analysis.gaps,
+        level=level,
+        n_boot=opts.n_boot,
+        n_perm=opts.n_perm,
+        seed=opts.seed,
     )
     # the orbit spread (when recorded: issue 44), as given, the flagged cells (when
     # recorded), the folder's
     spread = _orbit_spread(out, analysis, lead)
-    extra_sections = [*spread, *sections, *flag_table, *folder_sections(out, analysis.gaps)]
+    extra_sections = [*spread, *opts.sections, *flag_table, *folder_sections(out, analysis.gaps)]
     all_sections = [*paired_section(analysis.paired, level), *extra_sections]
     method = method_text(
         n_total=len(analysis.models),
-        gap_label=gap_label,
+        gap_label=opts.gap_label,
         level=level,
-        n_boot=n_boot,
-        n_perm=n_perm,
-        seed=seed,
+        n_boot=opts.n_boot,
+        n_perm=opts.n_perm,
+        seed=opts.seed,
     )
     out.mkdir(parents=True, exist_ok=True)
-    plots, images = _write_plots(out / "plots", analysis, gap_label)
-    version = _geosharp_version()
-    generated_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    plots, images = _write_plots(out / "plots", analysis, opts.gap_label)
+    written = _Written(
+        title=title,
+        settings=settings,
+        options=opts,
+        sections=extra_sections,
+        version=_geosharp_version(),
+        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
     tau_table = out / "tau_table.md"
     atomic_write_text(
         tau_table,
         markdown_table(
             title,
-            gap_label,
+            opts.gap_label,
             analysis.cells,
             analysis.rhos,
             analysis.paper_col,
@@ -257,22 +281,7 @@ def write_report(
         )
         + "".join(section.markdown() for section in all_sections),
     )
-    summary = _summary(
-        analysis,
-        title=title,
-        gap_label=gap_label,
-        settings=settings,
-        paper=paper,
-        paper_match=paper_match,
-        sections=extra_sections,
-        notes=notes,
-        n_boot=n_boot,
-        n_perm=n_perm,
-        level=level,
-        seed=seed,
-        version=version,
-        generated_at=generated_at,
-    )
+    summary = _summary(analysis, written=written)
     summary = {"title": summary["title"], "headline": lead, **summary}  # said first
     summary_json = out / "summary.json"
     atomic_write_text(
@@ -280,26 +289,24 @@ def write_report(
         json.dumps(json_safe(summary), indent=2, ensure_ascii=False, allow_nan=False) + "\n",
     )
     page = out / "report.html"
-    atomic_write_text(
-        page,
-        html_page(
-            title=title,
-            gap_label=gap_label,
-            settings=settings,
-            models=analysis.models,
-            cells=analysis.cells,
-            rhos=analysis.rhos,
-            paper_col=analysis.paper_col,
-            comparison=analysis.comparison,
-            sections=all_sections,
-            images=images,
-            notes=notes,
-            method=method,
-            version=version,
-            generated_at=generated_at,
-            headline=lead,
-        ),
+    content = Page(
+        title=title,
+        gap_label=opts.gap_label,
+        settings=settings,
+        models=analysis.models,
+        cells=analysis.cells,
+        rhos=analysis.rhos,
+        paper_col=analysis.paper_col,
+        comparison=analysis.comparison,
+        sections=all_sections,
+        images=images,
+        notes=opts.notes,
+        method=method,
+        version=written.version,
+        generated_at=written.generated_at,
+        headline=lead,
     )
+    atomic_write_text(page, html_page(page=content))
     return ReportPaths(
         out_dir=out,
         html=page,
@@ -308,6 +315,18 @@ def write_report(
         plots=plots,
         headline=lead,
     )
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What ``summary.json`` says besides the analysis (:func:`_summary`)."""
+
+    title: str
+    settings: Mapping[str, object]
+    options: ReportOptions
+    sections: Sequence[Section]
+    version: str
+    generated_at: str
 
 
 def _orbit_spread(out: Path, analysis: _Analysis, lead: list[str]) -> list[Section]:
@@ -324,27 +343,23 @@ def _orbit_spread(out: Path, analysis: _Analysis, lead: list[str]) -> list[Secti
     return found
 
 
-def _analyse(
-    models: list[dict],
-    measurements: list[dict],
-    paper: Mapping[str, float] | None,
-    paper_match: Callable[[str], str | None],
-    *,
-    n_boot: int,
-    n_perm: int,
-    level: float,
-    seed: int,
-    expected: str | None = None,
-) -> _Analysis:
+def _analyse(models: list[dict], measurements: list[dict], opts: ReportOptions) -> _Analysis:
     """Step 1 of :func:`write_report`: validate, correlate, compare with the paper, pair."""
     rows = check_models(models)
     gaps = {str(m["model_id"]): float(m["gap"]) for m in rows}  # type: ignore[arg-type]
     cells = correlate(
-        collect(measurements, set(gaps)), gaps, n_boot=n_boot, n_perm=n_perm, level=level, seed=seed
+        collect(measurements, set(gaps)),
+        gaps,
+        n_boot=opts.n_boot,
+        n_perm=opts.n_perm,
+        level=opts.level,
+        seed=opts.seed,
     )
     rhos = sorted({r for by_rho in cells.values() for r in by_rho}, key=rho_key)
-    paper_col, comparison = paper_columns(cells, paper, paper_match, level)
-    paired = geodesic_vs_adaptive(cells, gaps, paper, n_boot, level, seed, expected)
+    paper_col, comparison = paper_columns(cells, opts.paper, opts.paper_match, opts.level)
+    paired = geodesic_vs_adaptive(
+        cells, gaps, opts.paper, opts.n_boot, opts.level, opts.seed, opts.expected
+    )
     return _Analysis(rows, gaps, cells, rhos, paper_col, comparison, paired)
 
 
@@ -363,29 +378,15 @@ def _write_plots(
     return plots, images
 
 
-def _summary(
-    analysis: _Analysis,
-    *,
-    title: str,
-    gap_label: str,
-    settings: Mapping[str, object],
-    paper: Mapping[str, float] | None,
-    paper_match: Callable[[str], str | None],
-    sections: Sequence[Section],
-    notes: Sequence[str],
-    n_boot: int,
-    n_perm: int,
-    level: float,
-    seed: int,
-    version: str,
-    generated_at: str,
-) -> dict[str, object]:
+def _summary(analysis: _Analysis, *, written: _Written) -> dict[str, object]:
     """Step 3: the content of ``summary.json`` (before NaN becomes ``null``)."""
+    opts = written.options
+    paper = opts.paper
 
     def cell_json(cell: Cell) -> dict[str, object]:
         s = cell.summary
         assert s is not None
-        fam = family_of(cell.measure, paper, paper_match)
+        fam = family_of(cell.measure, paper, opts.paper_match)
         return {
             "measure": cell.measure,
             "rho": cell.rho,
@@ -404,16 +405,20 @@ def _summary(
         }
 
     return {
-        "title": title,
-        "geosharp_version": version,
-        "generated_at": generated_at,
+        "title": written.title,
+        "geosharp_version": written.version,
+        "generated_at": written.generated_at,
         "n_models": len(analysis.models),
-        "gap_label": gap_label,
-        "settings": settings,
+        "gap_label": opts.gap_label,
+        "settings": written.settings,
         "statistic": "Kendall tau-a (tau-b also given)",
-        "ci": {"method": "percentile bootstrap over models", "level": level, "n_boot": n_boot},
-        "p_value": {"method": "two-sided permutation test", "n_perm": n_perm},
-        "seed": seed,
+        "ci": {
+            "method": "percentile bootstrap over models",
+            "level": opts.level,
+            "n_boot": opts.n_boot,
+        },
+        "p_value": {"method": "two-sided permutation test", "n_perm": opts.n_perm},
+        "seed": opts.seed,
         "cells": [
             cell_json(by_rho[r])
             for by_rho in analysis.cells.values()
@@ -423,7 +428,7 @@ def _summary(
         "geodesic_vs_adaptive": analysis.paired,
         "sections": [
             {"title": x.title, "header": x.header, "rows": x.rows, "caption": x.caption}
-            for x in sections
+            for x in written.sections
         ],
-        "notes": list(notes),
+        "notes": list(opts.notes),
     }
