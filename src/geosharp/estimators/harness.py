@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from geosharp.estimators.cache import CACHE
 from geosharp.estimators.distributed import batch_seed
-from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.estimators.perturbation import Perturbation, PerturbationOptions, RankSums, Xi
 from geosharp.estimators.rows import BatchRows
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import call_model, to_device
@@ -407,26 +407,27 @@ class PerturbationSettings:
                 "perturb='blocks' but the model has no symmetry blocks: nothing would move"
             )
 
-    def perturbation(
-        self, space: ParameterSpace, base: Mapping[str, Tensor], **ranks: Any
-    ) -> Perturbation:
-        """The :class:`Perturbation` of ``space`` at ``base``.
-
-        ``ranks``: ``row_sum``, ``reduce`` and ``draws`` of one rank of a sharded model
-        (:func:`geosharp.estimators.sharded.run.prepare`).
-        """
-        dtype = base[space.param_names[0]].dtype
-        return Perturbation(
-            space,
-            base,
-            work_dtype=dtype if self.low_memory else None,
+    def options(self, dtype: torch.dtype) -> PerturbationOptions:
+        """The :class:`PerturbationOptions` of a model in ``dtype`` (checked)."""
+        return PerturbationOptions(
             eps=self.eps,
             corrected_norm=self.corrected_norm,
             exact_steps=self.exact_steps,
             perturb=self.perturb,
-            **ranks,
+            work_dtype=dtype if self.low_memory else None,
             **perturbation_kwargs(self.measure, self.metric, self.order, self.perturb),
         )
+
+    def perturbation(
+        self, space: ParameterSpace, base: Mapping[str, Tensor], ranks: RankSums | None = None
+    ) -> Perturbation:
+        """The :class:`Perturbation` of ``space`` at ``base``.
+
+        ``ranks``: what one rank of a sharded model gives it
+        (:func:`geosharp.estimators.sharded.run.prepare`).
+        """
+        dtype = base[space.param_names[0]].dtype
+        return Perturbation(space, base, self.options(dtype), ranks=ranks)
 
     def cache_key(self, space: ParameterSpace) -> tuple:
         """The key of this perturbation of ``space`` in :data:`~geosharp.estimators.cache.CACHE`."""

@@ -41,15 +41,30 @@ from torch import Tensor
 
 from geosharp.estimators import linf, memory, rows
 from geosharp.estimators.assembly import Assembly
-from geosharp.estimators.pieces import Piece, Xi, _base_params, build_pieces
+from geosharp.estimators.pieces import (
+    BLOCK_METRICS,
+    MEASURES,
+    PERTURB,
+    PerturbationOptions,
+    Piece,
+    RankSums,
+    Xi,
+    _base_params,
+    build_pieces,
+)
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
 from geosharp.geometry.draws import generator_for
-from geosharp.geometry.gl_rows import RowSum
 from geosharp.symmetry import ParameterSpace
 
-MEASURES = ("geodesic", "adaptive", "euclidean")
-PERTURB = ("all", "blocks")
-BLOCK_METRICS = ("inv", "mix", "adaptive")
+__all__ = [
+    "BLOCK_METRICS",
+    "MEASURES",
+    "PERTURB",
+    "Perturbation",
+    "PerturbationOptions",
+    "RankSums",
+    "Xi",
+]
 
 
 class Perturbation:
@@ -58,77 +73,71 @@ class Perturbation:
     Args:
         space: The model's parameter space (from :func:`geosharp.find_symmetries`).
         theta0: Base point, the flat trainable parameters (detached).
-        measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
-        metric: Block metric for ``measure="geodesic"``: ``"inv"``, ``"mix"`` or ``"adaptive"``
-            (blocks keep the element-wise metric: with ``order=1`` this reproduces adaptive
-            sharpness through the block machinery, SPEC §5).
-        order: Geodesic order for symmetry blocks and diagonal pairs: ``1``, ``2`` or
-            ``"exact"``.
-        eps: Gram-matrix damping of the GL(h) blocks.
-        corrected_norm: ``False`` is the paper's "no corrected norm" ablation: blocks are still
-            followed along the geodesic of their invariant metric, but the ball, the Riemannian
-            gradient and the projection (only of frozen coordinates: the adaptive metric has no
-            quotient) use the adaptive element-wise metric. Projecting horizontally in the
-            block metric instead would not be orthogonal in the ball's metric and can inflate
-            the adaptive norm of a useful direction many-fold.
-        exact_steps: RK4 steps for ``order="exact"``.
-        perturb: ``"all"`` (default) or ``"blocks"``: only the symmetry blocks move, every other
-            coordinate is held fixed (the attention-only measures, where the effect of the
-            quotient is not diluted by MLP and embedding coordinates).
-        work_dtype: Dtype of the block geometries' per-step products (``None``: float64, on
-            tangents kept in the model's dtype; the model's dtype runs them in float32, see
-            :attr:`geosharp.geometry.GLExecution.work_dtype`).
-        row_sum: The space is one rank's shards of a sharded model, whose blocks hold this
-            rank's rows of their factors (:mod:`geosharp.estimators.sharded.space`); sums an
-            ``h × h`` contraction over the ranks (:attr:`GLExecution.row_sum
-            <geosharp.geometry.GLExecution.row_sum>`). ``None``: one process holds every row.
-        reduce: Sums a tensor of partial sums over the ranks holding the other shards (a
-            sharded model's rank, :attr:`reduce`); ``None``: one process holds it whole.
-        draws: Draws the rank's part of the unsharded noise (:attr:`draws`); ``None``: drawn
-            here.
+        options: What it is made of, checked (:class:`~geosharp.estimators.pieces.
+            PerturbationOptions`); ``None``: from ``keywords``.
+        ranks: What one rank of a sharded model gives it (:class:`~geosharp.estimators.pieces.
+            RankSums`; ``None``: one process holds every coordinate):
+
+            ``row_sum``: the space is one rank's shards of a sharded model, whose blocks hold
+            this rank's rows of their factors (:mod:`geosharp.estimators.sharded.space`); sums
+            an ``h × h`` contraction over the ranks (:attr:`GLExecution.row_sum
+            <geosharp.geometry.GLExecution.row_sum>`). ``reduce``: sums a tensor of partial
+            sums over the ranks holding the other shards (:attr:`reduce`). ``draws``: draws the
+            rank's part of the unsharded noise (:attr:`draws`).
+        **keywords: The fields of :class:`~geosharp.estimators.pieces.PerturbationOptions`
+            when ``options`` is ``None``:
+
+            measure: ``"geodesic"``, ``"adaptive"`` or ``"euclidean"``.
+            metric: Block metric for ``measure="geodesic"``: ``"inv"``, ``"mix"`` or ``"adaptive"``
+                (blocks keep the element-wise metric: with ``order=1`` this reproduces adaptive
+                sharpness through the block machinery, SPEC §5).
+            order: Geodesic order for symmetry blocks and diagonal pairs: ``1``, ``2`` or
+                ``"exact"``.
+            eps: Gram-matrix damping of the GL(h) blocks.
+            corrected_norm: ``False`` is the paper's "no corrected norm" ablation: blocks are still
+                followed along the geodesic of their invariant metric, but the ball, the Riemannian
+                gradient and the projection (only of frozen coordinates: the adaptive metric has no
+                quotient) use the adaptive element-wise metric. Projecting horizontally in the block
+                metric instead would not be orthogonal in the ball's metric and can inflate the
+                adaptive norm of a useful direction many-fold.
+            exact_steps: RK4 steps for ``order="exact"``.
+            perturb: ``"all"`` (default) or ``"blocks"``: only the symmetry blocks move, every other
+                coordinate is held fixed (the attention-only measures, where the effect of the
+                quotient is not diluted by MLP and embedding coordinates).
+            work_dtype: Dtype of the block geometries' per-step products (``None``: float64, on
+                tangents kept in the model's dtype; the model's dtype runs them in float32, see
+                :attr:`geosharp.geometry.GLExecution.work_dtype`).
     """
 
     def __init__(
         self,
         space: ParameterSpace,
         theta0: Tensor | Mapping[str, Tensor],
+        options: PerturbationOptions | None = None,
         *,
-        measure: str = "geodesic",
-        metric: str = "inv",
-        order: int | str = 2,
-        eps: float = 0.0,
-        corrected_norm: bool = True,
-        exact_steps: int = 10,
-        perturb: str = "all",
-        work_dtype: torch.dtype | None = None,
-        row_sum: RowSum | None = None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
-        draws: Any = None,
+        ranks: RankSums | None = None,
+        **keywords: Any,
     ) -> None:
-        if perturb not in PERTURB:
-            raise ValueError(f"perturb must be one of {PERTURB}, got {perturb!r}")
-        if perturb == "blocks" and measure != "geodesic":
-            raise ValueError(
-                "perturb='blocks' needs measure='geodesic' (metric='adaptive', order=1 is "
-                "adaptive sharpness of the blocks)"
-            )
-        if measure not in MEASURES:
-            raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
-        if measure == "geodesic" and metric not in BLOCK_METRICS:
-            raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {metric!r}")
+        if options is None:
+            options = PerturbationOptions(**keywords)  # checks them
+        elif keywords:
+            raise TypeError(f"Perturbation: options given, and keywords {sorted(keywords)}")
+        ranks = ranks or RankSums()
         self.space = space
+        #: The options it was made with (:class:`~geosharp.estimators.pieces.PerturbationOptions`).
+        self.options = options
         #: Sums a tensor of partial sums over the ranks holding the other shards of the
         #: perturbation (``None``: one process holds it whole; see
         #: :mod:`geosharp.estimators.sharded`). Applied to every norm and pairing.
-        self.reduce: Callable[[Tensor], Tensor] | None = reduce
+        self.reduce: Callable[[Tensor], Tensor] | None = ranks.reduce
         #: Draws the noise of a sharded model's rank, its part of the unsharded draw
         #: (:class:`~geosharp.estimators.sharded.draws.ShardedDraws`: ``random(pert, generator,
         #: scale)`` and ``uniform(pert, generator)``); ``None``: drawn here.
-        self.draws: Any = draws
-        self.measure = measure
-        self.metric = metric
-        self.order = order
-        self.exact_steps = exact_steps
+        self.draws: Any = ranks.draws
+        self.measure = options.measure
+        self.metric = options.metric
+        self.order = options.order
+        self.exact_steps = options.exact_steps
         # The base point is the model's own tensors (or views of a flat θ₀): coordinates in no
         # block are never copied; only the symmetry blocks gather their (G, H) factors.
         params = _base_params(space, theta0)
@@ -139,19 +148,7 @@ class Perturbation:
         #: The device of every parameter: each piece, index and buffer is made on the device
         #: of the parameters it serves (a model split across devices, ``device_map="auto"``).
         devices = [params[n].device for n in names]
-        built = build_pieces(
-            space,
-            params,
-            devices,
-            measure=measure,
-            metric=metric,
-            order=order,
-            eps=eps,
-            corrected_norm=corrected_norm,
-            perturb=perturb,
-            work_dtype=work_dtype,
-            row_sum=row_sum,
-        )
+        built = build_pieces(space, params, devices, options, ranks.row_sum)
         self.pieces: list[Piece] = built.pieces
         self._rest_piece: int | None = built.rest
         self._layout = built.layout

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,7 +29,64 @@ from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
 
-__all__ = ["Built", "Piece", "Xi", "build_pieces"]
+__all__ = ["Built", "PerturbationOptions", "Piece", "RankSums", "Xi", "build_pieces"]
+
+MEASURES = ("geodesic", "adaptive", "euclidean")
+PERTURB = ("all", "blocks")
+BLOCK_METRICS = ("inv", "mix", "adaptive")
+
+
+@dataclass(frozen=True)
+class PerturbationOptions:
+    """What a :class:`~geosharp.estimators.perturbation.Perturbation` is made of, checked.
+
+    The fields are :class:`~geosharp.estimators.perturbation.Perturbation`'s keyword arguments
+    of the same names (see there).
+
+    Raises:
+        ValueError: On an unknown ``perturb``, ``measure`` or block ``metric``, or
+            ``perturb="blocks"`` with a measure other than ``"geodesic"``.
+    """
+
+    measure: str = "geodesic"
+    metric: str = "inv"
+    order: int | str = 2
+    eps: float = 0.0
+    corrected_norm: bool = True
+    exact_steps: int = 10
+    perturb: str = "all"
+    work_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.perturb not in PERTURB:
+            raise ValueError(f"perturb must be one of {PERTURB}, got {self.perturb!r}")
+        if self.perturb == "blocks" and self.measure != "geodesic":
+            raise ValueError(
+                "perturb='blocks' needs measure='geodesic' (metric='adaptive', order=1 is "
+                "adaptive sharpness of the blocks)"
+            )
+        if self.measure not in MEASURES:
+            raise ValueError(f"measure must be one of {MEASURES}, got {self.measure!r}")
+        if self.measure == "geodesic" and self.metric not in BLOCK_METRICS:
+            raise ValueError(f"metric must be one of {BLOCK_METRICS}, got {self.metric!r}")
+
+
+@dataclass(frozen=True)
+class RankSums:
+    """What one rank of a sharded model gives its perturbation (every field ``None``: no ranks).
+
+    Attributes:
+        row_sum: Sums an ``h × h`` contraction of the rank's rows of the blocks' factors over
+            the ranks (:attr:`GLExecution.row_sum <geosharp.geometry.GLExecution.row_sum>`).
+        reduce: Sums a tensor of partial sums over the ranks (every norm and pairing).
+        draws: Draws the rank's part of the unsharded noise (``random(pert, generator,
+            scale)``, ``uniform(pert, generator)``).
+    """
+
+    row_sum: RowSum | None = None
+    reduce: Callable[[Tensor], Tensor] | None = None
+    draws: Any = None
+
 
 #: A perturbation: one tangent tuple per piece.
 Xi = list[Tangent]
@@ -236,12 +294,7 @@ def _block_pieces(
     space: ParameterSpace,
     params: Sequence[Tensor],
     groups: Sequence[tuple[torch.device | None, list]],
-    *,
-    metric: str,
-    order: int | str,
-    eps: float,
-    corrected_norm: bool,
-    work_dtype: torch.dtype | None,
+    options: PerturbationOptions,
     row_sum: RowSum | None = None,
 ) -> tuple[list[Piece], list[list[_Factor] | None]]:
     """One piece per group of symmetry blocks, its geometry made on the group's device.
@@ -251,6 +304,7 @@ def _block_pieces(
     too. See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
     """
     split = {} if row_sum is None else {"row_sum": row_sum}  # rows split over ranks
+    metric, eps, work_dtype = options.metric, options.eps, options.work_dtype
     pieces: list[Piece] = []
     plans: list[list[_Factor] | None] = []
     dtype = _flat_dtype(params)  # the dtype of θ₀ as one vector
@@ -276,8 +330,8 @@ def _block_pieces(
             geom = cls.geometry(
                 blocks, point, metric=metric, eps=eps, work_dtype=work_dtype, **split
             )
-            piece_order = order
-        if corrected_norm or geom.is_trivial:
+            piece_order = options.order
+        if options.corrected_norm or geom.is_trivial:
             norm_geom = geom
         else:  # the adaptive norm, on tangents kept in the block geometry's dtype
             wide = geom.tangent_dtype
@@ -301,15 +355,8 @@ def build_pieces(
     space: ParameterSpace,
     params: Mapping[str, Tensor],
     devices: Sequence[torch.device],
-    *,
-    measure: str,
-    metric: str,
-    order: int | str,
-    eps: float,
-    corrected_norm: bool,
-    perturb: str,
-    work_dtype: torch.dtype | None,
-    row_sum: RowSum | None,
+    options: PerturbationOptions,
+    row_sum: RowSum | None = None,
 ) -> Built:
     """The pieces of a perturbation at the base point ``params`` (by name).
 
@@ -322,7 +369,7 @@ def build_pieces(
     Raises:
         ValueError: If the blocks and the rest do not cover the space.
     """
-    names = space.param_names
+    names, measure = space.param_names, options.measure
     if measure in ("adaptive", "euclidean"):
         comps = tuple(params[n] for n in names)
         cls_ = ElementwiseGeometry if measure == "adaptive" else EuclideanGeometry
@@ -331,17 +378,7 @@ def build_pieces(
         index = _rest_positions(space, layout, devices)
         return Built([Piece(f"all parameters ({measure})", index, g, g, 1)], 0, layout, None)
     groups = _group_blocks(space, devices)
-    pieces, plans = _block_pieces(
-        space,
-        [params[n] for n in names],
-        groups,
-        metric=metric,
-        order=order,
-        eps=eps,
-        corrected_norm=corrected_norm,
-        work_dtype=work_dtype,
-        row_sum=row_sum,
-    )
+    pieces, plans = _block_pieces(space, [params[n] for n in names], groups, options, row_sum)
     layout = space.rest_layout()
     rest = None
     if layout:
@@ -352,7 +389,7 @@ def build_pieces(
             for j, local in layout
         )
         index = _rest_positions(space, layout, devices)
-        if perturb == "blocks":  # attention-only: everything outside the blocks held fixed
+        if options.perturb == "blocks":  # attention-only: everything outside the blocks held fixed
             label = "other parameters (held fixed)"
             geom: Geometry = FixedGeometry(comps, name=label)
         else:

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -246,58 +247,216 @@ def sharpness(
         FloatingPointError: If the loss becomes non-finite inside the ball.
     """
     t0 = time.perf_counter()
-    _check_measure(measure, kind, norm, perturb, metric, order)
-    rho = check_float("rho", rho)
-    steps = check_int("steps", steps)
-    samples = check_int("samples", samples)
-    restarts = check_int("restarts", restarts)
-    if buffer_budget is not None:
-        buffer_budget = check_float("buffer_budget", buffer_budget)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    check_materialized(model, "gs.sharpness")
-    pert_settings = PerturbationSettings(
+    cfg = SharpnessSettings.checked(
         measure=measure,
         metric=metric,
         order=order,
-        perturb=perturb,
+        kind=kind,
+        rho=rho,
+        steps=steps,
+        norm=norm,
         eps=eps,
+        seed=seed,
+        samples=samples,
+        restarts=restarts,
+        random_init=random_init,
         corrected_norm=corrected_norm,
         exact_steps=exact_steps,
         key_bias=key_bias,
+        perturb=perturb,
+        cache=cache,
         low_memory=low_memory,
+        buffer_budget=buffer_budget,
+        progress=progress,
+        distributed=distributed,
     )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_materialized(model, "gs.sharpness")
+    return _sharpness(model, loss_fn, batches, space, cfg, t0)
+
+
+@dataclass(frozen=True)
+class SharpnessSettings:
+    """Every setting of one :func:`sharpness` call, checked once (:meth:`checked`).
+
+    The fields are :func:`sharpness`'s keyword arguments of the same names; the call asks this
+    object what follows from them (:attr:`geodesic`, :attr:`worst`, :attr:`name`,
+    :meth:`case`, :attr:`perturbation`, :meth:`recorded`).
+    """
+
+    measure: str = "geodesic"
+    metric: str = "inv"
+    order: int | str = 2
+    kind: str = "worst"
+    rho: float = 0.1
+    steps: int = 20
+    norm: str = "l2"
+    eps: float = 0.0
+    seed: int = 0
+    samples: int = 10
+    restarts: int = 1
+    random_init: bool = False
+    corrected_norm: bool = True
+    exact_steps: int = 10
+    key_bias: str = "quotient"
+    perturb: str = "all"
+    cache: bool = True
+    low_memory: bool = False
+    buffer_budget: float | None = BUFFER_BUDGET
+    progress: bool | None = None
+    distributed: bool | None = None
+
+    @classmethod
+    def checked(cls, **values: Any) -> SharpnessSettings:
+        """The settings of ``values`` (the fields by name), checked in :func:`sharpness`'s order.
+
+        Raises:
+            ValueError: On an unknown measure, kind, norm, metric, order or ``perturb``, or a
+                radius, step count, sample count, restart count or buffer budget out of range.
+        """
+        s = cls(**values)
+        _check_measure(s.measure, s.kind, s.norm, s.perturb, s.metric, s.order)
+        rho = check_float("rho", s.rho)
+        steps = check_int("steps", s.steps)
+        samples = check_int("samples", s.samples)
+        restarts = check_int("restarts", s.restarts)
+        budget = s.buffer_budget
+        if budget is not None:
+            budget = check_float("buffer_budget", budget)
+        return dataclasses.replace(
+            s, rho=rho, steps=steps, samples=samples, restarts=restarts, buffer_budget=budget
+        )
+
+    @property
+    def geodesic(self) -> bool:
+        """Whether the measure is geodesic sharpness (its metric and order mean something)."""
+        return self.measure == "geodesic"
+
+    @property
+    def worst(self) -> bool:
+        """Whether the value is the worst case (else the average case)."""
+        return self.kind == "worst"
+
+    @property
+    def name(self) -> str:
+        """The measure's canonical name (:func:`measure_name`)."""
+        return measure_name(
+            self.measure,
+            self.metric,
+            self.order,
+            self.kind,
+            self.norm,
+            self.corrected_norm,
+            self.perturb,
+        )
+
+    @property
+    def perturbation(self) -> PerturbationSettings:
+        """What the call's perturbation is made of."""
+        return PerturbationSettings(
+            measure=self.measure,
+            metric=self.metric,
+            order=self.order,
+            perturb=self.perturb,
+            eps=self.eps,
+            corrected_norm=self.corrected_norm,
+            exact_steps=self.exact_steps,
+            key_bias=self.key_bias,
+            low_memory=self.low_memory,
+        )
+
+    def case(self) -> WorstCase | AverageCase:
+        """The per-batch quantity: :class:`WorstCase` or :class:`AverageCase`."""
+        if self.worst:
+            return WorstCase(
+                self.rho,
+                self.steps,
+                self.norm,
+                self.restarts,
+                self.random_init,
+                self.low_memory,
+                self.buffer_budget,
+            )
+        return AverageCase(self.rho, self.samples)
+
+    def recorded(self, space: ParameterSpace) -> dict[str, Any]:
+        """The settings a result records, those that ``space`` (the measured one) decides too.
+
+        The call adds what it found (the cached base point, the largest relative speed, the
+        parameter count, dtype, device and sharding) in :func:`sharpness`'s key order.
+        """
+        worst, geodesic = self.worst, self.geodesic
+        return {
+            "measure": self.measure,
+            "metric": self.metric if geodesic else None,
+            "order": self.order if geodesic else 1,
+            "kind": self.kind,
+            "rho": self.rho,
+            "steps": self.steps if worst else None,
+            "norm": self.norm,
+            "eps": self.eps,
+            "seed": self.seed,
+            "samples": self.samples if self.kind == "average" else None,
+            "restarts": self.restarts if worst else None,
+            "random_init": self.random_init,
+            "corrected_norm": self.corrected_norm,
+            "perturb": self.perturb,
+            "low_memory": self.low_memory,
+            "buffer_budget": self.buffer_budget,
+            "cached_base_point": None,
+            "exact_steps": self.exact_steps if self.order == "exact" else None,
+            "max_relative_speed": None,
+            "n_params": None,
+            "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if geodesic else 0,
+            "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
+            if geodesic and self.metric != "adaptive"
+            else 0,
+        }
+
+
+def _sharpness(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[tuple[Any, Any]],
+    space: ParameterSpace | None,
+    cfg: SharpnessSettings,
+    t0: float,
+) -> SharpnessResult:
+    """:func:`sharpness` with its settings checked (``t0``: when the call began)."""
     run: ShardedRun | None = None
+    distributed = cfg.distributed
     if is_sharded(model):  # every rank measures every batch, on its own rows of it
         run = prepare(
-            model, pert_settings, kind=kind, rho=rho, space=space, distributed=distributed
+            model,
+            cfg.perturbation,
+            kind=cfg.kind,
+            rho=cfg.rho,
+            space=space,
+            distributed=distributed,
         )
         setup, distributed = run.setup, False
     else:
-        setup = perturbation_of(model, space, pert_settings, cache=cache)
+        setup = perturbation_of(model, space, cfg.perturbation, cache=cfg.cache)
     space = setup.space
     theta = [setup.base[n] for n in space.param_names]
     device, dtype = theta[0].device, theta[0].dtype
-    case: WorstCase | AverageCase = (
-        WorstCase(rho, steps, norm, restarts, random_init, low_memory, buffer_budget)
-        if kind == "worst"
-        else AverageCase(rho, samples)
-    )
-    name = measure_name(measure, metric, order, kind, norm, corrected_norm, perturb)
+    case = cfg.case()
+    name = cfg.name
     split = BatchSplit(batches, distributed, t0=t0, theta=theta)
     local = list(split.local())
-    bar = PassBar(progress, name, len(local) * case.passes)
-    if measure == "geodesic" and not space.blocks:
+    bar = PassBar(cfg.progress, name, len(local) * case.passes)
+    if cfg.geodesic and not space.blocks:
         warnings.warn(
             "the model has no symmetry blocks, so geodesic sharpness is adaptive sharpness "
             "here (every coordinate uses the adaptive geometry); see space.summary()",
-            stacklevel=2,
+            stacklevel=3,
         )
     make = None if run is None else run.objective
     restored = contextlib.nullcontext() if run is None else run.restored()
     with eval_mode(model), split, restored:
         fs = objectives(
-            model, loss_fn, setup.pert, local, seed=seed, device=device, bar=bar, make=make
+            model, loss_fn, setup.pert, local, seed=cfg.seed, device=device, bar=bar, make=make
         )
         values = [case(f, gen) for f, gen in fs]
         counter = {k: sum(v.passes[k] for v in values) for k in ("forward", "backward")}
@@ -313,38 +472,18 @@ def sharpness(
     bar.close()
     if not per_batch:
         raise ValueError("batches is empty: pass at least one (inputs, targets) batch")
-    settings = {
-        "measure": measure,
-        "metric": metric if measure == "geodesic" else None,
-        "order": order if measure == "geodesic" else 1,
-        "kind": kind,
-        "rho": rho,
-        "steps": steps if kind == "worst" else None,
-        "norm": norm,
-        "eps": eps,
-        "seed": seed,
-        "samples": samples if kind == "average" else None,
-        "restarts": restarts if kind == "worst" else None,
-        "random_init": random_init,
-        "corrected_norm": corrected_norm,
-        "perturb": perturb,
-        "low_memory": low_memory,
-        "buffer_budget": buffer_budget,
-        "cached_base_point": setup.cached,
-        "exact_steps": exact_steps if order == "exact" else None,
-        "max_relative_speed": kappa,
-        "n_params": space.numel() if run is None else run.shards.numel,
-        "n_gl_blocks": sum(b.heads for b in space.gl_blocks) if measure == "geodesic" else 0,
-        "n_key_biases_fixed": sum(b.kind == "b_k" for b in space.blocks)
-        if measure == "geodesic" and metric != "adaptive"
-        else 0,
-        "dtype": str(dtype),
-        "device": str(device),
-        "sharded": None if run is None else run.describe(),
-    }
-    trouble = exact_steps_warning(f"{name} at rho={rho:g}", kappa, exact_steps)
+    settings = cfg.recorded(space)
+    settings.update(
+        cached_base_point=setup.cached,
+        max_relative_speed=kappa,
+        n_params=space.numel() if run is None else run.shards.numel,
+        dtype=str(dtype),
+        device=str(device),
+        sharded=None if run is None else run.describe(),
+    )
+    trouble = exact_steps_warning(f"{name} at rho={cfg.rho:g}", kappa, cfg.exact_steps)
     if trouble is not None:
-        warnings.warn(trouble, ExactStepsWarning, stacklevel=2)
+        warnings.warn(trouble, ExactStepsWarning, stacklevel=3)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,

@@ -335,7 +335,7 @@ def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
 
 def _plan(model: nn.Module, shards: Any, key_bias: str | None, pert: Any) -> list[list[_Draw]]:
     """The draws of every piece of the rank's perturbation ``pert``, from the global layout."""
-    from geosharp.estimators.sharded.space import _layouts
+    from geosharp.estimators.sharded.space import param_layouts
     from geosharp.symmetry import find_symmetries
 
     if key_bias is None:  # the element-wise measures: the parameters, no blocks
@@ -345,7 +345,7 @@ def _plan(model: nn.Module, shards: Any, key_bias: str | None, pert: Any) -> lis
     else:
         space = find_symmetries(model, key_bias=key_bias)
         rest_global, rest_rank = _rest_layout(space), pert.space.rest_layout()
-    layouts = _layouts(space, shards)
+    layouts = param_layouts(space, shards)
     groups: dict = {}
     for b in space.blocks:
         groups.setdefault(b.batch_key(), []).append(b)
@@ -450,7 +450,7 @@ def _block_fields(
     ``concatenated``: the fields' numbers lie one after the other in one buffer (else each
     field in its own).
     """
-    from geosharp.estimators.sharded.space import _localize
+    from geosharp.estimators.sharded.space import localize_positions
 
     cls = type(blocks[0])
     if len(shapes) != len(cls.index_fields):
@@ -462,7 +462,7 @@ def _block_fields(
         for b in blocks:
             pos = as_tensor(getattr(b, f))
             if cls.shard_layout == "coordinates":
-                held = _localize(pos.reshape(-1), space, layouts)[0]
+                held = localize_positions(pos.reshape(-1), space, layouts)[0]
                 dest = torch.where(held, torch.cumsum(held, 0) - 1, -1)
                 count = int(held.sum())
                 segments.append(_Rows(dest, 1, offset + head, count))
@@ -473,7 +473,8 @@ def _block_fields(
             if cls.shard_layout != "rows" or pos.dim() != 3 or len(shape) != 3:
                 raise NotImplementedError(f"random draws of {cls.__name__} blocks when sharded")
             heads, rows, width = shape[0], shape[1], shape[2]
-            held = _localize(pos[..., 0].contiguous(), space, layouts)[0]  # rows whole or none
+            first = pos[..., 0].contiguous()
+            held = localize_positions(first, space, layouts)[0]  # rows whole or none
             r = torch.cumsum(held, 1) - 1
             if held.numel() and int(held.sum(1).max()) > rows:
                 raise RuntimeError(_MISMATCH)

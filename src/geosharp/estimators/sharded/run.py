@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from geosharp.estimators.harness import LossFn, PassBar, PerturbationSettings, Setup
-from geosharp.estimators.perturbation import Perturbation
+from geosharp.estimators.perturbation import Perturbation, RankSums
 from geosharp.estimators.sharded.draws import ShardedDraws
 from geosharp.estimators.sharded.gather import GatheredEndpoint
 from geosharp.estimators.sharded.objective import ShardedObjective
@@ -145,8 +145,7 @@ def prepare(
     settings.check_blocks(rank_space)
     # random draws: each rank its part of the unsharded draw
     draws = ShardedDraws(model, shards, key_bias)
-    pert = settings.perturbation(
-        rank_space, base, row_sum=shards.row_sum, reduce=shards.sum, draws=draws
-    )
+    ranks = RankSums(row_sum=shards.row_sum, reduce=shards.sum, draws=draws)
+    pert = settings.perturbation(rank_space, base, ranks)
     gather = GatheredEndpoint.build(shards, pert) if in_place == "rest" else None
     return ShardedRun(shards, Setup(rank_space, base, pert, False), gather)

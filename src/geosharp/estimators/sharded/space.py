@@ -41,7 +41,7 @@ from geosharp.symmetry.blocks import SymmetryBlock
 from geosharp.symmetry.positions import Positions, as_tensor
 from geosharp.symmetry.specs import ParamSlice
 
-__all__ = ["PAD", "local_space"]
+__all__ = ["PAD", "local_space", "localize_positions", "param_layouts"]
 
 #: The name of the rank's zero rows (padding of heads with fewer rows here than others).
 PAD = "<zero rows>"
@@ -74,7 +74,7 @@ class _Layout:
         return held, flat + self.local_offset
 
 
-def _layouts(space: ParameterSpace, shards: Any) -> list[_Layout]:
+def param_layouts(space: ParameterSpace, shards: Any) -> list[_Layout]:
     """Each parameter's :class:`_Layout` on this rank (from its ``DTensor`` placement)."""
     local = shards.space()
     out = []
@@ -94,7 +94,9 @@ def _layouts(space: ParameterSpace, shards: Any) -> list[_Layout]:
     return out
 
 
-def _localize(pos: Tensor, space: ParameterSpace, layouts: list[_Layout]) -> tuple[Tensor, Tensor]:
+def localize_positions(
+    pos: Tensor, space: ParameterSpace, layouts: list[_Layout]
+) -> tuple[Tensor, Tensor]:
     """``(held, local)`` for global positions ``pos`` (any shape)."""
     flat = pos.reshape(-1).cpu().long()
     held = torch.zeros(flat.shape, dtype=torch.bool)
@@ -153,7 +155,7 @@ def local_space(
             "the symmetry search on the sharded model saw other trainable parameters than its "
             "shards (please report this)"
         )
-    layouts = _layouts(space, shards)
+    layouts = param_layouts(space, shards)
     base = shards.space()
     try:
         blocks, n_pad = _local_blocks(space, layouts, base.numel())
@@ -202,7 +204,7 @@ def _local_blocks(
         layout = group[0].sharded_layout()  # refuses, in one line, a block with none
         if layout == "coordinates":
             for b in group:
-                held, local = _localize(as_tensor(b.index), space, layouts)
+                held, local = localize_positions(as_tensor(b.index), space, layouts)
                 whole = held.numel() > 0 and bool(held.all())
                 recipe = _local_recipe(b.index, space, layouts, local, bound) if whole else None
                 mine = recipe if recipe is not None else local[held].reshape(1, 1, -1)
@@ -264,7 +266,7 @@ def _rows(
     (to be padded).
     """
     pos = as_tensor(getattr(block, field))
-    held, local = _localize(pos, space, layouts)
+    held, local = localize_positions(pos, space, layouts)
     whole, some = held.all(-1), held.any(-1)
     if not torch.equal(whole, some):
         b, i = (int(x) for x in torch.nonzero(some & ~whole)[0])
