@@ -45,8 +45,10 @@ from geosharp.measuring.tokenizer import (
 __all__ = [
     "MIN_VOCAB_COVERAGE",
     "NPZ_TARGET_KEYS",
+    "DataOptions",
     "DataSet",
     "load_data",
+    "read_data",
     "tokenize_rows",
     "tokenizer_line",
 ]
@@ -160,6 +162,32 @@ def _check_batch_size(batch_size: int) -> None:
         raise MeasureError(f"--batch-size must be an int >= 1, got {batch_size!r}")
 
 
+@dataclass(frozen=True)
+class DataOptions:
+    """How :func:`load_data` reads a data set and cuts it into batches, checked when built.
+
+    The fields are :func:`load_data`'s keywords of the same names.
+
+    Raises:
+        MeasureError: On a ``batch_size`` or ``samples`` below 1.
+    """
+
+    batch_size: int = 128
+    samples: int | None = 1024
+    text_col: str = "text"
+    label_col: str | None = None
+    max_length: int = 128
+    split: str | None = None
+    tokenizer: str | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        _check_batch_size(self.batch_size)
+        samples = self.samples
+        if samples is not None and (isinstance(samples, bool) or samples < 1):
+            raise MeasureError(f"--samples must be >= 1, got {samples!r}")
+
+
 def load_data(
     spec: str,
     loaded: LoadedModel,
@@ -172,7 +200,6 @@ def load_data(
     split: str | None = None,
     tokenizer: str | None = None,
     dtype: torch.dtype = torch.float32,
-    table: tuple[list[dict[str, Any]], str] | None = None,
 ) -> DataSet:
     """Read the data and cut it into batches for ``loaded``'s model.
 
@@ -188,7 +215,6 @@ def load_data(
         split: Split of a Hugging Face ``DatasetDict`` folder.
         tokenizer: A Hugging Face tokenizer folder (default: the model folder's).
         dtype: Floating inputs and targets are cast to this dtype.
-        table: What :func:`read_table` returned for ``spec``, to read a file only once.
 
     Returns:
         A :class:`DataSet`.
@@ -196,15 +222,49 @@ def load_data(
     Raises:
         MeasureError: On every problem with the data.
     """
-    _check_batch_size(batch_size)
-    if samples is not None and (isinstance(samples, bool) or samples < 1):
-        raise MeasureError(f"--samples must be >= 1, got {samples!r}")
+    options = DataOptions(
+        batch_size=batch_size,
+        samples=samples,
+        text_col=text_col,
+        label_col=label_col,
+        max_length=max_length,
+        split=split,
+        tokenizer=tokenizer,
+        dtype=dtype,
+    )
+    return read_data(spec, loaded, options)
+
+
+def read_data(
+    spec: str,
+    loaded: LoadedModel,
+    options: DataOptions,
+    *,
+    table: tuple[list[dict[str, Any]], str] | None = None,
+) -> DataSet:
+    """:func:`load_data` with its options as one :class:`DataOptions`.
+
+    Args:
+        spec: The data (see the module docstring).
+        loaded: The model it is for.
+        options: How to read it and cut it into batches.
+        table: What :func:`~geosharp.measuring.data_files.read_table` returned for ``spec``,
+            to read a file only once.
+
+    Returns:
+        A :class:`DataSet`.
+
+    Raises:
+        MeasureError: On every problem with the data.
+    """
+    batch_size, samples, dtype = options.batch_size, options.samples, options.dtype
+    label_col, max_length = options.label_col, options.max_length
     kind = data_kind(spec)
     if kind == "npz":
         return _load_npz(Path(spec).expanduser(), loaded, batch_size, samples, label_col, dtype)
     if kind == "function":
         return _load_function(spec, batch_size, samples, dtype)
-    rows, desc = table if table is not None else read_table(spec, split=split)
+    rows, desc = table if table is not None else read_table(spec, split=options.split)
     where = str(Path(spec).name)
     if not rows:
         raise MeasureError(f"the data set {spec} is empty: it holds no rows")
@@ -234,11 +294,11 @@ def load_data(
         label_map = dict(sorted(label_map.items(), key=lambda kv: (kv[1], kv[0])))
     if targets.is_floating_point():
         targets = targets.to(dtype)
-    text_cols = [c.strip() for c in text_col.split(",") if c.strip()]
+    text_cols = [c.strip() for c in options.text_col.split(",") if c.strip()]
     warns: list[str] = []
     info: list[str] = []
     if all(c in cols for c in text_cols) and text_cols:
-        tok, source = _tokenizer_and_source(loaded, tokenizer, where)
+        tok, source = _tokenizer_and_source(loaded, options.tokenizer, where)
         max_length = _max_length(loaded, tok, max_length, warns)
         batches, more = tokenize_rows(
             rows,

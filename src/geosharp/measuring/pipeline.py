@@ -368,7 +368,7 @@ def _load_batches(
     opts: MeasureOptions, task: str, loaded: Any, table: Any, say: Say, warn: Say
 ) -> Any:
     """The :class:`~geosharp.measuring.data_loading.DataSet` of the task, its warnings said."""
-    from geosharp.measuring.data_loading import load_data
+    from geosharp.measuring.data_loading import DataOptions, read_data
     from geosharp.measuring.lm import load_lm_data, load_seq2seq_data
 
     common = {
@@ -388,10 +388,8 @@ def _load_batches(
             opts.data, loaded, source_col=opts.source_col, target_col=opts.target_col, **common
         )
     else:
-        data = load_data(
-            opts.data, loaded, text_col=opts.text_col, label_col=opts.label_col, table=table,
-            **common,
-        )  # fmt: skip
+        options = DataOptions(text_col=opts.text_col, label_col=opts.label_col, **common)
+        data = read_data(opts.data, loaded, options, table=table)
     for w in data.warnings:
         warn(w)
     say(f"data: {data.description}")
