@@ -57,7 +57,9 @@ def test_model_and_population_spread_match_closed_forms():
         rows += [_head(mid, "VO", 0, 1.0, 1.0), _head(mid, "VO", 1, 2.0, 2.0)]
     stats = model_stats(rows)
     for mid, (s0, s1) in scales.items():
-        want = math.sqrt(((s0**2 - 1) ** 2 + (s1**2 - 1) ** 2) / ((s0**2 + 1) ** 2 + (s1**2 + 1) ** 2))
+        want = math.sqrt(
+            ((s0**2 - 1) ** 2 + (s1**2 - 1) ** 2) / ((s0**2 + 1) ** 2 + (s1**2 + 1) ** 2)
+        )
         assert stats[(mid, "QK")]["imbalance"] == pytest.approx(want, rel=1e-14)
         assert stats[(mid, "QK")]["within"] == pytest.approx(
             abs(_imb(s0, 1) - _imb(s1, 1)) / 2, rel=1e-14
@@ -104,7 +106,9 @@ def test_note_names_the_committed_study_at_each_level():
     assert "Study 2" in spread_note(mid)
     tiny = spread([1.0, 1.0 + 1e-5])
     assert spread_level(tiny) <= SMALL_SPREAD and "Study 3" in spread_note(tiny)
-    pairs = [{**_head(f"m{i}", "pair", 0, s, 1.0), "category": "pair"} for i, s in enumerate((1, 9))]
+    pairs = [
+        {**_head(f"m{i}", "pair", 0, s, 1.0), "category": "pair"} for i, s in enumerate((1, 9))
+    ]
     assert math.isnan(spread_level(population_spread(pairs)))
     assert "element-wise" in spread_note(population_spread(pairs))
     assert spread_note([]) is None

@@ -22,8 +22,9 @@ imbalances (standard deviation, ``within``). Per population and kind (:func:`pop
   median over heads (only when every model has the same heads: the same architecture);
 * ``log_scale_sd`` — the standard deviation over models of the mean log scale.
 
-A study stores the heads of each model in its database (:meth:`geosharp.studies.store.Store.put_orbit`,
-by :func:`geosharp.studies.runner.run_study` when it loads a model), writes them to
+A study stores the heads of each model in its database
+(:meth:`geosharp.studies.store.Store.put_orbit`, by :func:`geosharp.studies.runner.run_study`
+when it loads a model), writes them to
 ``orbit_spread.csv`` of the study folder (:data:`ORBIT_FILE`) and the report shows
 :func:`spread_sections`. A study without the file (every study committed before issue 44) gets
 no such section.
@@ -52,13 +53,13 @@ __all__ = [
     "SMALL_SPREAD",
     "KindSpread",
     "Reference",
+    "folder_rows",
     "head_rows",
     "model_stats",
     "population_spread",
     "read_rows",
     "spread_level",
     "spread_note",
-    "folder_rows",
     "spread_sections",
     "write_rows",
 ]
@@ -222,8 +223,11 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def model_stats(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
-    """Per (model, kind): ``imbalance`` (of the heads together), ``within`` (sd of the heads'
-    imbalances, ddof 0), ``log_scale`` (mean), ``heads``."""
+    """Per (model, kind): the imbalance, spread, scale and count of its heads.
+
+    ``imbalance`` (of the heads together), ``within`` (sd of the heads' imbalances, ddof 0),
+    ``log_scale`` (mean), ``heads``.
+    """
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in rows:
         groups.setdefault((str(r["model_id"]), str(r["category"])), []).append(r)
@@ -319,11 +323,11 @@ def population_spread(
 
 
 def spread_level(spreads: Sequence[KindSpread]) -> float:
-    """The population's orbit spread: the largest ``across`` over its block kinds (NaN when it
-    has none but :data:`ELEMENTWISE_KINDS`)."""
-    return max(
-        (s.across for s in spreads if s.category not in ELEMENTWISE_KINDS), default=math.nan
-    )
+    """The population's orbit spread: the largest ``across`` over its block kinds.
+
+    NaN when it has no block kind but :data:`ELEMENTWISE_KINDS`.
+    """
+    return max((s.across for s in spreads if s.category not in ELEMENTWISE_KINDS), default=math.nan)
 
 
 def _reference_text(ref: Reference) -> str:
@@ -342,8 +346,9 @@ def spread_note(spreads: Sequence[KindSpread]) -> str | None:
     if not math.isfinite(level):
         if spreads:
             return (
-                "Only element-wise GL(1) pairs: adaptive sharpness is invariant to their orbit, so "
-                "the orbit position cannot separate it from geodesic sharpness, whatever the spread."
+                "Only element-wise GL(1) pairs: adaptive sharpness is invariant to their orbit, "
+                "so the orbit position cannot separate it from geodesic sharpness, whatever the "
+                "spread."
             )
         return None
     small, mid, large = (REFERENCE[0], REFERENCE[2], REFERENCE[3])
@@ -373,8 +378,11 @@ def spread_sections(
     gaps: Mapping[str, float],
     paired: Sequence[Mapping[str, Any]] = (),
 ) -> list[Section]:
-    """The report's orbit spread sections: the population's spread per block kind, and its
-    spread beside its paired Δτ and the committed studies' (none without rows)."""
+    """The report's orbit spread sections (none without rows).
+
+    The population's spread per block kind, and its spread beside its paired Δτ and the
+    committed studies'.
+    """
     spreads = population_spread(rows, gaps)
     if not spreads:
         return []
@@ -469,9 +477,12 @@ def _position(p: Mapping[str, Any]) -> str:
 
 
 def folder_rows(out_dir: str | Path) -> list[dict[str, Any]]:
-    """The head rows of a study folder: its ``study.sqlite``'s ``orbit`` table (written by
-    :func:`geosharp.studies.runner.run_study`), else its ``orbit_spread.csv``; none if neither
-    holds any (every study recorded before issue 44)."""
+    """The head rows of a study folder (none if it recorded none).
+
+    Its ``study.sqlite``'s ``orbit`` table (written by :func:`geosharp.studies.runner.run_study`),
+    else its ``orbit_spread.csv``; none if neither holds any (every study recorded before
+    issue 44).
+    """
     import json
     import sqlite3
 

@@ -330,10 +330,16 @@ class _Written:
 
 
 def _orbit_spread(out: Path, analysis: _Analysis, lead: list[str]) -> list[Section]:
-    """The orbit spread sections of a folder that recorded its heads (none otherwise), and
-    their one-line note added to the headline."""
-    from geosharp.studies.orbit_spread import folder_rows, population_spread, spread_note
-    from geosharp.studies.orbit_spread import spread_sections
+    """The orbit spread sections of a folder that recorded its heads (none otherwise).
+
+    With their one-line note added to the headline.
+    """
+    from geosharp.studies.orbit_spread import (
+        folder_rows,
+        population_spread,
+        spread_note,
+        spread_sections,
+    )
 
     rows = folder_rows(out)
     found = spread_sections(rows, analysis.gaps, analysis.paired)
