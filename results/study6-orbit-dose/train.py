@@ -36,7 +36,8 @@ stream: ``[6, 1000 + RECIPE_INDEX[r], i]``), so a model's draw depends on nothin
     python results/study6-orbit-dose/train.py --recipe adamw --models 48 --out runs/study6 \\
         [--shard 1/2] [--threads 1]
 
-writes ``runs/study6/models/<id>.pt``, appends to ``runs/study6/manifest.csv`` (under a lock;
+(``--smoke``: one-epoch models of the pilot stream named ``smoke-...``, to try the pipeline;
+never part of the study) writes ``runs/study6/models/<id>.pt``, appends to ``runs/study6/manifest.csv`` (under a lock;
 a model already in the manifest is skipped, so a killed run resumes) and writes the sharpness
 sample ``runs/study6/sharpness.npz`` once. A model is written to ``excluded.csv`` instead of
 the manifest when its loss was not finite or its train error is above 0.5 (PREREGISTRATION.md).
@@ -266,7 +267,11 @@ def main() -> None:
     ap.add_argument("--shard", default="1/1", help="k/n: models k-1, k-1+n, ...")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit-s", type=float, default=math.inf, help="stop before this many s")
+    ap.add_argument("--smoke", action="store_true",
+                    help="try the pipeline: the pilot stream, one epoch, names smoke-...")  # fmt: skip
     args = ap.parse_args()
+    if args.smoke:
+        args.prefix = "smoke"
     torch.set_num_threads(args.threads)
     k, n = (int(x) for x in args.shard.split("/"))
     out = Path(args.out)
@@ -281,7 +286,9 @@ def main() -> None:
         if time.perf_counter() - t0 > args.limit_s:
             print(f"time limit: stopped before {name}", flush=True)
             break
-        hp = draw(args.recipe, i)
+        hp = draw(args.recipe, i, pilot=args.smoke)
+        if args.smoke:
+            hp["epochs"] = 1
         model, metrics = train(hp, d)
         row = {"name": name, **hp, **metrics}
         why = excluded_because(metrics)
