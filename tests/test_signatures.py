@@ -32,47 +32,6 @@ ENTRY_POINTS = {
     "studies/population_call.py:study",
 }
 
-#: TEMPORARY (issue 42, deliverable 4): long signatures in files being reworked elsewhere at
-#: the time of writing; remove each entry when its function goes under the limit.
-PENDING_SIGNATURES = {
-    "estimators/harness.py:perturbation_of",
-    "estimators/perturbation.py:Perturbation.__init__",
-    "estimators/pieces.py:build_pieces",
-    "studies/report.py:write_report",
-    "studies/report.py:_summary",
-    "studies/render.py:html_page",
-}
-
-#: TEMPORARY (issue 42, deliverable 4): long positional calls, ``file:callee``, in files being
-#: reworked elsewhere at the time of writing; remove each entry when its calls are keyword calls.
-PENDING_CALLS = {
-    "estimators/sharpness.py:WorstCase",
-    "estimators/sharpness.py:measure_name",
-    "geometry/gl.py:check_rank",
-    "geometry/gl.py:christoffel",
-    "geometry/gl.py:christoffel_at",
-    "geometry/gl.py:horizontal_residual",
-    "geometry/gl.py:lam",
-    "geometry/gl.py:order2_adjoint_by_chunks",
-    "geometry/gl_endpoint.py:_adjoint_from",
-    "geometry/gl_endpoint.py:_order2_forward",
-    "geometry/gl_endpoint.py:_order2_from",
-    "geometry/gl_endpoint.py:_order2_matrices",
-    "geometry/gl_math.py:_order2_forward",
-    "geometry/gl_math.py:christoffel",
-    "geometry/gl_subgroup.py:moment",
-    "geometry/gl_subgroup.py:subgroup_lam",
-    "measuring/sharded.py:ShardedCheck",
-    "studies/diagonal.py:_record",
-    "studies/report.py:_Analysis",
-    "studies/report.py:geodesic_vs_adaptive",
-    "studies/report.py:markdown_table",
-    "studies/rho_rule.py:rho_rule_grid",
-    "studies/runner.py:put_measurement",
-    "studies/symmetry_test.py:SymmetryTestRow",
-    "studies/vit_orbit_radii.py:rho_rule_grid",
-}
-
 
 def _files() -> Iterator[tuple[str, ast.Module]]:
     for path in sorted(SRC.rglob("*.py")):
@@ -141,8 +100,7 @@ def long_positional_calls() -> dict[str, list[int]]:
 
 
 def test_no_function_takes_more_than_ten_parameters():
-    allowed = ENTRY_POINTS | PENDING_SIGNATURES
-    over = {k: n for k, n in long_signatures().items() if k not in allowed}
+    over = {k: n for k, n in long_signatures().items() if k not in ENTRY_POINTS}
     assert not over, (
         f"functions with more than {MAX_PARAMETERS} parameters: "
         + ", ".join(f"{k} ({n})" for k, n in sorted(over.items()))
@@ -157,7 +115,7 @@ def test_the_entry_points_exist():
 
 
 def test_no_call_passes_more_than_six_positional_arguments():
-    over = {k: v for k, v in long_positional_calls().items() if k not in PENDING_CALLS}
+    over = long_positional_calls()
     assert not over, (
         f"calls with more than {MAX_POSITIONAL} positional arguments: "
         + ", ".join(f"{k} (line {', '.join(map(str, v))})" for k, v in sorted(over.items()))

@@ -347,8 +347,8 @@ class SharpnessSettings:
             self.order,
             self.kind,
             self.norm,
-            self.corrected_norm,
-            self.perturb,
+            corrected_norm=self.corrected_norm,
+            perturb=self.perturb,
         )
 
     @property
@@ -372,11 +372,11 @@ class SharpnessSettings:
             return WorstCase(
                 self.rho,
                 self.steps,
-                self.norm,
-                self.restarts,
-                self.random_init,
-                self.low_memory,
-                self.buffer_budget,
+                norm=self.norm,
+                restarts=self.restarts,
+                random_init=self.random_init,
+                low_memory=self.low_memory,
+                buffer_budget=self.buffer_budget,
             )
         return AverageCase(self.rho, self.samples)
 

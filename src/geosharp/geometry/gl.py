@@ -157,7 +157,9 @@ class GLGeometry(GLSampling, Geometry):
         h = G.shape[-1]
 
         def check(which: str, lam: Tensor) -> None:  # on both spectra, before any inverse
-            check_rank(lam, h, self.dtype, self.eps, which, self.name, self.head_names)
+            check_rank(
+                lam, h, self.dtype, self.eps, which, name=self.name, head_names=self.head_names
+            )
 
         held = ex.hold_point and ex.work_dtype == ex.factor_dtype  # the copy is held anyway
         if held or G.requires_grad or H.requires_grad:
@@ -204,7 +206,7 @@ class GLGeometry(GLSampling, Geometry):
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve :func:`~geosharp.geometry.gl_math.lam` (SPEC §4.4)."""
-        return gl_math.lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
+        return gl_math.lam(G, H, xG, xH, F, metric=self.metric, row_sum=self.execution.row_sum)
 
     def _lam_from(self, F: GLFactors, XH: Tensor, GX: Tensor) -> Tensor:
         """:meth:`_lam` from the contractions ``ξ_Hᵀ H``, ``Gᵀ ξ_G`` summed over every row."""
@@ -426,7 +428,7 @@ class GLGeometry(GLSampling, Geometry):
         xG, xH = self._check_tangent(xi)
         G, H = self._point()
         res = gl_math.horizontal_residual(
-            G, H, xG, xH, self.factors, self.metric, self.execution.row_sum
+            G, H, xG, xH, self.factors, metric=self.metric, row_sum=self.execution.row_sum
         )
         return res.to(xi[0].dtype)
 
@@ -443,7 +445,9 @@ class GLGeometry(GLSampling, Geometry):
         G, H = self._point()
         F = self.factors
         rs = self.execution.row_sum
-        gG, gH = gl_math.christoffel(G, H, xG, xH, F.MG_inv, F.MH_inv, self.metric, rs)
+        gG, gH = gl_math.christoffel(
+            G, H, xG, xH, F.MG_inv, F.MH_inv, metric=self.metric, row_sum=rs
+        )
         return gG.to(xi[0].dtype), gH.to(xi[0].dtype)
 
     def christoffel_at(self, point: Point, xi: Tangent) -> Tangent:
@@ -451,7 +455,7 @@ class GLGeometry(GLSampling, Geometry):
         out_dtype = point[0].dtype
         G, H, xG, xH = self.execution.widen(*point, *xi)
         rs = self.execution.row_sum
-        gG, gH = gl_math.christoffel_at(G, H, xG, xH, self.metric, self.eps, rs)
+        gG, gH = gl_math.christoffel_at(G, H, xG, xH, metric=self.metric, eps=self.eps, row_sum=rs)
         return gG.to(out_dtype), gH.to(out_dtype)
 
     def pulls_back(self, order: int | str) -> bool:
@@ -503,7 +507,13 @@ class GLGeometry(GLSampling, Geometry):
         """
         inputs = (*xi, *self._endpoint_inv)
         return order2_adjoint_by_chunks(
-            self.point_rows, self._slices, inputs, factors, self.metric, grad, row_sum
+            self.point_rows,
+            self._slices,
+            inputs,
+            factors,
+            metric=self.metric,
+            g=grad,
+            row_sum=row_sum,
         )
 
     def relative_speed(self, xi: Tangent) -> Tensor:

@@ -57,7 +57,7 @@ def _order2_matrices(
     ranks in one ``row_sum`` (rows split over ranks, SPEC §10.2).
     """
     XG, XH, KG, KH = contract((xG, G), (xH, H), (xG, xG), (xH, xH), row_sum=row_sum)
-    return _order2_from(XG, XH, KG, KH, MG_inv, MH_inv, metric)
+    return _order2_from(XG, XH, KG, KH, MG_inv, MH_inv, metric=metric)
 
 
 def _order2_from(
@@ -93,7 +93,9 @@ def _order2_forward(
     ``G′ = G (I + s B_G) + ξ_G C_G``: two products, the second accumulated into the first
     (``inplace``, outside autograd; otherwise one ``baddbmm``), with no pass that copies ``G``.
     """
-    cG, bG, cH, bH, s = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
+    cG, bG, cH, bH, s = _order2_matrices(
+        G, H, xG, xH, MG_inv, MH_inv, metric=metric, row_sum=row_sum
+    )
     Gp = add_mm(G @ add_eye(bG, s), xG, cG, inplace=inplace)
     Hp = add_mm(H @ add_eye(bH, s), xH, cH, inplace=inplace)
     return Gp, Hp, cG, cH, s
@@ -154,7 +156,7 @@ class _Order2Endpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xG, xH, G, H, MG_inv, MH_inv, metric, row_sum=None):
         Gp, Hp, cG, cH, s = _order2_forward(
-            G, H, xG, xH, MG_inv, MH_inv, metric, inplace=True, row_sum=row_sum
+            G, H, xG, xH, MG_inv, MH_inv, metric=metric, inplace=True, row_sum=row_sum
         )
         ctx.save_for_backward(xG, xH, G, H, MG_inv, MH_inv, cG, cH)
         ctx.metric, ctx.s, ctx.row_sum = metric, s, row_sum
@@ -165,7 +167,9 @@ class _Order2Endpoint(torch.autograd.Function):
         xG, xH, G, H, MG_inv, MH_inv, cG, cH = ctx.saved_tensors
         metric, s, row_sum = ctx.metric, ctx.s, ctx.row_sum
         if torch.is_grad_enabled():  # create_graph: C as a function of ξ, not a constant
-            cG, _, cH, _, _ = _order2_matrices(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
+            cG, _, cH, _, _ = _order2_matrices(
+                G, H, xG, xH, MG_inv, MH_inv, metric=metric, row_sum=row_sum
+            )
         gG = torch.zeros_like(G) if gG is None else gG
         gH = torch.zeros_like(H) if gH is None else gH
         dxG, dxH = order2_adjoint(
@@ -193,7 +197,9 @@ def order2_adjoint(
     gG, gH = g
     g.clear()
     dCG, dBG, dCH, dBH = contract((xG, gG), (G, gG), (xH, gH), (H, gH), row_sum=row_sum)
-    SG, TG, SH, TH = _adjoint_from(dCG, dBG, dCH, dBH, s, MG_inv, MH_inv, metric)
+    SG, TG, SH, TH = _adjoint_from(
+        dCG, dBG, dCH, dBH, s, MG_inv=MG_inv, MH_inv=MH_inv, metric=metric
+    )
     dxG = _adjoint_rows(gG, cG, G, SG, xG, TG)
     del gG
     dxH = _adjoint_rows(gH, cH, H, SH, xH, TH)

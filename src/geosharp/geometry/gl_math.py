@@ -205,7 +205,7 @@ def christoffel_at(
     """
     MG_inv = _inv_or_nan(_gram(G, eps, row_sum))
     MH_inv = _inv_or_nan(_gram(H, eps, row_sum))
-    return christoffel(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum)
+    return christoffel(G, H, xG, xH, MG_inv, MH_inv, metric=metric, row_sum=row_sum)
 
 
 def _inv_or_nan(M: Tensor) -> Tensor:
@@ -245,4 +245,4 @@ def order2_endpoint(
     """
     if _hand_backward(xG, xH) and not any(t.requires_grad for t in (G, H, MG_inv, MH_inv)):
         return _Order2Endpoint.apply(xG, xH, G, H, MG_inv, MH_inv, metric, row_sum)
-    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric, row_sum=row_sum)[:2]
+    return _order2_forward(G, H, xG, xH, MG_inv, MH_inv, metric=metric, row_sum=row_sum)[:2]

@@ -283,7 +283,7 @@ def subgroup_lam(
     The free block by the closed-form ``gl(P)`` solve, the plane coefficients by the Schur
     complement's Cholesky factor, then the free block corrected by their response.
     """
-    return lam_in_algebra(moment(G, H, xG, xH, F, metric, row_sum), F)
+    return lam_in_algebra(moment(G, H, xG, xH, F, metric=metric, row_sum=row_sum), F)
 
 
 def lam_in_algebra(C: Tensor, F: SubgroupFactors) -> Tensor:
@@ -436,7 +436,7 @@ class GLSubgroupGeometry(GLGeometry):
 
     def _lam(self, F: GLFactors, G: Tensor, H: Tensor, xG: Tensor, xH: Tensor) -> Tensor:
         """The vertical-space solve in ``𝔨``: :func:`subgroup_lam`."""
-        return subgroup_lam(G, H, xG, xH, F, self.metric, self.execution.row_sum)
+        return subgroup_lam(G, H, xG, xH, F, metric=self.metric, row_sum=self.execution.row_sum)
 
     def _lam_from(self, F: GLFactors, XH: Tensor, GX: Tensor) -> Tensor:
         """:meth:`_lam` from the summed contractions ``ξ_Hᵀ H``, ``Gᵀ ξ_G``."""
@@ -446,7 +446,9 @@ class GLSubgroupGeometry(GLGeometry):
         """``C(ξ)`` of :func:`moment` at the base point, in the work dtype."""
         xG, xH = self._check_tangent(xi)
         G, H = self._point()
-        return moment(G, H, xG, xH, self.factors, self.metric, self.execution.row_sum)
+        return moment(
+            G, H, xG, xH, self.factors, metric=self.metric, row_sum=self.execution.row_sum
+        )
 
     def horizontal_residual(self, xi: tuple[Tensor, Tensor]) -> Tensor:
         """``Π_𝔨 C(ξ)``: zero iff ``ξ`` is metric-orthogonal to every vertical vector."""

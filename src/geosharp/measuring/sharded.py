@@ -260,7 +260,18 @@ def prepare_sharded(
         "geometry, on each rank's rows, and every other coordinate the adaptive one"
     )
     return ShardedCheck(
-        model, batches, loss_fn, loss_name, None, summary, note, clean, None, shards, rows, widest
+        model=model,
+        batches=batches,
+        loss_fn=loss_fn,
+        loss_name=loss_name,
+        space=None,
+        summary=summary,
+        adaptive_note=note,
+        clean_losses=clean,
+        invariance=None,
+        shards=shards,
+        rows=rows,
+        longest_input=widest,
     )
 
 

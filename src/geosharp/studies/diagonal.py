@@ -242,7 +242,16 @@ class DiagonalStudy(Study):
             loss = (R**2).mean(axis=1)
             done = active & ((loss <= c.target_loss) | ~np.isfinite(loss) | (step == c.max_steps))
             for i in np.flatnonzero(done):
-                self._record(todo[i], U[i], V[i], float(loss[i]), step, ckpt_dir, store, t0)
+                self._record(
+                    todo[i],
+                    U[i],
+                    V[i],
+                    float(loss[i]),
+                    steps=step,
+                    ckpt_dir=ckpt_dir,
+                    store=store,
+                    t0=t0,
+                )
                 if bar is not None:
                     bar.update(1)
             active &= ~done
@@ -303,7 +312,16 @@ class DiagonalStudy(Study):
                 (loss <= c.target_loss) | ~np.isfinite(loss) | (step == c.sgd_max_steps)
             )
             for i in np.flatnonzero(done):
-                self._record(todo[i], U[i], V[i], float(loss[i]), step, ckpt_dir, store, t0)
+                self._record(
+                    todo[i],
+                    U[i],
+                    V[i],
+                    float(loss[i]),
+                    steps=step,
+                    ckpt_dir=ckpt_dir,
+                    store=store,
+                    t0=t0,
+                )
                 if bar is not None:
                     bar.update(1)
             active &= ~done

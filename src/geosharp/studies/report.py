@@ -274,9 +274,9 @@ def write_report(
             opts.gap_label,
             analysis.cells,
             analysis.rhos,
-            analysis.paper_col,
-            len(analysis.models),
-            method,
+            paper_col=analysis.paper_col,
+            n_total=len(analysis.models),
+            method=method,
             headline=lead,
         )
         + "".join(section.markdown() for section in all_sections),
@@ -364,9 +364,23 @@ def _analyse(models: list[dict], measurements: list[dict], opts: ReportOptions) 
     rhos = sorted({r for by_rho in cells.values() for r in by_rho}, key=rho_key)
     paper_col, comparison = paper_columns(cells, opts.paper, opts.paper_match, opts.level)
     paired = geodesic_vs_adaptive(
-        cells, gaps, opts.paper, opts.n_boot, opts.level, opts.seed, opts.expected
+        cells,
+        gaps,
+        opts.paper,
+        n_boot=opts.n_boot,
+        level=opts.level,
+        seed=opts.seed,
+        expected=opts.expected,
     )
-    return _Analysis(rows, gaps, cells, rhos, paper_col, comparison, paired)
+    return _Analysis(
+        models=rows,
+        gaps=gaps,
+        cells=cells,
+        rhos=rhos,
+        paper_col=paper_col,
+        comparison=comparison,
+        paired=paired,
+    )
 
 
 def _write_plots(

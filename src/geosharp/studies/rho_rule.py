@@ -83,7 +83,13 @@ def calibrate_rhos(
     cfg = study.cfg  # type: ignore[attr-defined]
     return {
         f"rhos_{key}": rho_rule_grid(
-            study, model, _with_budget(cfg, RADIUS_FAMILIES[key]), key, start, max_evals, log
+            study,
+            model,
+            _with_budget(cfg, RADIUS_FAMILIES[key]),
+            key,
+            start=start,
+            max_evals=max_evals,
+            log=log,
         )
         for key in _families(cfg)
     }

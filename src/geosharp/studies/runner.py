@@ -327,7 +327,7 @@ def run_study(
                 {**settings, **outcome.stats, **checks},
                 outcome.value,
                 outcome.per_batch,
-                outcome.clean_losses,
+                clean_losses=outcome.clean_losses,
                 time_s=outcome.time_s,
                 seed=spec.kwargs.get("seed", 0),
             )

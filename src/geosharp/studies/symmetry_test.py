@@ -175,7 +175,14 @@ def symmetry_test(
                 original = original.value
             value = sharpness(twin, loss_fn, data, rho=rho, progress=False, space=space, **kw).value
             new = SymmetryTestRow(
-                row["model_id"], spec.name, rho, a, row["gap"], original, value, change
+                model_id=row["model_id"],
+                measure=spec.name,
+                rho=rho,
+                scale=a,
+                gap=row["gap"],
+                original=original,
+                reparametrized=value,
+                output_rel_change=change,
             )
             rows.append(new)
             _append(csv_path, new)

@@ -56,6 +56,6 @@ def calibrate_orbit_rhos(
             {"samples": c.samples} if kw.get("kind", "worst") == "average" else {"steps": c.steps}
         )
         out[f"rhos_{key}"] = rho_rule_grid(
-            study, model, {**kw, **budget}, key, start, max_evals, log
+            study, model, {**kw, **budget}, key, start=start, max_evals=max_evals, log=log
         )
     return out
