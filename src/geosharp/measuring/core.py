@@ -45,14 +45,14 @@ from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure
 from geosharp.measuring.cells import _estimate, _measure_cells
 from geosharp.measuring.errors import MeasureError, MeasureWarning
-from geosharp.measuring.estimate import batch_sizes
+from geosharp.measuring.estimate import RunEstimate, batch_sizes
 from geosharp.measuring.flags import reference_loss
 from geosharp.measuring.prepare import (
     CheckedModel,
     adaptive_note,
     prepare_measurement,
 )
-from geosharp.measuring.radii import DEFAULT_RHOS, default_radii, grid_setting
+from geosharp.measuring.radii import DEFAULT_RHOS, Radii, default_radii, grid_setting
 from geosharp.measuring.results import MeasureReport
 from geosharp.measuring.settings import (
     DEFAULT_CURVATURE_ITERS,
@@ -193,13 +193,7 @@ def measure(
     sharded = isinstance(model, nn.Module) and is_sharded(model)
     say = log or (lambda _msg: None)
     notes: list[str] = []
-
-    def _warn(msg: str, stacklevel: int = 3) -> None:
-        notes.append(msg)
-        if warn is not None:
-            warn(msg)
-        else:
-            warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
+    _warn = _warner(notes, warn)
 
     _check_model(model)
     cfg = MeasureSettings(
@@ -227,54 +221,19 @@ def measure(
         ready = prepare_measurement(
             model, batches, loss_fn, space=space, check=check, seed=seed, say=say, warn=_warn
         )
-    model, batches, loss_fn, loss_name = ready.model, ready.batches, ready.loss_fn, ready.loss_name
-    space, summary, note = ready.space, ready.summary, ready.adaptive_note
-    clean, invariance = ready.clean_losses, ready.invariance
-    grids = cfg.grids
-    if grids is None:
-        grids, lines = default_radii(specs, model, space)
-        for line in lines:
-            say(line)
-    estimate = None
-    if sharded:
-        say(f"time estimate: {SKIPPED['time_estimate']}")
-    else:
-        estimate = _estimate(model, loss_fn, batches, cfg, grids, space=space, say=say)
-
-    if isinstance(ready, ShardedCheck):
-        reference = sharded_reference_loss(model, loss_fn, batches, ready.shards)
-    else:
-        reference = reference_loss(model, loss_fn, batches)
+    model, batches, loss_fn, space = ready.model, ready.batches, ready.loss_fn, ready.space
+    grids, estimate = _radii_and_estimate(cfg, ready, say)
+    reference = _reference_loss(ready)
     rows = _measure_cells(
         model, loss_fn, batches, cfg, grids, space=space, say=say, warn=_warn, reference=reference
     )
-    settings = {
-        "measures": [s.name for s in specs],
-        "rhos": grid_setting(grids),
-        "steps": steps,
-        "eps": eps,
-        "seed": seed,
-        "loss": loss_name,
-        "reference_loss": reference,
-        "check": check,
-        **({"low_memory": True} if low_memory else {}),
-        **({"buffer_budget": buffer_budget} if buffer_budget != BUFFER_BUDGET else {}),
-        **({"exact_steps": exact_steps} if any(s.exact_geodesic for s in specs) else {}),
-        **({"curvature": cfg.curvature} if cfg.takes_curvature_settings else {}),
-        **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
-        **(
-            {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
-            if estimate is not None
-            else {}
-        ),
-        **(ready.settings() if isinstance(ready, ShardedCheck) else _model_settings(model, space)),
-    }
+    settings = _recorded_settings(cfg, ready, grids, reference, estimate)
     return MeasureReport(
         rows=rows,
-        symmetry_summary=summary,
-        adaptive_note=note,
-        invariance=invariance,
-        clean_losses=clean,
+        symmetry_summary=ready.summary,
+        adaptive_note=ready.adaptive_note,
+        invariance=ready.invariance,
+        clean_losses=ready.clean_losses,
         n_batches=len(batches),
         n_samples=ready.n_samples if isinstance(ready, ShardedCheck) else _n_samples(batches),
         settings=settings,
@@ -285,6 +244,92 @@ def measure(
 
 # --------------------------------------------------------------------------------------------
 # the steps of measure()
+
+
+def _warner(notes: list[str], warn: Callable[[str], None] | None) -> Callable[..., None]:
+    """What :func:`measure` warns through: noted in ``notes``, then ``warn`` or a warning.
+
+    The warning's ``stacklevel`` counts from the returned function's frame (3: the caller of
+    the function that warns).
+    """
+
+    def _warn(msg: str, stacklevel: int = 3) -> None:
+        notes.append(msg)
+        if warn is not None:
+            warn(msg)
+        else:
+            warnings.warn(msg, MeasureWarning, stacklevel=stacklevel)
+
+    return _warn
+
+
+def _radii_and_estimate(
+    cfg: MeasureSettings, ready: CheckedModel | ShardedCheck, say: Callable[[str], None]
+) -> tuple[Radii, RunEstimate | None]:
+    """Every measure's radii and the run's time estimate.
+
+    The default radii are chosen on the checked model and said; a sharded model has no
+    estimate (``None``, and why is said).
+    """
+    grids = cfg.grids
+    if grids is None:
+        grids, lines = default_radii(cfg.specs, ready.model, ready.space)
+        for line in lines:
+            say(line)
+    estimate = None
+    if isinstance(ready, ShardedCheck):
+        say(f"time estimate: {SKIPPED['time_estimate']}")
+    else:
+        estimate = _estimate(
+            ready.model, ready.loss_fn, ready.batches, cfg, grids, space=ready.space, say=say
+        )
+    return grids, estimate
+
+
+def _reference_loss(ready: CheckedModel | ShardedCheck) -> float | None:
+    """The loss the flags compare a rise with.
+
+    :func:`~geosharp.measuring.flags.reference_loss`; a sharded model's over every rank.
+    """
+    if isinstance(ready, ShardedCheck):
+        return sharded_reference_loss(ready.model, ready.loss_fn, ready.batches, ready.shards)
+    return reference_loss(ready.model, ready.loss_fn, ready.batches)
+
+
+def _recorded_settings(
+    cfg: MeasureSettings,
+    ready: CheckedModel | ShardedCheck,
+    grids: Radii,
+    reference: float | None,
+    estimate: RunEstimate | None,
+) -> dict[str, Any]:
+    """The settings a report records, in their order: the call's, then the model's."""
+    specs, batches = cfg.specs, ready.batches
+    return {
+        "measures": [s.name for s in specs],
+        "rhos": grid_setting(grids),
+        "steps": cfg.steps,
+        "eps": cfg.eps,
+        "seed": cfg.seed,
+        "loss": ready.loss_name,
+        "reference_loss": reference,
+        "check": cfg.check,
+        **({"low_memory": True} if cfg.low_memory else {}),
+        **({"buffer_budget": cfg.buffer_budget} if cfg.buffer_budget != BUFFER_BUDGET else {}),
+        **({"exact_steps": cfg.exact_steps} if any(s.exact_geodesic for s in specs) else {}),
+        **({"curvature": cfg.curvature} if cfg.takes_curvature_settings else {}),
+        **(batch_sizes(batches) if not isinstance(ready, ShardedCheck) else {}),
+        **(
+            {"estimated_time_s": estimate.seconds, "one_pass_s": estimate.pass_s}
+            if estimate is not None
+            else {}
+        ),
+        **(
+            ready.settings()
+            if isinstance(ready, ShardedCheck)
+            else _model_settings(ready.model, ready.space)
+        ),
+    }
 
 
 def _check_model(model: Any) -> None:
