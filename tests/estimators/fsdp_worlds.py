@@ -10,7 +10,8 @@ whether their shards came back bit-identical. It prints one JSON line.
 ``bert-twin`` is the BERT with a random element of its symmetry group applied (the same
 function, other weights): its geodesic values must equal the BERT's. ``bert-default`` is the
 BERT sharded with FSDP's default placement (dimension 0): every head's Q/K/V rows lie whole on
-one rank and the others pad them with zero rows (SPEC §10.6).
+one rank and the others pad them with zero rows (SPEC §10.6). ``gs.curvature`` is measured on
+some cases too (:data:`CURVATURE_CASES`), each call's shards compared with the ones before.
 
     python tests/estimators/fsdp_worlds.py 1,2,4          # gloo on CPU (the test)
     python tests/estimators/fsdp_worlds.py 1,2 cuda       # nccl, one GPU per rank
@@ -93,6 +94,23 @@ EXACT_CASES = {
     "bert-default/float64/0.05": ("geodesic-mix-exact",),
     "llama-gqa/float64/0.05": tuple(EXACT),
     "llama-gqa-lora/float64/0.05": ("geodesic-mix-exact",),
+}
+#: label → ``gs.curvature`` of the sharded model (issue 42): its Hessian-vector products by
+#: double backward through FSDP, on the first batch, with few products (what is tested is that
+#: they are the unsharded ones, not the spectrum's accuracy)
+CURVATURE = {
+    "adaptive": {"measure": "adaptive"},
+    "euclidean": {"measure": "euclidean"},
+    "geodesic-inv": {"measure": "geodesic", "metric": "inv"},
+    "geodesic-mix": {"measure": "geodesic", "metric": "mix"},
+}
+CURVATURE_KW = {"quantities": ("lambda_max", "lambda_min", "trace"), "iters": 4, "probes": 2}
+#: case key → the curvature measures it is measured with (bert-default: padded heads; the LoRA
+#: Llama: LoRA GL(r) blocks)
+CURVATURE_CASES = {
+    "bert/float64/0.05": tuple(CURVATURE),
+    "bert-default/float64/0.05": ("geodesic-inv",),
+    "llama-gqa-lora/float64/0.05": ("geodesic-inv",),
 }
 #: measured unsharded only: the float32 value on the same weights as the bfloat16 case
 REFERENCE_ONLY = [("bert", "float32", 0.5)]
@@ -235,6 +253,36 @@ def measure_random(
     return out
 
 
+def measure_curvature(
+    model: torch.nn.Module, data: list, labels: tuple, shards: list | None = None
+) -> dict:
+    """Per curvature measure of ``labels``: its values, Ritz values, gradient norm, clean loss.
+
+    ``shards``: the rank's shards of the model's parameters before the calls (sharded): whether
+    they are bit-identical after each call is recorded.
+    """
+    out = {}
+    for m in labels:
+        res = gs.curvature(model, ce, data[:1], progress=False, **CURVATURE_KW, **CURVATURE[m])
+        out[m] = {
+            "values": res.values,
+            "eigenvalues": res.eigenvalues,
+            "grad_norms": res.grad_norms,
+            "clean": res.clean_losses,
+            "lanczos_iters": res.lanczos_iters,
+            "n_hvp": res.n_hvp,
+            "n_params": res.settings["n_params"],
+            "sharded": res.settings["sharded"],
+            "shards_identical": None
+            if shards is None
+            else all(
+                torch.equal(a, p._local_tensor)
+                for a, p in zip(shards, model.parameters(), strict=True)
+            ),
+        }
+    return out
+
+
 def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> None:
     try:
         torch.set_num_threads(1)
@@ -270,6 +318,7 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
             random = measure_random(model, mine, rho, RANDOM_CASES.get(k, ()))
             exact = measure_random(model, mine, rho, EXACT_CASES.get(k, ()), EXACT)
             options = measure_random(model, mine, rho, OPTION_CASES.get(k, ()), OPTIONS)
+            curvature = measure_curvature(model, mine, CURVATURE_CASES.get(k, ()), before)
             same = all(
                 torch.equal(a, p._local_tensor)
                 for a, p in zip(before, model.parameters(), strict=True)
@@ -279,6 +328,7 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
                 "random": random,
                 "exact": exact,
                 "options": options,
+                "curvature": curvature,
                 "shards_identical": same,
             }
             del model
@@ -323,7 +373,7 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
     def on(data: list) -> list:
         return [({"input_ids": x["input_ids"].to(dev)}, y.to(dev)) for x, y in data]
 
-    ref, random, exact, options = {}, {}, {}, {}
+    ref, random, exact, options, curvature = {}, {}, {}, {}, {}
     for name, dt, rho in CASES + REFERENCE_ONLY:
         model, k = build(name, getattr(torch, dt)).to(dev), key(name, dt, rho)
         ref[k] = measure_all(model, on(batches()), rho)
@@ -334,11 +384,14 @@ def main(worlds: list[int], device: str = "cpu") -> dict:
         random[k] = measure_random(cpu, batches(), rho, RANDOM_CASES.get(k, ()))
         exact[k] = measure_random(model, on(batches()), rho, EXACT_CASES.get(k, ()), EXACT)
         options[k] = measure_random(model, on(batches()), rho, OPTION_CASES.get(k, ()), OPTIONS)
+        # the trace probes and the Lanczos start: the CPU stream, as for the random measures
+        curvature[k] = measure_curvature(cpu, batches(), CURVATURE_CASES.get(k, ()))
     result = {
         "reference": ref,
         "random": random,
         "exact": exact,
         "options": options,
+        "curvature": curvature,
         "worlds": {},
         "device": device,
     }

@@ -3,9 +3,11 @@
 ``gs.sharpness`` and ``gs.measure`` measure it with every sharpness measure: element-wise and
 geodesic at order 1, 2 or exact, worst case (from ``ξ = 0`` or random starts) and average case
 (``test_fsdp.py``, ``tests/measure/test_fsdp_cli.py``; here on an ``nn.Sequential`` without
-symmetry blocks, where geodesic is adaptive sharpness); ``gs.measure``'s curvature measures and
-``gs.curvature`` say that they do not yet, instead of failing inside the perturbation. The
-check runs in a child process: it needs a process group (gloo, one rank) and ``fully_shard``.
+symmetry blocks, where geodesic is adaptive sharpness), and ``gs.curvature`` measures its
+spectrum (``test_fsdp.py``: within 1e-10 of one process); ``gs.measure``'s curvature measures,
+the diagnostics and relative flatness say that they do not yet, instead of failing inside the
+perturbation. The check runs in a child process: it needs a process group (gloo, one rank) and
+``fully_shard``.
 """
 
 import subprocess
@@ -49,7 +51,12 @@ SCRIPT = textwrap.dedent(
             "restarts": lambda: gs.sharpness(
                 model, ce, batches, measure="adaptive", restarts=2, random_init=True, steps=1
             ),
-            "curvature": lambda: gs.curvature(model, ce, batches, measure="adaptive", iters=2),
+            "curvature": lambda: gs.curvature(
+                model, ce, batches, measure="adaptive", iters=2, probes=2
+            ),
+            "curvature-exact-trace": lambda: gs.curvature(
+                model, ce, batches, measure="adaptive", trace_method="exact"
+            ),
             "curvature-diagnostics": lambda: diag.ascent_diagnostics(model, ce, batches, steps=1),
             "curvature-balance": lambda: diag.balance(model),
             "curvature-relative-flatness": lambda: gs.relative_flatness(model, ce, batches),
@@ -65,7 +72,7 @@ SCRIPT = textwrap.dedent(
             try:
                 call()
                 print(name, "MEASURED")
-            except (NotImplementedError, MeasureError) as err:
+            except (NotImplementedError, MeasureError, ValueError) as err:
                 print(name, "REFUSED", str(err).replace(chr(10), " "))
     finally:
         dist.destroy_process_group()
@@ -94,7 +101,8 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["geodesic-exact", "MEASURED"],
         ["average", "MEASURED"],  # each rank draws its part of the unsharded noise
         ["restarts", "MEASURED"],
-        ["curvature", "REFUSED"],
+        ["curvature", "MEASURED"],  # the Hessian's products through FSDP (issue 42)
+        ["curvature-exact-trace", "REFUSED"],  # one product per coordinate: not sharded
         ["curvature-diagnostics", "REFUSED"],
         ["curvature-balance", "REFUSED"],
         ["curvature-relative-flatness", "REFUSED"],
@@ -104,15 +112,14 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["measure-average", "MEASURED"],
         ["measure-curvature", "REFUSED"],
     ]
-    curvature = lines[5]
-    assert "sharded DTensors ('0.weight' and 3 more" in curvature
-    assert "gs.curvature does not measure sharded models yet" in curvature
-    assert "docs/cluster.md" in curvature
+    assert "trace_method='exact'" in lines[6] and "'hutchinson' or 'hutch++'" in lines[6]
     diag = "geosharp.estimators.diagnostics"
     entries = (f"{diag}.ascent_diagnostics", f"{diag}.balance", "gs.relative_flatness")
-    for ln, entry in zip(lines[6:9], entries, strict=True):
+    for ln, entry in zip(lines[7:10], entries, strict=True):
         assert f"{entry} does not measure sharded models yet" in ln
-    m_curvature = lines[13]
+    assert "sharded DTensors ('0.weight' and 3 more" in lines[9]
+    assert "and gs.curvature (docs/cluster.md)" in lines[9]
+    m_curvature = lines[14]
     assert "the curvature measures (gs.curvature)" in m_curvature
     assert "a sharded model is measured with every sharpness measure" in m_curvature
     assert "geodesic inv|mix at order 1, 2 or exact" in m_curvature

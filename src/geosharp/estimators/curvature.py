@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -72,6 +73,7 @@ from torch import nn
 from geosharp.estimators.distributed import batch_seed
 from geosharp.estimators.harness import (
     LossFn,
+    PerturbationSettings,
     batch_progress,
     check_float,
     check_int,
@@ -87,8 +89,10 @@ from geosharp.estimators.hessian import (
 )
 from geosharp.estimators.materialized import check_materialized
 from geosharp.estimators.perturbation import BLOCK_METRICS, MEASURES, Perturbation
-from geosharp.estimators.pieces import _flat_dtype
-from geosharp.estimators.sharded.check import check_unsharded
+from geosharp.estimators.pieces import PerturbationOptions, _flat_dtype
+from geosharp.estimators.sharded.check import is_sharded
+from geosharp.estimators.sharded.hessian import RankFlat, ShardedHessian
+from geosharp.estimators.sharded.run import ShardedRun, prepare_curvature
 from geosharp.symmetry import ParameterSpace, find_symmetries
 from geosharp.symmetry.verify import eval_mode
 
@@ -227,6 +231,21 @@ class CurvatureSettings:
         object.__setattr__(self, "eps", eps)
 
     @property
+    def perturbation(self) -> PerturbationSettings:
+        """The settings of the order-2 perturbation a sharded model's call is built from."""
+        return PerturbationSettings(
+            measure=self.measure,
+            metric=self.metric,
+            order=2,
+            perturb="all",
+            eps=self.eps,
+            corrected_norm=True,
+            exact_steps=PerturbationOptions.exact_steps,
+            key_bias=self.key_bias,
+            low_memory=False,
+        )
+
+    @property
     def wants_eigenvalues(self) -> bool:
         """Whether ``lambda_max`` or ``lambda_min`` is asked for (Lanczos runs)."""
         return "lambda_max" in self.quantities or "lambda_min" in self.quantities
@@ -297,6 +316,16 @@ def curvature(
     model runs in eval mode through :func:`torch.func.functional_call`; its parameters are never
     written to. Data are moved to the device of the model's parameters.
 
+    A model sharded by FSDP2 (every layer and the root under ``fully_shard``, one 1-D mesh)
+    is measured on every rank, each with its own rows of every batch, as
+    :func:`geosharp.sharpness` measures it: every measure and quantity here, with the trace by
+    ``"hutchinson"`` or ``"hutch++"`` (``"exact"`` is refused). The products are double
+    backwards through FSDP's own forward with every layer kept gathered for the call (the
+    gathered model must fit one device), the perturbation's on the rank's shards
+    (:mod:`geosharp.estimators.sharded.hessian`); every rank gets the values one process gets
+    on the whole batches (the same probes and Lanczos start, to rounding), and the shards are
+    bit-identical afterwards. ``space`` must then be ``None``.
+
     Args:
         model: Any ``nn.Module``; every parameter with ``requires_grad=True`` is included.
         loss_fn: ``loss_fn(model(inputs), targets)`` → scalar tensor.
@@ -334,7 +363,8 @@ def curvature(
 
     Raises:
         ValueError: On an unknown measure, metric, quantity or trace method, bad counts, no
-            batches, or a non-finite clean loss.
+            batches, or a non-finite clean loss; on a sharded model, with ``space`` or
+            ``trace_method="exact"``, or as :func:`geosharp.sharpness` refuses one.
         TypeError: If ``model`` is not an ``nn.Module`` or ``loss_fn`` does not return a
             scalar tensor.
     """
@@ -354,21 +384,40 @@ def curvature(
     )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    check_unsharded(model, "gs.curvature")
     check_materialized(model, "gs.curvature")
+    run: ShardedRun | None = None
+    if is_sharded(model):  # every rank measures every batch, on its own rows of it
+        if cfg.trace_method == "exact":
+            raise ValueError(
+                "trace_method='exact' takes one product per coordinate of the whole model: "
+                "on a sharded model use 'hutchinson' or 'hutch++'"
+            )
+        run = prepare_curvature(model, cfg.perturbation, space=space)
 
     space_given = space is not None
-    space = space if space_given else find_symmetries(model, key_bias=cfg.key_bias)
+    if run is not None:
+        space = run.setup.space
+    elif not space_given:
+        space = find_symmetries(model, key_bias=cfg.key_bias)
     if space.numel() == 0:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     # The base point is the model's own parameters by name (no flat copy of θ, each on its
     # device); flat vectors have the dtype a concatenation of them would have.
-    named = dict(model.named_parameters())
-    base = {n: named[n].detach() for n in space.param_names}
+    if run is None:
+        named = dict(model.named_parameters())
+        base = {n: named[n].detach() for n in space.param_names}
+    else:  # the rank's shards (and the zero rows padding its blocks' heads)
+        base = run.setup.base
     device = base[space.param_names[0]].device
     dtype = _flat_dtype(base.values())
-    pert = Perturbation(space, base, measure=cfg.measure, metric=cfg.metric, order=2, eps=cfg.eps)
-    flat = Flat(pert.zeros(), dtype)
+    if run is None:
+        pert = Perturbation(
+            space, base, measure=cfg.measure, metric=cfg.metric, order=2, eps=cfg.eps
+        )
+        flat = Flat(pert.zeros(), dtype)
+    else:
+        pert = run.pert
+        flat = RankFlat(pert.zeros(), dtype, pert.reduce)
     quantities = cfg.quantities
     counter = {"forward": 0, "backward": 0, "hvp": 0}
     per_batch: dict[str, list[float]] = {q: [] for q in quantities}
@@ -378,11 +427,17 @@ def curvature(
     grad_norms: list[float] = []
     clean: list[float] = []
     indexed = batch_progress(enumerate(batches), progress, cfg.name)
-    with eval_mode(model):
+    make = None if run is None else run.objective
+    sharded = contextlib.nullcontext() if run is None else run.restored()
+    gathered = contextlib.nullcontext() if run is None else run.kept_gathered()
+    with eval_mode(model), sharded, gathered:
         for f, gen in objectives(
-            model, loss_fn, pert, indexed, seed=cfg.seed, device=device, counter=counter
+            model, loss_fn, pert, indexed, seed=cfg.seed, device=device, counter=counter, make=make
         ):
-            op = HessianOperator(f, pert, flat, counter)
+            if run is None:
+                op = HessianOperator(f, pert, flat, counter)
+            else:
+                op = ShardedHessian(f, pert, flat, counter)
             if not math.isfinite(op.loss):
                 raise ValueError(
                     f"the clean loss of batch {f.batch} is {op.loss}: curvature is undefined; "
@@ -422,7 +477,10 @@ def curvature(
         **cfg.recorded(space, space_given),
         "dtype": str(dtype),
         "device": str(device),
+        "sharded": None if run is None else run.describe(),
     }
+    if run is not None:  # the whole model's, not the rank's shard
+        settings["n_params"] = run.shards.numel
     return CurvatureResult(
         values=values,
         per_batch=per_batch,

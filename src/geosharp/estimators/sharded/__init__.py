@@ -2,7 +2,9 @@ r"""Sharpness of a model sharded by FSDP2 (SPEC §10): everything that measures 
 
 ``gs.sharpness`` on a sharded model makes one call here, :func:`~geosharp.estimators.sharded.
 run.prepare`, which returns a complete :class:`~geosharp.estimators.sharded.run.ShardedRun`
-(see :mod:`~geosharp.estimators.sharded.params` for how a loss is taken on the rank's shards).
+(see :mod:`~geosharp.estimators.sharded.params` for how a loss is taken on the rank's shards);
+``gs.curvature`` makes one too, :func:`~geosharp.estimators.sharded.run.prepare_curvature`, and
+takes its Hessian-vector products through FSDP (:mod:`~geosharp.estimators.sharded.hessian`).
 
 ============================  ===================================================================
 module                        what it holds
@@ -15,6 +17,7 @@ module                        what it holds
 :mod:`.objective`             the objective of one batch on the rank's shards
 :mod:`.gather`                the blocks' order-2 ``θ′`` made where FSDP gathers each layer
 :mod:`.placement`             ``gs.shard_placement``: FSDP2 placements that keep block rows whole
+:mod:`.hessian`               ``gs.curvature``'s Hessian-vector products on the rank's shards
 :mod:`.fsdp2`                 the FSDP2 boundary: every read of torch's private FSDP internals
 ============================  ===================================================================
 

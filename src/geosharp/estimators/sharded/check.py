@@ -43,13 +43,14 @@ def is_sharded(model: nn.Module) -> bool:
 def check_unsharded(model: nn.Module, entry: str) -> None:
     """Refuse, in one line, a sharded model at an entry point that does not measure one yet.
 
-    ``gs.sharpness`` measures a model sharded by FSDP2 with the element-wise measures (this
-    module), and ``gs.measure`` through it (:mod:`geosharp.measuring.sharded`);
-    ``gs.curvature`` does not yet, and says so before any work.
+    ``gs.sharpness`` measures a model sharded by FSDP2 with every sharpness measure (this
+    package), ``gs.measure`` through it (:mod:`geosharp.measuring.sharded`), and
+    ``gs.curvature`` its spectrum (:mod:`~geosharp.estimators.sharded.hessian`); the other
+    entry points do not yet, and say so before any work.
 
     Args:
         model: The model.
-        entry: The entry point named in the message (``"gs.curvature"``).
+        entry: The entry point named in the message (``"gs.relative_flatness"``).
 
     Raises:
         NotImplementedError: If a trainable parameter is a ``DTensor``.
@@ -63,5 +64,5 @@ def check_unsharded(model: nn.Module, entry: str) -> None:
         raise NotImplementedError(
             f"the model's parameters are sharded DTensors ({names[0]!r}{more}, e.g. from FSDP2's "
             f"fully_shard): {entry} does not measure sharded models yet; gs.sharpness and "
-            "gs.measure do, with every sharpness measure (docs/cluster.md)"
+            "gs.measure do, with every sharpness measure, and gs.curvature (docs/cluster.md)"
         )

@@ -25,6 +25,7 @@ from torch import Tensor
 __all__ = [
     "all_gather_comm",
     "endpoint_all_gather",
+    "kept_gathered",
     "local_shape_and_offset",
     "local_shard",
     "param_groups",
@@ -67,6 +68,40 @@ def unsupported_param(fsdp_param: Any) -> bool:
     """Whether a parameter's all-gather input is not its shard: offloaded, or an extension."""
     extension = hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
     return bool(fsdp_param.offload_to_cpu or extension)
+
+
+@contextlib.contextmanager
+def kept_gathered(modules: Sequence[Any]) -> Iterator[None]:
+    """Within: FSDP keeps every module's parameters gathered after its forward and backward.
+
+    For Hessian-vector products (:mod:`~geosharp.estimators.sharded.hessian`): the graph of a
+    gradient taken with ``create_graph=True`` holds the gathered parameters, which FSDP would
+    free after the forward (and after each backward). Set with FSDP's public
+    ``set_reshard_after_forward`` and ``set_reshard_after_backward``; on exit every module's
+    own settings are put back as they were (read from its state: FSDP has no getter) and its
+    parameters resharded.
+    """
+    saved = []
+    for m in modules:
+        state = m._get_fsdp_state()
+        groups = [
+            (g, g.post_forward_mesh_info, g.reshard_after_backward)
+            for g in state._fsdp_param_groups
+        ]
+        saved.append((m, state, state._auto_reshard_after_forward, groups))
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+        yield
+    finally:
+        for _module, state, auto, groups in saved:
+            state._auto_reshard_after_forward = auto
+            for g, after_forward, after_backward in groups:
+                g.post_forward_mesh_info = after_forward
+                g.reshard_after_backward = after_backward
+        for m in modules:
+            m.reshard()
 
 
 # -- an all-gather that writes θ′ into its input first --------------------------------------------

@@ -65,6 +65,14 @@ class ShardedObjective(Objective):
         args, kwargs = model_arguments(self.inputs)
         return self.counted_loss(self.model(*args, **kwargs))
 
+    def rank_loss(self) -> Tensor:
+        """The loss of the rank's rows at what the shards hold: one forward of the model itself.
+
+        With its graph when grad is enabled (``gs.curvature`` differentiates it twice,
+        :mod:`~geosharp.estimators.sharded.hessian`); a 0-dim tensor, this rank's alone.
+        """
+        return self._loss()
+
     def __call__(self, xi: Xi, need_grad: Any, check: bool = True) -> tuple[float, Xi | None]:
         """``(f_S(ξ), ∇_ξ f_S(ξ) or None)`` on the rank's shards (see :class:`Objective`)."""
         loss_at = self._in_place if self.shards.in_place is True else self._written

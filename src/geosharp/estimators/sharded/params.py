@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from geosharp.estimators.sharded.check import dtensor_type, fsdp_modules
-from geosharp.estimators.sharded.fsdp2 import local_shard
+from geosharp.estimators.sharded.fsdp2 import local_shape_and_offset, local_shard
 from geosharp.symmetry import ParameterSpace
 
 #: ``source(targets)``: the base point of the parameters holding block coordinates, by name,
@@ -379,6 +379,58 @@ class ShardedParams:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_whole(self, shards: Mapping[int, Tensor]) -> dict[int, Tensor]:
+        """Whole parameters from every rank's shard of them: ``{position: the rank's shard}``.
+
+        For the Hessian-vector products of ``gs.curvature``, made on the parameters that FSDP
+        holds gathered (:mod:`~geosharp.estimators.sharded.hessian`). One all-reduce for them
+        all: each rank writes its shard where FSDP's placement puts it in a zero tensor of the
+        parameter's shape, and the sum over the ranks is exact (every position is one rank's
+        value plus zeros). Every rank passes the same positions.
+        """
+        fulls = {}
+        for j, t in shards.items():
+            p = self.params[j]
+            full = torch.zeros(p.shape, dtype=t.dtype, device=t.device)
+            self._slice(j, full).copy_(t.view(self._slice(j, full).shape))
+            fulls[j] = full
+        return self._all_reduce(fulls, mean=False)
+
+    def mean_shard(self, wholes: Mapping[int, Tensor]) -> dict[int, Tensor]:
+        """The rank's shard of the mean over the ranks of every rank's whole parameters.
+
+        ``wholes``: ``{position: this rank's tensor of the parameter's shape}`` (the same
+        positions on every rank). One all-reduce for them all, then the rank's slice of each
+        (where FSDP's placement puts the rank's shard): what FSDP's reduce-scatter of a
+        gradient makes.
+        """
+        summed = self._all_reduce({j: t.detach() for j, t in wholes.items()}, mean=True)
+        return {j: self._slice(j, t).contiguous() for j, t in summed.items()}
+
+    def _slice(self, j: int, whole: Tensor) -> Tensor:
+        """The rank's shard of parameter ``j`` in a tensor ``whole`` of its shape (a view)."""
+        p = self.params[j]
+        if not p.dim():
+            return whole
+        shape, offset = local_shape_and_offset(p)
+        dim = p.placements[0].dim
+        return whole.narrow(dim, int(offset[dim]), int(shape[dim]))
+
+    def _all_reduce(self, tensors: Mapping[int, Tensor], mean: bool) -> dict[int, Tensor]:
+        """The sum (``mean``: the mean) over the ranks of every tensor, in one all-reduce."""
+        import torch.distributed as dist
+
+        if not tensors:
+            return {}
+        items = list(tensors.items())
+        flat = torch.cat([t.reshape(-1) for _, t in items])
+        if self.world > 1:
+            dist.all_reduce(flat, group=self.group)
+            if mean:
+                flat /= self.world
+        parts = flat.split([t.numel() for _, t in items])
+        return {j: c.view(t.shape).to(t.dtype) for (j, t), c in zip(items, parts, strict=True)}
+
     def mean_loss(self, loss: Tensor) -> float:
         """The mean over ranks of the ranks' losses."""
         return float(self.sum(loss.reshape(1)) / self.world)
@@ -442,7 +494,9 @@ class _RankSum(torch.autograd.Function):
 
     Every rank's output is the sum of every rank's input, so the gradient of a rank's input
     is the sum over the ranks of the gradients of their outputs (one all-reduce each way; the
-    exact geodesic's integrator differentiates through it).
+    exact geodesic's integrator differentiates through it). Under ``create_graph`` the
+    backward's sum is itself recorded, so that second derivatives (``gs.curvature``'s
+    Hessian-vector products through the endpoint) see it.
     """
 
     @staticmethod
@@ -458,6 +512,8 @@ class _RankSum(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         import torch.distributed as dist
 
+        if torch.is_grad_enabled() and grad.requires_grad:  # create_graph: the sum, recorded
+            return _RankSum.apply(grad.contiguous(), ctx.group), None
         out = grad.detach().contiguous().clone()
         dist.all_reduce(out, group=ctx.group)
         return out, None

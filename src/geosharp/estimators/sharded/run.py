@@ -22,13 +22,14 @@ from torch import Tensor, nn
 
 from geosharp.estimators.harness import LossFn, PassBar, PerturbationSettings, Setup
 from geosharp.estimators.perturbation import Perturbation, RankSums
+from geosharp.estimators.sharded import fsdp2
 from geosharp.estimators.sharded.draws import ShardedDraws
 from geosharp.estimators.sharded.gather import GatheredEndpoint
 from geosharp.estimators.sharded.objective import ShardedObjective
 from geosharp.estimators.sharded.params import ShardedParams, in_place_ok
 from geosharp.symmetry import ParameterSpace
 
-__all__ = ["ShardedRun", "prepare"]
+__all__ = ["ShardedRun", "prepare", "prepare_curvature"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,46 @@ class ShardedRun:
             self.shards.zero_grad()
             self.shards.release()
 
+    @contextlib.contextmanager
+    def kept_gathered(self) -> Iterator[None]:
+        """Within: FSDP keeps every layer gathered after its forward and backward (curvature).
+
+        :func:`~geosharp.estimators.sharded.fsdp2.kept_gathered`: the Hessian-vector products
+        differentiate twice through the gathered parameters; on exit FSDP's own settings are
+        back and every layer is resharded.
+        """
+        with fsdp2.kept_gathered(self.shards.modules):
+            yield
+
     def describe(self) -> dict[str, Any]:
         """What a result records of the sharding (:meth:`ShardedParams.describe`)."""
         return self.shards.describe(gathered=self.gather is not None)
+
+
+def prepare_curvature(
+    model: nn.Module, settings: PerturbationSettings, *, space: ParameterSpace | None = None
+) -> ShardedRun:
+    """The :class:`ShardedRun` of one rank's call of ``gs.curvature`` on a sharded model.
+
+    Curvature is taken at ``ξ = 0``, where ``θ′`` is what the shards hold: nothing is written
+    to them. Their base point is the shards themselves (no copy), checked bit for bit when the
+    call ends (:meth:`ShardedRun.restored`); the perturbation is the order-2 one of
+    ``settings`` on the rank's space (its blocks on the rank's rows), with the ranks' sums and
+    draws, as :func:`prepare` makes it; no endpoint is made where FSDP gathers.
+
+    Raises:
+        ValueError: On ``space``; as :class:`ShardedParams`.
+    """
+    if space is not None:
+        raise ValueError("space: a sharded model's space is its ranks' shards; pass None")
+    key_bias = settings.key_bias if settings.blocks_needed else None
+    shards = ShardedParams(model, in_place=True, key_bias=key_bias)
+    rank_space = shards.rank_space
+    base = {**shards.base, **shards.padding}
+    draws = ShardedDraws(model, shards, key_bias)
+    ranks = RankSums(row_sum=shards.row_sum, reduce=shards.sum, draws=draws)
+    pert = settings.perturbation(rank_space, base, ranks)
+    return ShardedRun(shards, Setup(rank_space, base, pert, False), None)
 
 
 def prepare(
