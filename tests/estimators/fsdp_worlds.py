@@ -283,6 +283,25 @@ def measure_curvature(
     return out
 
 
+def fsdp_settings(model: torch.nn.Module) -> list:
+    """Every FSDP module's resharding settings (FSDP's state: it has no getter for them).
+
+    ``gs.curvature`` keeps every layer gathered for its call and must put them back.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = [
+                (g.post_forward_mesh_info is not None, g.reshard_after_backward)
+                for g in state._fsdp_param_groups
+            ]
+            out.append((state._auto_reshard_after_forward, groups))
+    return out
+
+
 def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> None:
     try:
         torch.set_num_threads(1)
@@ -313,12 +332,15 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
                 )
                 for x, y in batches()
             ]
-            values = measure_all(model, mine, rho)
             k = key(name, dt, rho)
+            # curvature first: every sharpness measure of the case then runs after it
+            fsdp_before = fsdp_settings(model)
+            curvature = measure_curvature(model, mine, CURVATURE_CASES.get(k, ()), before)
+            fsdp_kept = fsdp_settings(model) == fsdp_before
+            values = measure_all(model, mine, rho)
             random = measure_random(model, mine, rho, RANDOM_CASES.get(k, ()))
             exact = measure_random(model, mine, rho, EXACT_CASES.get(k, ()), EXACT)
             options = measure_random(model, mine, rho, OPTION_CASES.get(k, ()), OPTIONS)
-            curvature = measure_curvature(model, mine, CURVATURE_CASES.get(k, ()), before)
             same = all(
                 torch.equal(a, p._local_tensor)
                 for a, p in zip(before, model.parameters(), strict=True)
@@ -329,6 +351,7 @@ def rank_main(rank: int, world: int, store: str, queue, device: str = "cpu") -> 
                 "exact": exact,
                 "options": options,
                 "curvature": curvature,
+                "fsdp_settings_kept": fsdp_kept,
                 "shards_identical": same,
             }
             del model

@@ -26,7 +26,8 @@ reductions (SPEC §10.2). Asserted:
 - ``gs.curvature`` (λ_max, λ_min, Hutchinson trace; adaptive, Euclidean, geodesic inv and mix)
   of the float64 BERT, and geodesic inv of the padded BERT and the LoRA Llama: the values, Ritz
   values, gradient norms and clean losses within 1e-10 (relative) of the unsharded ones, the
-  shards bit-identical after each call (issue 42);
+  shards bit-identical after each call and FSDP's resharding settings its own again (the
+  case's sharpness measures run after it, issue 42);
 - every rank gets the same numbers, and its shards are bit-identical after the calls;
 - invariance on the sharded model: the BERT with a random group element applied has the
   BERT's geodesic values (float64, 1e-9), while its adaptive value moves.
@@ -288,6 +289,8 @@ def test_sharded_curvature_equals_the_unsharded_one(worlds, world):
         where = (world, key, m)
         assert w["sharded"] is None and w["shards_identical"] is None
         assert g["shards_identical"], where  # after this very call
+        rank_out = [o for o in worlds["worlds"][world].values()]
+        assert all(o[key]["fsdp_settings_kept"] for o in rank_out), where  # FSDP's own again
         assert g["sharded"]["world"] == int(world), where
         assert g["n_params"] == w["n_params"], where  # the whole model's
         assert g["n_hvp"] == w["n_hvp"] and g["lanczos_iters"] == w["lanczos_iters"], where
