@@ -53,15 +53,16 @@ def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tens
 _FROZEN_CHUNK = 1 << 20
 
 
-def _frozen_of(t: Tensor) -> Tensor | None:
+def _frozen_of(t: Tensor, scratch: dict | None = None) -> Tensor | None:
     """Where ``t`` is frozen (``w = 0`` or ``1/w²`` not finite).
 
     ``None`` if nowhere; else the flat positions when at most one coordinate in 16 is frozen
     (an embedding's padding row), or a boolean mask. Read in chunks of :data:`_FROZEN_CHUNK`
     coordinates: no temporary the size of ``t`` (a word-embedding table's ``1/w²`` was half of
-    a MiniLM's parameters).
+    a MiniLM's parameters). Each chunk's ``|w|`` is written in one buffer per dtype and device,
+    kept in ``scratch`` for the next tensor (a fresh one per chunk could be fresh pages each time).
     """
-    flat = t.reshape(-1)
+    flat = t.detach().reshape(-1)  # read only (an ``out=`` takes no tensor that needs grad)
     numel = flat.numel()
     found: list[Tensor] = []
     n = 0
@@ -69,10 +70,16 @@ def _frozen_of(t: Tensor) -> Tensor | None:
     # a chunk whose smallest |w| is twice the smallest with a finite 1/w² has nothing frozen
     # (NaN compares false): two passes over it instead of six
     clear = 2.0 * torch.finfo(t.dtype).max ** -0.5 if t.is_floating_point() else None
+    scratch = {} if scratch is None else scratch
+    key = (t.dtype, t.device)
+    if clear is not None and min(numel, _FROZEN_CHUNK) > scratch.get(key, flat[:0]).numel():
+        scratch[key] = torch.empty(min(numel, _FROZEN_CHUNK), dtype=t.dtype, device=t.device)
     for start in range(0, numel, _FROZEN_CHUNK):
         c = flat[start : start + _FROZEN_CHUNK]
-        if clear is not None and c.numel() and bool(c.abs().amin() > clear):
-            continue
+        if clear is not None and c.numel():
+            mag = torch.abs(c, out=scratch[key][: c.numel()])
+            if bool(mag.amin() > clear):
+                continue
         frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
         if mask is not None:
             mask[start : start + c.numel()] = frozen
@@ -131,7 +138,8 @@ class ElementwiseGeometry(Geometry):
         # radius ρ|w| < 1e-19 there; e.g. float32 LayerNorm weights ~5e-33 in MiniLM). Only the
         # components that have such coordinates keep where they are: their flat positions when
         # few (an embedding's padding row), else a boolean mask; nothing parameter-sized.
-        self._frozen: list[Tensor | None] = [_frozen_of(t) for t in parts]
+        scratch: dict = {}  # one |w| buffer for every component
+        self._frozen: list[Tensor | None] = [_frozen_of(t, scratch) for t in parts]
         self.has_frozen = any(f is not None for f in self._frozen)
 
     def with_rows(self, rows: Mapping[int, Tensor]) -> ElementwiseGeometry:
