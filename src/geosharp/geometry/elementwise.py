@@ -60,7 +60,8 @@ def _frozen_of(t: Tensor, scratch: dict | None = None) -> Tensor | None:
     (an embedding's padding row), or a boolean mask. Read in chunks of :data:`_FROZEN_CHUNK`
     coordinates: no temporary the size of ``t`` (a word-embedding table's ``1/w²`` was half of
     a MiniLM's parameters). Each chunk's ``|w|`` is written in one buffer per dtype and device,
-    kept in ``scratch`` for the next tensor (a fresh one per chunk could be fresh pages each time).
+    kept in ``scratch`` for the next tensor (a fresh one per chunk could be fresh pages each time);
+    the chunks' smallest ``|w|`` are read back at once.
     """
     flat = t.detach().reshape(-1)  # read only (an ``out=`` takes no tensor that needs grad)
     numel = flat.numel()
@@ -74,12 +75,16 @@ def _frozen_of(t: Tensor, scratch: dict | None = None) -> Tensor | None:
     key = (t.dtype, t.device)
     if clear is not None and min(numel, _FROZEN_CHUNK) > scratch.get(key, flat[:0]).numel():
         scratch[key] = torch.empty(min(numel, _FROZEN_CHUNK), dtype=t.dtype, device=t.device)
-    for start in range(0, numel, _FROZEN_CHUNK):
+    starts: Sequence[int] = range(0, numel, _FROZEN_CHUNK)
+    if clear is not None and numel:
+        # every chunk's smallest |w|, read back once (not a device sync per chunk)
+        least = torch.empty(len(starts), dtype=t.dtype, device=t.device)
+        for i, start in enumerate(starts):
+            c = flat[start : start + _FROZEN_CHUNK]
+            least[i] = torch.abs(c, out=scratch[key][: c.numel()]).amin()
+        starts = [starts[i] for i in torch.nonzero(~(least > clear)).reshape(-1).tolist()]
+    for start in starts:
         c = flat[start : start + _FROZEN_CHUNK]
-        if clear is not None and c.numel():
-            mag = torch.abs(c, out=scratch[key][: c.numel()])
-            if bool(mag.amin() > clear):
-                continue
         frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
         if mask is not None:
             mask[start : start + c.numel()] = frozen

@@ -377,7 +377,8 @@ def _claimed_once(blocks: Sequence[SymmetryBlock], res: _Resolver) -> bool:
             return False
         for off in dict.fromkeys(touched):
             users.setdefault(off, []).append(fields)
-    scratch = torch.empty(max((shapes[o].numel() for o in users), default=0), dtype=torch.uint8)
+    most = max((shapes[o].numel() for o in users), default=0)
+    scratch = torch.empty(most, dtype=torch.uint8, device="cpu")  # host bookkeeping, by name
     for off, claims in users.items():
         table = scratch[: shapes[off].numel()].zero_().view(shapes[off])
 
