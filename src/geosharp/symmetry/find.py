@@ -385,7 +385,12 @@ def _claimed_once(blocks: Sequence[SymmetryBlock], res: _Resolver) -> bool:
         def one(offset: int, off: int = off, table: Tensor = table) -> Tensor | None:
             return table if int(offset) == off else meta(offset)  # this parameter's, for real
 
-        views = [v for fields in claims for v in recipe_views(fields, one) or () if not v.is_meta]
+        views = []
+        for fields in claims:
+            found = recipe_views(fields, one)
+            if found is None:  # pragma: no cover - the same recipes had views above
+                return False
+            views.extend(v for v in found if not v.is_meta)
         if len(views) > 255:  # a count could wrap past 255
             return False
         for v in views:
