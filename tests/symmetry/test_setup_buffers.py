@@ -74,7 +74,7 @@ def _grams_one_copy_per_chunk(G, H, dtype):
     out = []
     for X in (G, H):
         flat = X.reshape(-1, *X.shape[-2:])
-        M = torch.empty((flat.shape[0], X.shape[-1], X.shape[-1]), dtype=dtype)
+        M = torch.empty((flat.shape[0], X.shape[-1], X.shape[-1]), dtype=dtype, device=X.device)
         per = max(1, gl_factors.GRAM_CHUNK // max(1, X.shape[-2] * X.shape[-1]))
         for i in range(0, flat.shape[0], per):
             chunk = flat[i : i + per].to(dtype)
@@ -121,3 +121,30 @@ def test_frozen_of_one_buffer_matches_a_fresh_one(monkeypatch):
     assert got[2].dtype == torch.bool and got[2].sum() == 20
     geom = ElementwiseGeometry(parts)
     assert geom.has_frozen and [f is None for f in geom._frozen] == [False, False, False, True]
+
+
+def _buffers_on(device: torch.device, monkeypatch) -> None:
+    """The Gram buffer and ``_frozen_of``'s made on ``device``, the results as fresh tensors'."""
+    monkeypatch.setattr(gl_factors, "GRAM_CHUNK", 200)
+    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", 16)
+    g = torch.Generator().manual_seed(0)
+    G = torch.randn(3, 5, 17, 4, generator=g).to(device)
+    H = torch.randn(3, 5, 9, 4, generator=g).to(device)
+    got = gl_factors.gram_matrices(G, H, torch.float64)
+    want = _grams_one_copy_per_chunk(G, H, torch.float64)
+    for t, w in zip(got, want, strict=True):
+        assert t.device == device and torch.equal(t, w)
+    w = torch.randn(100, generator=g)
+    w[[3, 50, 97]] = 0.0
+    scratch: dict = {}
+    assert _frozen_of(w.to(device), scratch).tolist() == [3, 50, 97]
+    assert [t.device for t in scratch.values()] == [device]
+
+
+def test_buffers_on_the_tensors_device(monkeypatch):
+    _buffers_on(torch.device("cpu"), monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_buffers_on_a_gpu(monkeypatch):
+    _buffers_on(torch.device("cuda", 0), monkeypatch)
