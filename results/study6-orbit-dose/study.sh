@@ -7,8 +7,10 @@
 # ordinary training script (train.py: each finished model is in OUT/<recipe>/manifest.csv or
 # excluded.csv, so a killed run resumes), then measures them as a user would:
 # `geosharp study OUT/<recipe>/manifest.csv --data OUT/<recipe>/sharpness.npz ...` into
-# OUT/<recipe>/measure (every finished row is in its study.sqlite: rerunning resumes; the
-# models of other shards that are already trained are measured too). One thread throughout.
+# OUT/<recipe>/measure, every model trained so far, of any shard (every finished row is in its
+# study.sqlite and is reused: rerunning resumes; `geosharp study --shard` would take positions
+# of the manifest, which grows as shards finish, so it is not used). Run the shards one after
+# another, not at the same time. One thread throughout.
 # LIMIT_S: stop training new models after this many seconds (default: no limit); measuring
 # always runs to the end of the models trained.
 # SMOKE=1: one-epoch models of the pilot stream (3 per level) into /tmp/study6-smoke, to try
@@ -47,6 +49,6 @@ for r in "${LEVELS[@]}"; do
         --measures adaptive-l2 geodesic-inv-o2 \
         --rho adaptive=0.1,0.316,1 geodesic=0.0316,0.1,0.316 \
         --batch-size 128 --samples 512 --steps 20 --expect negative \
-        --shard "$K/$N" --threads 1 --no-progress --out "$OUT/$r/measure"
+        --threads 1 --no-progress --out "$OUT/$r/measure"
 done
 say "done"
