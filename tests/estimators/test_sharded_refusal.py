@@ -4,10 +4,10 @@
 geodesic at order 1, 2 or exact, worst case (from ``ξ = 0`` or random starts) and average case
 (``test_fsdp.py``, ``tests/measure/test_fsdp_cli.py``; here on an ``nn.Sequential`` without
 symmetry blocks, where geodesic is adaptive sharpness), and ``gs.curvature`` measures its
-spectrum (``test_fsdp.py``: within 1e-10 of one process); ``gs.measure``'s curvature measures,
-the diagnostics and relative flatness say that they do not yet, instead of failing inside the
-perturbation. The check runs in a child process: it needs a process group (gloo, one rank) and
-``fully_shard``.
+spectrum (``test_fsdp.py``: within 1e-10 of one process), and so do ``gs.measure``'s curvature
+measures (``tests/measure/test_fsdp_cli.py``); the exact trace, the diagnostics and relative
+flatness say that they do not, instead of failing inside the perturbation. The check runs in
+a child process: it needs a process group (gloo, one rank) and ``fully_shard``.
 """
 
 import subprocess
@@ -41,6 +41,9 @@ SCRIPT = textwrap.dedent(
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
         batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
         ce = nn.functional.cross_entropy
+
+        def measured(report):  # every row measured, none failed
+            assert all(r.error is None and r.value is not None for r in report.rows), report.rows
         calls = {
             "sharpness": lambda: gs.sharpness(model, ce, batches, measure="adaptive", steps=1),
             "geodesic": lambda: gs.sharpness(model, ce, batches, measure="geodesic", steps=1),
@@ -66,7 +69,12 @@ SCRIPT = textwrap.dedent(
             ),
             "measure-exact": lambda: gs.measure(model, batches, measures=["geodesic-mix-exact"]),
             "measure-average": lambda: gs.measure(model, batches, measures=["adaptive-average"]),
-            "measure-curvature": lambda: gs.measure(model, batches, measures=["curvature-lmax"]),
+            "measure-curvature": lambda: measured(gs.measure(
+                model, batches, measures=["curvature-lmax", "curvature-trace"], iters=2, probes=2
+            )),
+            "measure-curvature-exact-trace": lambda: gs.measure(
+                model, batches, measures=["curvature-trace"], trace_method="exact"
+            ),
         }
         for name, call in calls.items():
             try:
@@ -110,7 +118,8 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["measure-geodesic", "MEASURED"],
         ["measure-exact", "MEASURED"],
         ["measure-average", "MEASURED"],
-        ["measure-curvature", "REFUSED"],
+        ["measure-curvature", "MEASURED"],
+        ["measure-curvature-exact-trace", "REFUSED"],  # before any work, as gs.curvature does
     ]
     assert "trace_method='exact'" in lines[6] and "'hutchinson' or 'hutch++'" in lines[6]
     diag = "geosharp.estimators.diagnostics"
@@ -119,8 +128,9 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         assert f"{entry} does not measure sharded models yet" in ln
     assert "sharded DTensors ('0.weight' and 3 more" in lines[9]
     assert "and gs.curvature (docs/cluster.md)" in lines[9]
-    m_curvature = lines[14]
-    assert "the curvature measures (gs.curvature)" in m_curvature
-    assert "a sharded model is measured with every sharpness measure" in m_curvature
-    assert "geodesic inv|mix at order 1, 2 or exact" in m_curvature
-    assert "docs/cluster.md" in m_curvature
+    m_exact = lines[15]
+    assert "geodesic-inv curvature trace on a sharded (FSDP2) model: the exact trace" in m_exact
+    assert "a sharded model is measured with every sharpness measure" in m_exact
+    assert "geodesic inv|mix at order 1, 2 or exact" in m_exact
+    assert "every curvature measure (lmax, lmin, the trace by hutchinson or hutch++)" in m_exact
+    assert "docs/cluster.md" in m_exact

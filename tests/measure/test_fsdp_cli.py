@@ -14,7 +14,9 @@ command in this process. Asserted:
 - float64, at ρ = 0.3 and 3: every value within 1e-10 (relative), every loss within 1e-12,
   geodesic sharpness (inv and mix, order 2) included: its GL(h) blocks of the attention heads
   on each rank's rows, ``W_q``, ``W_k``, ``W_v`` sharded along dimension 1
-  (``geosharp.shard_placement``, which ``--fsdp`` uses);
+  (``geosharp.shard_placement``, which ``--fsdp`` uses); and two curvature measures (no ρ:
+  geodesic-inv λ_max by Lanczos, the adaptive trace by Hutchinson with its standard error),
+  values within 1e-10 (relative) as well;
 - rank 0 alone prints the table and writes the results, which record the sharding and what was
   skipped; and a bad combination is refused in one line, exit status 2, before anything loads.
 
@@ -46,12 +48,15 @@ MEASURES = ["adaptive-l2", "euclidean-l2", "adaptive-linf"]
 #: Measured in float64 only (the blocks' geometry on each rank's rows, SPEC §10.6; the exact
 #: geodesic's stages, and the average case's noise drawn by every rank as one process draws it).
 GEODESIC = ["geodesic-inv-o2", "geodesic-mix-o2", "geodesic-inv-exact", "adaptive-average"]
+#: Measured in float64 only: gs.curvature's sharded Hessian-vector products (4 Lanczos
+#: iterations, 2 Hutchinson probes per batch: the same start and probes as one process).
+CURVATURE = ["curvature-inv-lmax", "curvature-adaptive-trace", "--iters", "4", "--probes", "2"]
 REST = [
     "--rho", "0.3", "3", "--steps", "5", "--batch-size", "4", "--max-length", "16",
     "--no-progress", "--threads", "1",
 ]  # fmt: skip
 COMMON = ["--measures", *MEASURES, *REST]
-ARGS = {"float32": COMMON, "float64": ["--measures", *MEASURES, *GEODESIC, *REST]}
+ARGS = {"float32": COMMON, "float64": ["--measures", *MEASURES, *GEODESIC, *CURVATURE, *REST]}
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +134,17 @@ def test_fsdp_under_torchrun_equals_one_process(bert_and_data, tmp_path, capsys,
         "adaptive average l2",
     }
     assert measured & geodesic == (geodesic if dtype == "float64" else set())
+    curvature = {"geodesic-inv curvature lambda_max", "adaptive curvature trace"}
+    assert measured & curvature == (curvature if dtype == "float64" else set())
     for g, w in zip(got["results"], want["results"], strict=True):
         where = (dtype, g["measure"], g["rho"], g["value"], w["value"])
         assert g["error"] is None and w["error"] is None, where
-        assert g["value"] > 0 or "average" in g["measure"], where  # a mean can fall
+        # a mean can fall; a Hessian's eigenvalue or trace can be negative
+        assert g["value"] > 0 or "average" in g["measure"] or g["rho"] is None, where
         if dtype == "float64":
-            assert _rel(g["value"], w["value"]) <= 1e-10, where
+            assert _rel(g["value"], w["value"]) <= 1e-10, where  # curvature measured: 2.6e-15
+            if g["stderr"] is not None:  # the trace's: the same probes as one process draws
+                assert _rel(g["stderr"], w["stderr"]) <= 1e-10, where
             for part in ("clean_losses", "perturbed_losses"):
                 for a, b in zip(g[part], w[part], strict=True):
                     assert _rel(a, b) <= 1e-12, (*where, part)
@@ -216,7 +226,10 @@ def test_fsdp_without_torchrun_is_refused_before_loading(capsys, monkeypatch):
             ["--measures", "geodesic-mix-o2", "adaptive-blocks", "relative-flatness"],
             "relative_flatness on a sharded (FSDP2) model: relative flatness of a sharded",
         ),
-        (["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
+        (
+            ["--measures", "curvature-inv-lmax", "curvature-mix-trace", "--trace-method", "exact"],
+            "geodesic-mix curvature trace on a sharded (FSDP2) model: the exact trace",
+        ),
         (["--measures", "relative-flatness"], "relative flatness of a sharded model"),
         (["--device", "cuda:1"], "use --device auto, cuda or cpu"),
         (["--batch-size", "5"], "--batch-size 5 is not a multiple of the 2 ranks"),
@@ -238,6 +251,28 @@ def test_a_bad_combination_with_fsdp_is_one_line(capsys, monkeypatch, args, says
     if "--measures" in args:
         assert line.startswith("geosharp: error: --fsdp: ")
         assert "a sharded model is measured with every sharpness measure" in line
+        assert "and every curvature measure (lmax, lmin, the trace by hutchinson" in line
+
+
+def test_the_curvature_measures_shard_but_the_exact_trace():
+    import argparse
+
+    from geosharp.errors import MeasureError
+    from geosharp.measuring.fsdp import check_args
+
+    def args(*measures, trace_method="hutchinson"):
+        return argparse.Namespace(
+            measures=list(measures), device="cpu", batch_size=4, samples=8,
+            trace_method=trace_method,
+        )  # fmt: skip
+
+    every = ["curvature-inv-lmax", "curvature-mix-lmin", "curvature-euclidean-trace"]
+    for method in ("hutchinson", "hutch++"):
+        assert check_args(args(*every, "adaptive-l2", trace_method=method), TORCHRUN_ENV).world == 2
+    # the exact trace is the trace's only: lambda_max takes no trace method
+    assert check_args(args("curvature-adaptive-lmax", trace_method="exact"), TORCHRUN_ENV).rank == 0
+    with pytest.raises(MeasureError, match=r"^--fsdp: euclidean curvature trace on a sharded"):
+        check_args(args(*every, trace_method="exact"), TORCHRUN_ENV)
 
 
 def test_the_layers_sharded_are_the_transformer_blocks():

@@ -153,8 +153,19 @@ class Curvature(Measure):
         of = f"geodesic-{self.metric or 'inv'}" if self.of == "geodesic" else self.of
         return f"curvature {_AXIS.get(self.quantity, self.quantity)} ({of})"
 
-    def shard_refusal(self) -> str | None:  # noqa: D102
-        return "the curvature measures (gs.curvature) of a sharded model are not implemented yet"
+    def shard_refusal(self, trace_method: str = "hutchinson") -> str | None:
+        """``None``: :func:`geosharp.curvature` measures it sharded, but the exact trace.
+
+        ``trace_method``: the run's (``gs.measure``'s ``trace_method``); the exact trace takes
+        one product per coordinate of the whole model, which a sharded model is not measured
+        with (``gs.curvature`` refuses it).
+        """
+        if self.quantity == "trace" and trace_method == "exact":
+            return (
+                "the exact trace (trace_method exact) takes one Hessian-vector product per "
+                "coordinate of the whole model"
+            )
+        return None
 
     def callback_refusal(self) -> str | None:  # noqa: D102
         return (

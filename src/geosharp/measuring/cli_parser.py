@@ -306,8 +306,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "-m geosharp measure ... --fsdp), shard the model with FSDP2's fully_shard (every "
         "transformer layer and the root; nccl on GPUs, gloo on CPUs) and split the rows of "
         "every batch evenly over the ranks; rank 0 prints and writes the results. Every "
-        "sharpness measure; the curvature measures and relative flatness are refused in one "
-        "line (docs/cluster.md)",
+        "sharpness and curvature measure; relative flatness and --trace-method exact are "
+        "refused in one line (docs/cluster.md)",
     )
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
     m.add_argument(

@@ -126,9 +126,11 @@ def measure(
     them set to 0 is measured and a warning says so.
 
     A model sharded by FSDP2 (every trainable parameter a sharded ``DTensor``; call it on every
-    rank with the rank's rows of every batch) is measured with the worst-case measures
-    (adaptive, Euclidean, geodesic and attention-only at order 1 or 2), every rank getting the
-    same report; the other measures are refused in one line before any work, and the proof of
+    rank with the rank's rows of every batch) is measured with every sharpness measure
+    (adaptive, Euclidean, geodesic and attention-only; worst and average case) and every
+    curvature measure, every rank getting the same report; what a measure refuses sharded
+    (relative flatness, the trace with ``trace_method="exact"``) is refused in one line before
+    any work, and the proof of
     the symmetry blocks on data, the self-check and the time estimate are skipped, with the
     reason in ``settings["sharded"]["skipped"]`` (:mod:`geosharp.measuring.sharded`,
     ``docs/cluster.md``).
@@ -213,7 +215,7 @@ def measure(
     )
     specs = cfg.specs
     if sharded:
-        check_plan(specs, space)  # the measures a sharded model supports (measuring.sharded)
+        check_plan(specs, space, cfg.curvature)  # what a sharded model supports (the measures say)
     ready: CheckedModel | ShardedCheck
     if sharded:
         ready = check_sharded(model, batches, loss_fn, specs, say)

@@ -276,7 +276,8 @@ def check_args(
 
     Args:
         args: The parsed ``geosharp measure`` (or ``geosharp study MANIFEST``) arguments, with
-            ``--fsdp``: ``measures``, ``device``, ``batch_size``, ``samples``.
+            ``--fsdp``: ``measures``, ``device``, ``batch_size``, ``samples`` (and
+            ``trace_method``, where the command has it).
         env: The environment (default: ``os.environ``).
         command: The command, as the line refusing a launch outside ``torchrun`` names it.
 
@@ -300,8 +301,9 @@ def check_args(
             "is not set: launch with `torchrun --standalone --nproc-per-node N -m geosharp "
             f"{command} --fsdp ...` (docs/cluster.md)"
         )
+    settings = {"trace_method": getattr(args, "trace_method", "hutchinson")}
     for text in args.measures or DEFAULT_MEASURES:
-        why = refusal(parse_measure(text))
+        why = refusal(parse_measure(text), settings)  # the measure says (its shard_refusal)
         if why is not None:
             raise MeasureError(f"--fsdp: {why}")
     if args.device not in ("auto", "cpu", "cuda"):

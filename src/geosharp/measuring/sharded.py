@@ -1,19 +1,23 @@
-r"""``gs.measure`` of a model sharded by FSDP2: the sharpness measures, shard by shard.
+r"""``gs.measure`` of a model sharded by FSDP2: the sharpness and curvature measures, by shard.
 
 A model whose trainable parameters are ``DTensor``\ s sharded by
-``torch.distributed.fsdp.fully_shard`` is measured by :func:`geosharp.sharpness`'s sharded path
-(:mod:`geosharp.estimators.sharded`): every rank passes its own rows of every batch, and every
-rank gets the same values. Every sharpness measure is measured: the element-wise ones
-(adaptive, Euclidean; ℓ2 or ℓ∞), geodesic sharpness (metric inv or mix, order 1, 2 or exact) and
-the attention-only measures (``-blocks``), whose symmetry blocks are laid out on each rank's
-rows and whose ``h × h`` contractions are summed over the ranks (SPEC §10.6; the rows of a block
-must not be split across ranks: :func:`geosharp.shard_placement`), worst case and average case
-(every rank draws its part of the noise one process would draw). What
+``torch.distributed.fsdp.fully_shard`` is measured by the sharded paths of
+:func:`geosharp.sharpness` and :func:`geosharp.curvature` (:mod:`geosharp.estimators.sharded`):
+every rank passes its own rows of every batch, and every rank gets the same values. Every
+sharpness measure is measured: the element-wise ones (adaptive, Euclidean; ℓ2 or ℓ∞),
+geodesic sharpness (metric inv or mix, order 1, 2 or exact) and the attention-only measures
+(``-blocks``), whose symmetry blocks are laid out on each rank's rows and whose ``h × h``
+contractions are summed over the ranks (SPEC §10.6; the rows of a block must not be split
+across ranks: :func:`geosharp.shard_placement`), worst case and average case (every rank
+draws its part of the noise one process would draw); so is every curvature
+measure (λ_max, λ_min and the trace by Hutchinson or Hutch++ of the geodesic, adaptive and
+Euclidean geometries; the exact trace is refused). Each measure says whether it runs sharded
+(:meth:`~geosharp.measures.Measure.shard_refusal`). What
 :func:`~geosharp.measuring.core.measure` does around the measurements runs here without
 gathering the weights whole:
 
-- **refused before any work** (:func:`check_plan`), one line each: the curvature measures and
-  relative flatness;
+- **refused before any work** (:func:`check_plan`), one line each: what a measure refuses
+  (relative flatness; the curvature trace with ``trace_method="exact"``);
 - **checked, collectively**: every trainable parameter is a sharded ``DTensor`` on one mesh
   (:class:`~geosharp.estimators.sharded.params.ShardedParams`), no weight's ``1/w²`` overflows
   (counted on the shards and summed over the ranks: a sharded model is not copied, so it is
@@ -27,13 +31,14 @@ gathering the weights whole:
   invariance self-check and the time estimate. Each re-runs the model with substituted weights
   (:func:`torch.func.functional_call`), which FSDP's own gathers of the shards would bypass. The
   geodesic and attention-only measures still find their blocks
-  (:func:`~geosharp.symmetry.find_symmetries`, inside :func:`geosharp.sharpness`): those are the
-  architecture adapters' structural claims for the model, not re-proven on its data.
+  (:func:`~geosharp.symmetry.find_symmetries`, inside :func:`geosharp.sharpness` and
+  :func:`geosharp.curvature`): those are the architecture adapters' structural claims for the
+  model, not re-proven on its data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +48,7 @@ from torch import nn
 from geosharp.estimators.sharded.params import ShardedParams
 from geosharp.estimators.sharded.space import local_space
 from geosharp.measures import Measure
+from geosharp.measures.base import accepted
 from geosharp.measuring.checks import batch_loss, check_finite_loss, count_unrepresentable
 from geosharp.measuring.errors import MeasureError
 from geosharp.measuring.estimate import _rows, batch_sizes
@@ -61,7 +67,8 @@ __all__ = [
 #: What ``gs.measure`` does not run on a sharded model, and why (recorded in the result).
 SKIPPED = {
     "symmetry_search": "not proven on a sharded model: the geodesic and attention-only measures "
-    "find the symmetry blocks inside gs.sharpness (find_symmetries: the architecture adapters' "
+    "find the symmetry blocks inside gs.sharpness and gs.curvature (find_symmetries: the "
+    "architecture adapters' "
     "structural claims for this model), but proving them on the data "
     "(geosharp.symmetry.prove) re-runs the model with substituted weights "
     "(torch.func.functional_call), which FSDP's gathers of the shards bypass: the blocks used "
@@ -77,16 +84,19 @@ SKIPPED = {
 #: The measures a sharded model is measured with, as ``geosharp measure --measures`` reads them.
 SUPPORTED = (
     "every sharpness measure (adaptive, euclidean, geodesic inv|mix at order 1, 2 or exact, "
-    "the attention-only -blocks measures; worst and average case)"
+    "the attention-only -blocks measures; worst and average case) and every curvature measure "
+    "(lmax, lmin, the trace by hutchinson or hutch++)"
 )
 
 
-def refusal(spec: Measure) -> str | None:
+def refusal(spec: Measure, settings: Mapping[str, Any] | None = None) -> str | None:
     """Why ``spec`` cannot be measured on a sharded model yet, in one line (``None``: it can).
 
-    The measure says (:meth:`~geosharp.measures.Measure.shard_refusal`).
+    The measure says (:meth:`~geosharp.measures.Measure.shard_refusal`), given those of the
+    run's ``settings`` that its ``shard_refusal`` takes as keywords (a curvature measure's
+    ``trace_method``).
     """
-    why = spec.shard_refusal()
+    why = spec.shard_refusal(**accepted(spec.shard_refusal, settings or {}))
     if why is None:
         return None
     return (
@@ -95,14 +105,20 @@ def refusal(spec: Measure) -> str | None:
     )
 
 
-def check_plan(specs: Sequence[Measure], space: ParameterSpace | None) -> None:
+def check_plan(
+    specs: Sequence[Measure],
+    space: ParameterSpace | None,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse, in one line before any work, what ``gs.measure`` cannot measure sharded.
+
+    ``settings``: the run's (e.g. ``MeasureSettings.curvature``), for :func:`refusal`.
 
     Raises:
         MeasureError: For the first measure :func:`refusal` refuses, or a ``space`` given.
     """
     for spec in specs:
-        why = refusal(spec)
+        why = refusal(spec, settings)
         if why is not None:
             raise MeasureError(why)
     if space is not None:
@@ -187,19 +203,27 @@ def check_sharded(
 
     The loss resolved, the rank's rows as a list on the shards' device, then
     :func:`prepare_sharded`, which lays the symmetry blocks out on the ranks' rows first when a
-    geodesic or attention-only measure is among ``specs``. ``geosharp study MANIFEST --fsdp``
-    runs it for every model. Every rank must call it (collective).
+    geodesic (sharpness or curvature) or attention-only measure is among ``specs``.
+    ``geosharp study MANIFEST --fsdp`` runs it for every model. Every rank must call it
+    (collective).
     """
     from geosharp.measuring.losses import resolve_loss
     from geosharp.measuring.prepare import _prepare_batches
 
     loss_fn, loss_name = resolve_loss(loss_fn)
     batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
-    blocks = any(
-        m.kwargs().get("measure") == "geodesic" or m.kwargs().get("perturb") == "blocks"
-        for m in specs
-    )
+    blocks = any(_uses_blocks(m) for m in specs)
     return prepare_sharded(model, batches, loss_fn, loss_name, say, blocks=blocks)
+
+
+def _uses_blocks(spec: Measure) -> bool:
+    """Whether ``spec`` uses the symmetry blocks, as its keyword arguments say.
+
+    Geodesic sharpness or curvature (``measure`` or, for curvature, ``of`` is ``"geodesic"``)
+    and the attention-only measures (``perturb="blocks"``).
+    """
+    kw = spec.kwargs()
+    return "geodesic" in (kw.get("measure"), kw.get("of")) or kw.get("perturb") == "blocks"
 
 
 def prepare_sharded(
