@@ -9,7 +9,8 @@ every model's layer and root under ``fully_shard``, ``W_q``, ``W_k``, ``W_v`` al
 - the ρ rule (``--rho auto``) chooses the unsharded pilot (models at chance set aside) and, walked
   on the sharded pilot, picks the unsharded grids;
 - every value of ``results.csv`` (adaptive-l2, geodesic-inv-o2, geodesic-mix-o2 at the 3 radii
-  of each grid) within 1e-10 (relative) of the unsharded study's;
+  of each grid, and ``--curvature``'s 8 rows: λ_max by 3 Lanczos iterations and the trace by
+  2 Hutchinson probes of 4 geometries) within 1e-10 (relative) of the unsharded study's;
 - rank 0 alone writes and prints; the report says the models were sharded and what was skipped;
 - a killed run (rows deleted from ``study.sqlite``) resumed with the same command measures only
   the missing rows, and ``results.csv`` is then what the whole run wrote, bit for bit;
@@ -41,7 +42,12 @@ ARGS = [
     "--measures", "adaptive-l2", "geodesic-inv-o2", "geodesic-mix-o2", "--rho", "auto",
     "--steps", "3", "--batch-size", "4", "--samples", "8", "--max-length", "16",
     "--dtype", "float64", "--device", "cpu", "--no-progress", "--threads", "1",
+    "--curvature", "--iters", "3", "--probes", "2",
 ]  # fmt: skip
+#: Rows per model: 3 sharpness measures at 3 radii, and --curvature's 8 (lambda_max and the
+#: trace of geodesic inv and mix, adaptive and Euclidean curvature; no radius).
+PER_MODEL = 3 * 3 + 8
+ROWS_ALL = 3 * PER_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +102,13 @@ def test_the_sharded_study_equals_the_unsharded_one_and_resumes(population, tmp_
     assert record["rho_rule"]["grids"] == want["rho_rule"]["grids"]
     assert len(record["rho_rule"]["grids"]) == 3
     got, ref = _values(tmp_path / "sharded"), _values(tmp_path / "whole")
-    assert got.keys() == ref.keys() and len(got) == 3 * 3 * 3
+    assert got.keys() == ref.keys() and len(got) == ROWS_ALL
+    assert sum("curvature" in m for _, m, _ in got) == 3 * 8
     worst = max(abs(float(got[k]) - float(ref[k])) / abs(float(ref[k])) for k in got)
     assert worst <= 1e-10, worst  # measured: 2.5e-14
 
     # rank 0 alone printed and wrote; the report says how the models were measured
-    assert sharded.stdout.count("measured 27, reused 0 rows") == 1
+    assert sharded.stdout.count(f"measured {ROWS_ALL}, reused 0 rows") == 1
     # bert-b (the median gap) and bert-a are at chance (clean loss 0.74 and 1.72, ln 2 = 0.69):
     # set aside on every rank as in one process, the pilot is bert-c
     assert sharded.stderr.count("radii: the ρ rule on the pilot models/bert-c") == 1
@@ -124,12 +131,25 @@ def test_the_sharded_study_equals_the_unsharded_one_and_resumes(population, tmp_
             "(SELECT MAX(rho) FROM measurements WHERE model_id = 'models/bert-c')"
         ).rowcount
     db.close()
-    assert 9 < lost < 27
+    assert PER_MODEL < lost < ROWS_ALL
     again = _torchrun(population, tmp_path / "sharded")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count(f"measured {lost}, reused {27 - lost} rows") == 1, again.stdout
+    assert again.stdout.count(f"measured {lost}, reused {ROWS_ALL - lost} rows") == 1, again.stdout
     assert "the ρ rule's grids of" in again.stderr  # rank 0's record, not walked again
     assert _values(tmp_path / "sharded") == got
+
+
+def test_a_sharded_study_takes_the_curvature_measures_and_curvature():
+    from geosharp.studies.population_cli import parser
+    from geosharp.studies.population_fsdp import check_study_args
+
+    args = parser().parse_args([
+        "m.csv", "--data", "d.csv", "--fsdp", "--curvature", "--iters", "4", "--probes", "2",
+        "--measures", "adaptive-l2", "curvature-inv-lmax", "curvature-mix-trace",
+        "--batch-size", "4", "--samples", "8", "--device", "cpu",
+    ])  # fmt: skip
+    run = check_study_args(args, TORCHRUN_ENV)  # --curvature's plan: no measure refuses
+    assert (run.rank, run.world) == (0, 2)
 
 
 TORCHRUN_ENV = {
@@ -167,8 +187,6 @@ def test_fsdp_study_without_torchrun_is_refused(capsys, tmp_path, monkeypatch):
     ("command", "args", "says"),
     [
         ("study", ["--measures", "relative-flatness"], "relative flatness of a sharded model"),
-        ("study", ["--curvature"], "--fsdp with --curvature: the curvature measures"),
-        ("study", ["--measures", "curvature-inv-lmax"], "the curvature measures (gs.curvature)"),
         ("study", ["--device", "cuda:1"], "use --device auto, cuda or cpu"),
         ("study", ["--batch-size", "5"], "--batch-size 5 is not a multiple of the 2 ranks"),
         ("symmetry-test", [], "symmetry-test re-parametrizes every model by a random group"),

@@ -46,9 +46,9 @@ sharded models (--fsdp, one process per rank under torchrun; docs/cluster.md):
       --fsdp --measures adaptive-l2 geodesic-inv-o2 --batch-size 64 --out runs/big
   every rank loads each model, shards it with FSDP2 as geosharp measure --fsdp does and
   measures its rows of every batch; rank 0 alone writes OUT (a killed run resumes with the
-  same command, with or without --fsdp: the configuration is the same). Refused in one line
-  before any work: what geosharp measure --fsdp refuses (the curvature measures,
-  relative flatness, ...), --curvature, --twin-check and symmetry-test.
+  same command, with or without --fsdp: the configuration is the same); --curvature too.
+  Refused in one line before any work: what geosharp measure --fsdp refuses (relative
+  flatness, ...), --twin-check and symmetry-test.
 """
 
 
@@ -132,8 +132,8 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
         help="under torchrun (torchrun --standalone --nproc-per-node N -m geosharp study "
         "MANIFEST ... --fsdp): shard every model with FSDP2's fully_shard as geosharp measure "
         "--fsdp does (nccl on GPUs, gloo on CPUs), split the rows of every batch evenly over "
-        "the ranks; rank 0 alone writes OUT. Every sharpness measure; the curvature measures "
-        "(and --curvature) and relative flatness are refused in one line (docs/cluster.md)",
+        "the ranks; rank 0 alone writes OUT. Every sharpness and curvature measure (and "
+        "--curvature); relative flatness is refused in one line (docs/cluster.md)",
     )
     if command == "study":
         p.add_argument(

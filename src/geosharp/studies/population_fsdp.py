@@ -6,8 +6,10 @@ r"""``geosharp study MANIFEST --fsdp``: a population study of models sharded by 
 
 Every rank runs the same command. :func:`check_study_args` refuses, in one line and before
 the manifest is read, what a sharded study cannot run (the refusals of ``geosharp measure
---fsdp``, :func:`geosharp.measuring.fsdp.check_args`, and ``--curvature``, ``--twin-check``,
-``symmetry-test``).
+--fsdp``, :func:`geosharp.measuring.fsdp.check_args`, and ``--twin-check``,
+``symmetry-test``). ``--curvature`` adds the curvature plan's rows (λ_max and the Hutchinson
+trace of four geometries), which each rank measures as ``gs.measure`` does a sharded model's
+curvature measures (:func:`geosharp.curvature` on its rows).
 Then :class:`ShardedPopulation` is the :class:`~geosharp.studies.population.PopulationStudy`
 of the manifest whose models are loaded, sharded and checked as ``geosharp measure --fsdp``
 does (:meth:`geosharp.measuring.fsdp.FsdpRun.load`,
@@ -59,11 +61,11 @@ def check_study_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         The rank's :class:`~geosharp.measuring.fsdp.FsdpRun` (the process group not started).
 
     Raises:
-        MeasureError: ``symmetry-test``, ``--curvature`` or ``--twin-check`` with ``--fsdp``,
-            or what
-            :func:`~geosharp.measuring.fsdp.check_args` refuses (not under ``torchrun``, a
-            measure a sharded model cannot be measured with, ``--device cuda:N``, rows the
-            ranks cannot split evenly).
+        MeasureError: ``symmetry-test`` or ``--twin-check`` with ``--fsdp``, a measure of the
+            ``--curvature`` plan that refuses a sharded model (none does: its trace is
+            Hutchinson's), or what :func:`~geosharp.measuring.fsdp.check_args` refuses (not
+            under ``torchrun``, a measure a sharded model cannot be measured with,
+            ``--device cuda:N``, rows the ranks cannot split evenly).
     """
     if getattr(args, "command", "study") == "symmetry-test":
         raise MeasureError(
@@ -77,11 +79,20 @@ def check_study_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
             "sharded by FSDP2 cannot be; run the twin check without --fsdp (docs/cluster.md)"
         )
     if args.curvature:
-        raise MeasureError(
-            "--fsdp with --curvature: the curvature measures (gs.curvature) of a sharded model "
-            "are not implemented yet; leave --curvature out (docs/cluster.md)"
-        )
+        from geosharp.measuring.sharded import refusal
+
+        for spec in _curvature_specs(args.iters, args.probes, args.seed):
+            why = refusal(spec.measure, spec.kwargs)  # the measure says (its shard_refusal)
+            if why is not None:
+                raise MeasureError(f"--fsdp with --curvature: {why}")
     return check_args(args, env, command=COMMAND)
+
+
+def _curvature_specs(iters: int, probes: int, seed: int) -> list[Any]:
+    """The rows ``--curvature`` adds (:meth:`PopulationStudy.plan`'s curvature plan)."""
+    from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
+
+    return curvature_specs(CurvaturePlan(iters=iters, probes=probes, seed=seed))
 
 
 def _quiet(_msg: str) -> None:
@@ -121,7 +132,13 @@ class ShardedPopulation(PopulationStudy):
         self.say(f"{row.model_id}: loading {row.model}")
         source = ModelSource(row.model, weights=row.weights, base=row.base)
         ready, model, batches, loss = self.run.load(source, self.options, self.say, self.warn)
-        checked = check_sharded(model, batches, loss, self.measures, self.say)
+        measures = list(self.measures)
+        if self.cfg.curvature:  # its geodesic rows use the blocks too
+            specs = _curvature_specs(
+                self.cfg.curvature_iters, self.cfg.curvature_probes, self.cfg.seed
+            )
+            measures += [s.measure for s in specs]
+        checked = check_sharded(model, batches, loss, measures, self.say)
         self._models[row.model_id] = {
             "model": ready.loaded.name,
             "kind": ready.loaded.kind,
