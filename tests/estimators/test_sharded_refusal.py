@@ -72,6 +72,9 @@ SCRIPT = textwrap.dedent(
             "measure-curvature": lambda: measured(gs.measure(
                 model, batches, measures=["curvature-lmax", "curvature-trace"], iters=2, probes=2
             )),
+            "measure-curvature-lmax-exact": lambda: measured(gs.measure(
+                model, batches, measures=["curvature-lmax"], iters=2, trace_method="exact"
+            )),  # the trace method is the trace's: lambda_max is measured
             "measure-curvature-exact-trace": lambda: gs.measure(
                 model, batches, measures=["curvature-trace"], trace_method="exact"
             ),
@@ -119,6 +122,7 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["measure-exact", "MEASURED"],
         ["measure-average", "MEASURED"],
         ["measure-curvature", "MEASURED"],
+        ["measure-curvature-lmax-exact", "MEASURED"],
         ["measure-curvature-exact-trace", "REFUSED"],  # before any work, as gs.curvature does
     ]
     assert "trace_method='exact'" in lines[6] and "'hutchinson' or 'hutch++'" in lines[6]
@@ -128,7 +132,7 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         assert f"{entry} does not measure sharded models yet" in ln
     assert "sharded DTensors ('0.weight' and 3 more" in lines[9]
     assert "and gs.curvature (docs/cluster.md)" in lines[9]
-    m_exact = lines[15]
+    m_exact = lines[16]
     assert "geodesic-inv curvature trace on a sharded (FSDP2) model: the exact trace" in m_exact
     assert "a sharded model is measured with every sharpness measure" in m_exact
     assert "geodesic inv|mix at order 1, 2 or exact" in m_exact

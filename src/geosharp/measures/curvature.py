@@ -191,7 +191,11 @@ class Curvature(Measure):
         rho: float | None = None,
         **settings: Any,
     ) -> Any:
-        """:func:`geosharp.curvature` of this measure's quantity (``rho`` must be ``None``)."""
+        """:func:`geosharp.curvature` of this measure's quantity (``rho`` must be ``None``).
+
+        ``trace_method`` is passed for the trace only (on a sharded model ``gs.curvature``
+        refuses ``"exact"`` whatever the quantities).
+        """
         if rho is not None:
             raise MeasureError(f"{self.name} takes no radius rho, got {rho}")
         identity = {
@@ -199,7 +203,10 @@ class Curvature(Measure):
             "metric": self.metric or "inv",
             "quantities": (self.quantity,),
         }
-        return curvature(model, loss_fn, batches, **{**accepted(curvature, settings), **identity})
+        taken = accepted(curvature, settings)
+        if self.quantity != "trace":  # the trace's method: gs.curvature refuses "exact" sharded
+            taken.pop("trace_method", None)
+        return curvature(model, loss_fn, batches, **{**taken, **identity})
 
     def row_fields(self, result: Any, rho: float | None) -> dict[str, Any]:
         """The row of this quantity of a ``CurvatureResult`` (no radius)."""
