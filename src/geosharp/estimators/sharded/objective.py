@@ -31,10 +31,18 @@ __all__ = ["ShardedObjective"]
 class ShardedObjective(Objective):
     """``f_S(ξ)`` of a sharded model: the rank's rows of ``S``, the rank's shard of ``ξ``.
 
+    The arguments but ``run`` are :class:`~geosharp.estimators.harness.Objective`'s
+    (``inputs``, ``targets``: the rank's rows of the batch).
+
     Args:
-        model, loss_fn, pert, inputs, targets, batch, counter, bar: As
-            :class:`~geosharp.estimators.harness.Objective` (``inputs``, ``targets``: the rank's
-            rows of the batch).
+        model: The sharded model.
+        loss_fn: The loss of predictions and targets.
+        pert: The call's perturbation.
+        inputs: The rank's rows of the batch's inputs.
+        targets: The rank's rows of the batch's targets.
+        batch: The batch's index.
+        counter: The call's count of forward and backward passes, or None.
+        bar: The progress bar, or None.
         run: The call's :class:`~geosharp.estimators.sharded.run.ShardedRun` (its shards, and
             the blocks' endpoint made where FSDP gathers, if it serves).
     """
