@@ -60,6 +60,10 @@ SCRIPT = textwrap.dedent(
             "curvature-exact-trace": lambda: gs.curvature(
                 model, ce, batches, measure="adaptive", trace_method="exact"
             ),
+            "curvature-lmax-exact": lambda: gs.curvature(
+                model, ce, batches, measure="adaptive", quantities=("lambda_max",), iters=2,
+                trace_method="exact",
+            ),  # no trace asked for: the trace method does not matter
             "curvature-diagnostics": lambda: diag.ascent_diagnostics(model, ce, batches, steps=1),
             "curvature-balance": lambda: diag.balance(model),
             "curvature-relative-flatness": lambda: gs.relative_flatness(model, ce, batches),
@@ -114,6 +118,7 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
         ["restarts", "MEASURED"],
         ["curvature", "MEASURED"],  # the Hessian's products through FSDP (issue 42)
         ["curvature-exact-trace", "REFUSED"],  # one product per coordinate: not sharded
+        ["curvature-lmax-exact", "MEASURED"],
         ["curvature-diagnostics", "REFUSED"],
         ["curvature-balance", "REFUSED"],
         ["curvature-relative-flatness", "REFUSED"],
@@ -128,11 +133,11 @@ def test_an_fsdp2_sharded_model_is_measured_or_refused_in_one_line():
     assert "trace_method='exact'" in lines[6] and "'hutchinson' or 'hutch++'" in lines[6]
     diag = "geosharp.estimators.diagnostics"
     entries = (f"{diag}.ascent_diagnostics", f"{diag}.balance", "gs.relative_flatness")
-    for ln, entry in zip(lines[7:10], entries, strict=True):
+    for ln, entry in zip(lines[8:11], entries, strict=True):
         assert f"{entry} does not measure sharded models yet" in ln
-    assert "sharded DTensors ('0.weight' and 3 more" in lines[9]
-    assert "and gs.curvature (docs/cluster.md)" in lines[9]
-    m_exact = lines[16]
+    assert "sharded DTensors ('0.weight' and 3 more" in lines[10]
+    assert "and gs.curvature (docs/cluster.md)" in lines[10]
+    m_exact = lines[17]
     assert "geodesic-inv curvature trace on a sharded (FSDP2) model: the exact trace" in m_exact
     assert "a sharded model is measured with every sharpness measure" in m_exact
     assert "geodesic inv|mix at order 1, 2 or exact" in m_exact

@@ -387,7 +387,7 @@ def curvature(
     check_materialized(model, "gs.curvature")
     run: ShardedRun | None = None
     if is_sharded(model):  # every rank measures every batch, on its own rows of it
-        if cfg.trace_method == "exact":
+        if cfg.trace_method == "exact" and "trace" in cfg.quantities:
             raise ValueError(
                 "trace_method='exact' takes one product per coordinate of the whole model: "
                 "on a sharded model use 'hutchinson' or 'hutch++'"
