@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from geosharp.estimators.perturbation import Perturbation, Xi
+from geosharp.geometry.flat import axpy, clone, lists
 
 #: Momentum of Auto-PGD (SPEC §6, step 5).
 MOMENTUM = 0.75
@@ -148,32 +149,27 @@ def _l2_step(
         The new iterate and ``r``.
     """
     alpha, beta, gamma = coef
+    # one op per piece over its flat buffers (or its components), not one per tensor
     if xi is not None:
-        t = [
-            tuple(
-                torch.add(x, v, alpha=beta / alpha, out=v if reuse else None)
-                for x, v in zip(tx, tv, strict=True)
-            )
-            for tx, tv in zip(xi, d, strict=True)
-        ]
+        t = [axpy(tx, tv, beta / alpha, reuse) for tx, tv in zip(xi, d, strict=True)]
         s = alpha
     elif beta != 0.0:
-        t = d if reuse else [tuple(v.clone() for v in tv) for tv in d]
+        t = d if reuse else [clone(tv) for tv in d]
         s = beta
     elif prev is not None:
-        t, s, prev = [tuple(v.clone() for v in tv) for tv in prev], gamma, None
+        t, s, prev = [clone(tv) for tv in prev], gamma, None
     else:
         return None, 1.0
     if prev is not None:
         for tt, tp in zip(t, prev, strict=True):
-            for u, v in zip(tt, tp, strict=True):
-                u.add_(v, alpha=gamma / s)
+            if tt:
+                torch._foreach_add_(*lists(tt, tp), alpha=gamma / s)
     n = math.sqrt(max(nsq, 0.0))
     r = rho / n if n > rho else 1.0
     if s * r != 1.0:
         for tt in t:
-            for u in tt:
-                u.mul_(s * r)
+            if tt:
+                torch._foreach_mul_(lists(tt)[0], s * r)
     return t, r
 
 

@@ -450,15 +450,16 @@ class Perturbation:
                     f"the perturbation of {self.pieces[k].name} has dtype {t.dtype} and shape "
                     f"{tuple(t.shape)}, its point {w.dtype}, {tuple(w.shape)}"
                 )
+        ts, ws = [t for t, _ in pairs], [w for _, w in pairs]
         with torch.no_grad():
-            for t, w in pairs:
-                t.add_(w)
+            if ts:  # one multi-tensor op: one dispatch, not one per component
+                torch._foreach_add_(ts, ws)
         try:
             yield xi
         finally:
             with torch.no_grad():
-                for t, w in pairs:
-                    t.sub_(w)
+                if ts:
+                    torch._foreach_sub_(ts, ws)
 
     # -- the ℓ∞ box (SPEC §2) -----------------------------------------------------------------
     def sign_direction(self, egrad: Xi) -> Xi:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from geosharp.estimators.pieces import Piece, Xi
 from geosharp.geometry.base import euclidean_pairing
+from geosharp.geometry.flat import flatten
 
 __all__ = ["ascent_sums", "scalar_sum"]
 
@@ -51,6 +52,10 @@ def ascent_sums(
         g = p.norm_geometry
         exact = g.orthogonal_projection
         xs = [(j, x[k]) for j, x in enumerate(pairs) if x is not None]
+        if inplace and p.geometry is g and g.orthogonal_projection:
+            # one buffer (one copy of the gradient): every pass below, and the ascent's
+            # combinations of d with the iterates made from it, are one launch each
+            e = flatten(e)
         if exact:  # before an in-place direction overwrites e
             for j, x in xs:
                 add(1 + j, euclidean_pairing(e, x))

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry._validate import check_order, check_steps
+from geosharp.geometry.flat import flat_of
 
 Tangent = tuple[Tensor, ...]
 Point = tuple[Tensor, ...]
@@ -309,8 +310,14 @@ def euclidean_pairing(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
 
     The Euclidean pairing of a gradient with a tangent: with a metric-orthogonal projection it
     is the metric inner product of the Riemannian gradient with any horizontal vector
-    (:meth:`Geometry.ascent_direction`). One dot product per component, in its dtype.
+    (:meth:`Geometry.ascent_direction`). One dot product per component, in its dtype, or one
+    over the flat buffers when both tangents' components lie in one each
+    (:func:`~geosharp.geometry.flat.flat_of`).
     """
+    fa, fb = flat_of(a), flat_of(b)
+    if fa is not None and fb is not None and len(a) == len(b) and fa.numel() == fb.numel():
+        # components in one flat buffer each (:mod:`geosharp.geometry.flat`): one dot
+        return torch.dot(fa, fb.to(fa.dtype)).to(torch.float64)
     total = None
     for x, y in zip(a, b, strict=True):
         v = torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(torch.float64)

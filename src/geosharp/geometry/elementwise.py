@@ -41,6 +41,7 @@ from torch import Tensor
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.draws import draw_like
+from geosharp.geometry.flat import flat_of
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
@@ -255,20 +256,29 @@ class ElementwiseGeometry(Geometry):
     def ascent_direction_(self, egrad: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """:meth:`ascent_direction` written into ``egrad``: ``d = e ⊙ w²`` and ``Σ (e w)²``.
 
-        Per component one temporary ``t = e ⊙ w`` (frozen coordinates zeroed): ``⟨d, d⟩ = t·t``
-        and ``d = t ⊙ w`` (three passes, as ``e ⊙ w²`` and a norm of ``d`` took four).
+        ``e ← e ⊙ w`` (frozen coordinates zeroed), ``⟨d, d⟩ = e·e``, then ``e ← e ⊙ w``: two
+        element-wise passes and a norm, each one multi-tensor op over the components (the
+        values of ``t = e ⊙ w; d = t ⊙ w``). The norm is one dot product over the components'
+        flat buffer where they lie in one (:func:`~geosharp.geometry.flat.flat_of`), else one
+        per component, summed.
         """
-        total = None
-        out = []
-        for k, e in enumerate(egrad):
-            w = self.point[k]
-            t = self._zero_frozen_(e * w, k)
-            v = torch.dot(t.reshape(-1), t.reshape(-1))
-            total = v if total is None else total + v.to(total.device)  # scalars meet
-            out.append(torch.mul(t, w, out=e))
-            del t
+        e = list(egrad)
+        w = list(self.point)
+        torch._foreach_mul_(e, w)
+        for k, f in enumerate(self._frozen):
+            if f is not None:
+                self._zero_frozen_(e[k], k)
+        flat = flat_of(e)
+        if flat is not None:
+            total = torch.dot(flat, flat)
+        else:
+            total = None
+            for t in e:
+                v = torch.dot(t.reshape(-1), t.reshape(-1))
+                total = v if total is None else total + v.to(total.device)  # scalars meet
+        torch._foreach_mul_(e, w)
         assert total is not None
-        return tuple(out), total.to(torch.float64)
+        return tuple(e), total.to(torch.float64)
 
     def ascent_direction(self, egrad: Tangent) -> tuple[Tangent, Tensor]:
         """``d = e ⊙ w²`` (zero on frozen coordinates) and ``⟨d, d⟩ = Σ e² w²``."""

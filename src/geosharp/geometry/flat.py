@@ -1,0 +1,102 @@
+"""Tangent components as slices of one flat buffer: one launch per operation (issue 43).
+
+A tangent of a piece with many components (the rest piece of a model: one tensor per
+parameter) costs one kernel launch per component and per operation when it is handled tensor
+by tensor. Where its components are consecutive slices of one 1-D buffer (:func:`flatten`),
+an element-wise operation or a dot product runs once over the buffer (:func:`flat_of`); where
+they are not, ``torch._foreach_*`` ops take the component lists (:func:`lists`), one dispatch
+each. Element-wise results are bit for bit those of the per-tensor loops; a dot product over
+the buffer sums in another order than the per-component dots it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["axpy", "clone", "flat_of", "flatten", "lists", "views"]
+
+
+def flat_of(ts: Sequence[Tensor]) -> Tensor | None:
+    """The 1-D tensor whose consecutive slices ``ts`` are, in order, or ``None``.
+
+    One component: its flat view when contiguous. Several: when they share one storage,
+    dtype and device, each contiguous and starting where the previous ends (checked from the
+    tensors' metadata, no kernel).
+    """
+    if not ts:
+        return None
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0.view(-1) if t0.is_contiguous() else None
+    ptr = t0.untyped_storage().data_ptr()
+    start = n = t0.storage_offset()
+    for t in ts:
+        if (
+            t.dtype != t0.dtype
+            or t.device != t0.device
+            or t.storage_offset() != n
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != ptr
+        ):
+            return None
+        n += t.numel()
+    return t0.as_strided((n - start,), (1,), start)
+
+
+def flatten(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``ts`` copied into one fresh flat buffer (one ``cat``), as views of it in their shapes.
+
+    Returned as they are when already flat (:func:`flat_of`), when there is one component,
+    or when the components' dtypes or devices differ (a model split across devices).
+    """
+    ts = tuple(ts)
+    if len(ts) < 2 or flat_of(ts) is not None:
+        return ts
+    t0 = ts[0]
+    if any(t.dtype != t0.dtype or t.device != t0.device for t in ts):
+        return ts
+    return views(torch.cat([t.reshape(-1) for t in ts]), ts)
+
+
+def lists(*tangents: Sequence[Tensor]) -> list[list[Tensor]]:
+    """The operands of one ``torch._foreach_*`` op over several tangents of one piece.
+
+    ``[[flat] for each]`` when every tangent is flat with the same number of elements (one
+    tensor each: the op runs once over the buffers), else their component lists.
+    """
+    flats = [flat_of(t) for t in tangents]
+    if all(f is not None for f in flats) and len({f.numel() for f in flats}) == 1:  # type: ignore[union-attr]
+        return [[f] for f in flats]  # type: ignore[list-item]
+    return [list(t) for t in tangents]
+
+
+def views(flat: Tensor, like: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``flat`` cut into consecutive views shaped like the components ``like``."""
+    parts = flat.split([t.numel() for t in like]) if len(like) > 1 else (flat,)
+    return tuple(v.view(t.shape) for v, t in zip(parts, like, strict=True))
+
+
+def clone(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """A copy of the components: one copy of their flat buffer where they lie in one."""
+    f = flat_of(ts)
+    if f is not None and len(ts) > 1:
+        return views(f.clone(), ts)
+    return tuple(t.clone() for t in ts)
+
+
+def axpy(x: Sequence[Tensor], v: Sequence[Tensor], c: float, reuse: bool) -> tuple[Tensor, ...]:
+    """``x + c·v`` per component (the values of ``torch.add(x, v, alpha=c)``).
+
+    Written into ``v`` when ``reuse``; one op over the flat buffers where both lie in one,
+    else one multi-tensor op (one per component when writing into ``v``).
+    """
+    fx, fv = flat_of(x), flat_of(v)
+    if fx is not None and fv is not None and len(x) == len(v) and fx.numel() == fv.numel():
+        out = torch.add(fx, fv, alpha=c, out=fv if reuse else None)
+        return tuple(v) if reuse else views(out, x)
+    if reuse:
+        return tuple(torch.add(a, b, alpha=c, out=b) for a, b in zip(x, v, strict=True))
+    return tuple(torch._foreach_add(list(x), list(v), alpha=c))
