@@ -123,8 +123,10 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
     next forward and backward, die with its frame.
     """
     for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
-        for t, x, p in zip(tz, tx, tp, strict=True):
-            t.mul_(a).add_(x, alpha=2.0 * b).add_(p, alpha=-b)
+        if tz:  # multi-tensor ops: one dispatch each, not one per component
+            torch._foreach_mul_(list(tz), a)
+            torch._foreach_add_(list(tz), list(tx), alpha=2.0 * b)
+            torch._foreach_add_(list(tz), list(tp), alpha=-b)
 
 
 def _l2_step(

@@ -191,10 +191,24 @@ def read_parts(
     its view.
     """
     buf = torch.empty(shape, dtype=dtype, device=device) if out is None else out
+    dests, srcs = [], []
     for t, part in factor.split(buf):
         src = part.view(tensors[part.param])
-        t.view(src.shape).copy_(src)
+        dests.append(t.view(src.shape))
+        srcs.append(src)
+    _copy_all(dests, srcs)
     return buf
+
+
+def _copy_all(dests: list[Tensor], srcs: list[Tensor]) -> None:
+    """``d.copy_(s)`` for every pair: one multi-tensor copy when nothing records a graph."""
+    if len(dests) > 1 and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (*dests, *srcs))
+    ):
+        torch._foreach_copy_(dests, srcs)
+        return
+    for d, t in zip(dests, srcs, strict=True):
+        d.copy_(t)
 
 
 def read_heads(
@@ -490,19 +504,27 @@ class Assembly:
             return dict(zip(self.gathered, out, strict=True))
         return self._write(inputs, dtype)
 
-    def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype) -> dict:
+    def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype, batched: bool = False) -> dict:
         """The gathered parameters, written part by part through views of the :attr:`plan`.
 
         ``inputs``: the block components in piece order, then the mixed rest components. Each
-        parameter is made on its own device (:attr:`devices`).
+        parameter is made on its own device (:attr:`devices`). ``batched``: the parts in one
+        multi-tensor copy (where no autograd or functional transform sees the copies).
         """
         bufs = {j: self._buffer(j, dtype) for j in self.gathered}
         it = iter(inputs)
+        dests, srcs = [], []
         for factors in self.plan:
             for factor in factors:
                 for t, part in factor.split(next(it)):
                     dest = part.view(bufs[part.param])
-                    dest.copy_(t.view(dest.shape))
+                    if batched:
+                        dests.append(dest)
+                        srcs.append(t.view(dest.shape))
+                    else:  # each view made right before its copy (autograd records them)
+                        dest.copy_(t.view(dest.shape))
+        if dests:  # one multi-tensor copy (no graph recorded: inside _WriteParts)
+            _copy_all(dests, srcs)
         for j, local in self.mixed_local:
             bufs[j].view(-1).index_put_((local.to(self.devices[j]),), next(it).reshape(-1))
         return bufs
@@ -585,7 +607,7 @@ class _WriteParts(torch.autograd.Function):
         ctx.assembly = assembly
         ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
         ctx.out_dtype = dtype
-        bufs = assembly._write(inputs, dtype)
+        bufs = assembly._write(inputs, dtype, batched=True)
         # a target (a tensor of the caller's, written in place) leaves as a view of it: the
         # output carries the graph, the caller's tensor stays a plain one
         targets = assembly.targets or {}

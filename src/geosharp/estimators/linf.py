@@ -17,26 +17,44 @@ __all__ = ["box", "box_from_uniform", "sign_direction", "uniform_box"]
 
 
 def sign_direction(pieces: list[Piece], egrad: Xi) -> Xi:
-    """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
+    """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction.
+
+    Multi-tensor ops over each piece's components (one dispatch per op, not per component).
+    """
     out = []
     for p, e in zip(pieces, egrad, strict=True):
+        if not e:
+            out.append(tuple(e))
+            continue
         scale = p.geometry.box_scale()
-        if scale is None:
-            out.append(tuple(torch.sign(t) for t in e))
-        else:
-            out.append(tuple(torch.sign(t) * a for t, a in zip(e, scale, strict=True)))
+        signs = torch._foreach_sign(list(e))
+        if scale is not None:
+            torch._foreach_mul_(signs, list(scale))
+        out.append(tuple(signs))
     return out
 
 
 def box(pieces: list[Piece], xi: Xi, rho: float) -> Xi:
-    """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
+    """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
+
+    ``max(min(ξ, b), −b)`` with ``b = ρ|w|`` by multi-tensor ops over each piece's components.
+    """
     out = []
     for p, x in zip(pieces, xi, strict=True):
+        if not x:
+            out.append(tuple(x))
+            continue
         scale = p.geometry.box_scale()
-        bounds = [torch.full_like(t, rho) for t in x] if scale is None else [rho * a for a in scale]
-        out.append(
-            tuple(torch.maximum(torch.minimum(t, b), -b) for t, b in zip(x, bounds, strict=True))
-        )
+        if scale is None:
+            bounds = [torch.full_like(t, rho) for t in x]
+        else:
+            bounds = torch._foreach_mul(list(scale), rho)
+        del scale
+        low = torch._foreach_neg(bounds)
+        clipped = torch._foreach_minimum(list(x), bounds)
+        del bounds
+        torch._foreach_maximum_(clipped, low)
+        out.append(tuple(clipped))
     return out
 
 

@@ -163,11 +163,21 @@ class Perturbation:
 
     @staticmethod
     def combine(a: Xi, b: Xi, alpha: float = 1.0, beta: float = 1.0) -> Xi:
-        """``alpha·a + beta·b`` piece by piece."""
-        return [
-            tuple(alpha * x + beta * y for x, y in zip(ta, tb, strict=True))
-            for ta, tb in zip(a, b, strict=True)
-        ]
+        """``alpha·a + beta·b`` piece by piece (multi-tensor ops: one dispatch each per piece)."""
+        out = []
+        for ta, tb in zip(a, b, strict=True):
+            if len(ta) != len(tb):
+                raise ValueError(f"combine: {len(ta)} components and {len(tb)}")
+            same = all(x.dtype == y.dtype for x, y in zip(ta, tb, strict=True))
+            graph = torch.is_grad_enabled() and any(t.requires_grad for t in (*ta, *tb))
+            if not ta or not same or graph:  # (mixed dtypes promote, as alpha·x + beta·y does)
+                out.append(tuple(alpha * x + beta * y for x, y in zip(ta, tb, strict=True)))
+                continue
+            sa = torch._foreach_mul(list(ta), alpha)
+            sb = torch._foreach_mul(list(tb), beta)
+            torch._foreach_add_(sa, sb)
+            out.append(tuple(sa))
+        return out
 
     def norm_sq(self, xi: Xi) -> Tensor:
         """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""

@@ -41,13 +41,18 @@ from torch import Tensor
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.draws import draw_like
-from geosharp.geometry.flat import flat_of
+from geosharp.geometry.flat import flat_of, views
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
     """The components ``c`` in ``rows`` cut to ``point[c][rows[c]]``, the others as they are."""
     return tuple(t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(point))
 
+
+#: Coordinates of the components whose metric products :meth:`ElementwiseGeometry.inner` and
+#: :meth:`~ElementwiseGeometry.norm_sq` write at once (two flat temporaries of at most this many,
+#: or of one larger component): a few launches per chunk, not per component (issue 43).
+_CHUNK = 1 << 22
 
 #: Coordinates examined at once by :func:`_frozen_of` (its temporaries: a few MB, not the tensor's
 #: size).
@@ -147,6 +152,7 @@ class ElementwiseGeometry(Geometry):
         scratch: dict = {}  # one |w| buffer for every component
         self._frozen: list[Tensor | None] = [_frozen_of(t, scratch) for t in parts]
         self.has_frozen = any(f is not None for f in self._frozen)
+        self._whole: list[bool] | None = None  # components frozen throughout (_whole_frozen)
 
     def with_rows(self, rows: Mapping[int, Tensor]) -> ElementwiseGeometry:
         """The same geometry with some components cut down to some of their rows.
@@ -164,6 +170,7 @@ class ElementwiseGeometry(Geometry):
             _frozen_of(new.point[c]) if c in rows else f for c, f in enumerate(self._frozen)
         ]
         new.has_frozen = any(f is not None for f in new._frozen)
+        new._whole = None
         return new
 
     def _zero_frozen_(self, t: Tensor, k: int, value: float | bool = 0.0) -> Tensor:
@@ -179,6 +186,32 @@ class ElementwiseGeometry(Geometry):
         mask = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
         mask[f] = True
         return t.masked_fill_(mask.view(t.shape), value)
+
+    def _whole_frozen(self) -> list[bool]:
+        """Per component, whether every coordinate is frozen (read once, then kept)."""
+        whole = getattr(self, "_whole", None)
+        if whole is None:
+            whole = [
+                f is not None and f.dtype == torch.bool and bool(f.all()) for f in self._frozen
+            ]
+            self._whole = whole
+        return whole
+
+    def _zero_frozen_all_(self, ts: Sequence[Tensor]) -> None:
+        """:meth:`_zero_frozen_` of every component ``ts[k]``, in place.
+
+        The components frozen throughout (a zero-initialized bias) are zeroed by one
+        multi-tensor op; the others with frozen coordinates one at a time.
+        """
+        if not self.has_frozen:
+            return
+        whole = self._whole_frozen()
+        zs = [t for t, w in zip(ts, whole, strict=True) if w]
+        if zs:
+            torch._foreach_zero_(zs)
+        for k, (t, f) in enumerate(zip(ts, self._frozen, strict=True)):
+            if f is not None and not whole[k]:
+                self._zero_frozen_(t, k)
 
     # -- single-tensor conveniences (the point has one component) ----------------------------
     @property
@@ -265,9 +298,7 @@ class ElementwiseGeometry(Geometry):
         e = list(egrad)
         w = list(self.point)
         torch._foreach_mul_(e, w)
-        for k, f in enumerate(self._frozen):
-            if f is not None:
-                self._zero_frozen_(e[k], k)
+        self._zero_frozen_all_(e)
         flat = flat_of(e)
         if flat is not None:
             total = torch.dot(flat, flat)
@@ -290,8 +321,10 @@ class ElementwiseGeometry(Geometry):
         return self.riemannian_grad_(tuple(egrad))
 
     def box_scale(self) -> tuple[Tensor, ...]:
-        """``|w|``: the adaptive box ``|ξ_i| ≤ ρ|w_i|``."""
-        return self.abs_w_parts()
+        """``|w|``: the adaptive box ``|ξ_i| ≤ ρ|w_i|`` (one multi-tensor ``abs``)."""
+        out = torch._foreach_abs(list(self.point))
+        self._zero_frozen_all_(out)
+        return tuple(out)
 
     def pulls_back(self, order: int | str) -> bool:
         """At order 1 (``w + ξ``)."""
@@ -314,21 +347,69 @@ class ElementwiseGeometry(Geometry):
 
     def inner(self, a: Tangent, b: Tangent) -> Tensor:
         """``Σ_i a_i b_i / w_i²`` over the non-frozen coordinates (a 0-dim tensor)."""
-        a, b = self._check(a, "a"), self._check(b, "b")
-        total = None
-        for k, (x, y) in enumerate(zip(a, b, strict=True)):
-            v = torch.dot(self._scaled(x, k).reshape(-1), self._scaled(y, k).reshape(-1))
-            total = v if total is None else total + v.to(total.device)  # scalars meet
-        return total
+        return self._scaled_dot(self._check(a, "a"), self._check(b, "b"))
 
     def norm_sq(self, xi: Tangent) -> Tensor:
-        """``Σ_i ξ_i² / w_i²`` (one temporary the size of a component)."""
+        """``Σ_i ξ_i² / w_i²`` (temporaries of a chunk of components, :data:`_CHUNK`)."""
+        x = self._check(xi)
+        return self._scaled_dot(x, x)
+
+    def _scaled_dot(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+        """``Σ_k (a_k / |w_k|)·(b_k / |w_k|)``, a chunk of components at a time.
+
+        Each chunk (consecutive components of one dtype and device, :meth:`_chunks`) has its
+        ``a / w`` and ``b / w`` written into one flat temporary each (the values of
+        :meth:`_scaled`) by multi-tensor ops, then one dot product: a few launches per chunk,
+        not per component. ``b is a``: one temporary. Differentiated (grad mode, an input
+        requiring grad: a metric lowered by autograd), one component at a time.
+        """
         total = None
-        for k, x in enumerate(self._check(xi)):
-            r = self._scaled(x, k).reshape(-1)
-            v = torch.dot(r, r)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*a, *b)):
+            for k, (x, y) in enumerate(zip(a, b, strict=True)):
+                v = torch.dot(self._scaled(x, k).reshape(-1), self._scaled(y, k).reshape(-1))
+                total = v if total is None else total + v.to(total.device)  # scalars meet
+            return total
+        for ks in self._chunks(a, b):
+            ra = self._scaled_flat(a, ks)
+            rb = ra if b is a else self._scaled_flat(b, ks)
+            v = torch.dot(ra, rb)
             total = v if total is None else total + v.to(total.device)  # scalars meet
+            del ra, rb
         return total
+
+    def _chunks(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> list[list[int]]:
+        """Consecutive components of one dtype and device (those of ``a``, ``b`` and ``w``).
+
+        Each chunk holds at most :data:`_CHUNK` coordinates, or one component that holds more.
+        """
+        out: list[list[int]] = []
+        n, key = 0, None
+        for k, (x, y, w) in enumerate(zip(a, b, self.point, strict=True)):
+            kk = (x.dtype, x.device) if x.dtype == y.dtype == w.dtype else (k,)
+            m = x.numel()
+            if out and kk == key and n + m <= _CHUNK:
+                out[-1].append(k)
+                n += m
+            else:
+                out.append([k])
+                n, key = m, kk
+        return out
+
+    def _scaled_flat(self, x: Sequence[Tensor], ks: list[int]) -> Tensor:
+        """``x_k / |w_k|`` (:meth:`_scaled`) of the components ``ks``, in one flat tensor."""
+        if len(ks) == 1:
+            return self._scaled(x[ks[0]], ks[0]).reshape(-1)
+        first = x[ks[0]]
+        flat = torch.empty(sum(x[k].numel() for k in ks), dtype=first.dtype, device=first.device)
+        dest = views(flat, [x[k] for k in ks])
+        plain = [i for i, k in enumerate(ks) if self._frozen[k] is None]
+        if plain:  # x / w as a copy of x divided in place: the same values
+            torch._foreach_copy_([dest[i] for i in plain], [x[ks[i]] for i in plain])
+            torch._foreach_div_([dest[i] for i in plain], [self.point[ks[i]] for i in plain])
+        for i, k in enumerate(ks):
+            if self._frozen[k] is not None:
+                torch.mul(x[k], self._zero_frozen_(self.point[k].reciprocal(), k), out=dest[i])
+        return flat
 
     def project(self, xi: Tangent) -> Tangent:
         """Zero the frozen coordinates (``w_i = 0`` or ``1/w_i²`` not finite)."""
