@@ -21,7 +21,8 @@ geometry alike, after composite ops have been decomposed (``linear`` arrives as 
   launches (or fuse) still counts once: the figure is dispatched ops, the launches' floor.
 
 With every launch the elements its outputs hold are summed (:attr:`Count.elements`: what it
-writes; an in-place op writes its whole output), and the dtype casts are counted
+writes; an in-place op writes its whole output; a multi-tensor in-place op, ``_foreach_add_``,
+which returns nothing, every tensor it writes), and the dtype casts are counted
 (:attr:`Count.casts`: ``_to_copy`` to another dtype, or ``copy_`` between dtypes).
 
 The count depends only on the ops dispatched, never on time, so it is the same from one run
@@ -135,6 +136,19 @@ class Count:
         return [(k, c, self.op_elements[k]) for c, k in ranked[:n]]
 
 
+def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
+    """Elements an op writes: its outputs', or, for an in-place op that returns nothing (the
+    multi-tensor ``_foreach_*_`` ops), those of the arguments its schema marks as written."""
+    n = sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    if n or func._schema.returns:
+        return n
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            n += sum(t.numel() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return n
+
+
 def _is_cast(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) -> bool:
     if name == "_to_copy":
         dtype = kwargs.get("dtype")
@@ -165,9 +179,7 @@ class LaunchCounter(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         c.ops[name] += 1
-        c.op_elements[name] += sum(
-            t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-        )
+        c.op_elements[name] += _written(func, args, kwargs, out)
         if name in HOST_READS:
             c.host_reads += 1
         elif _is_cast(func, args, kwargs, name):
