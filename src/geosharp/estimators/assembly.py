@@ -200,6 +200,19 @@ def read_parts(
     return buf
 
 
+def _untracked(inputs: Sequence[Tensor]) -> bool:
+    """Whether no autograd graph, ``torch.func`` transform or dual tensor sees ``inputs``.
+
+    Then their copies may be one multi-tensor op.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return all(unpack(t).tangent is None for t in inputs)
+
+
 def _copy_all(dests: list[Tensor], srcs: list[Tensor]) -> None:
     """``d.copy_(s)`` for every pair: one multi-tensor copy when nothing records a graph."""
     if len(dests) > 1 and not (
@@ -502,7 +515,7 @@ class Assembly:
         if _reverse_mode_only(inputs):  # else the views' own autograd (torch.func, duals)
             out = _WriteParts.apply(self, dtype, *inputs)
             return dict(zip(self.gathered, out, strict=True))
-        return self._write(inputs, dtype)
+        return self._write(inputs, dtype, batched=_untracked(inputs))
 
     def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype, batched: bool = False) -> dict:
         """The gathered parameters, written part by part through views of the :attr:`plan`.

@@ -467,8 +467,16 @@ class ElementwiseGeometry(Geometry):
     def tangent_from_normals(
         self, z: Sequence[Tensor], scale: float = 1.0, horizontal: bool = True
     ) -> Tangent:
-        """``scale · Z ⊙ |w|`` from the normals ``Z`` (one tensor per component)."""
-        return tuple(scale * zk * self._abs(k) for k, zk in enumerate(z))
+        """``scale · Z ⊙ |w|`` from the normals ``Z`` (one tensor per component).
+
+        Multi-tensor ops (:meth:`box_scale`'s ``|w|``): one dispatch each, not per component.
+        """
+        z = list(z)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in z):
+            return tuple(scale * zk * self._abs(k) for k, zk in enumerate(z))
+        out = torch._foreach_mul(z, scale)
+        torch._foreach_mul_(out, list(self.box_scale()))
+        return tuple(out)
 
 
 class EuclideanGeometry(Geometry):
