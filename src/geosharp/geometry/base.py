@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry._validate import check_order, check_steps
-from geosharp.geometry.flat import flat_of
+from geosharp.geometry.flat import flat_dot
 
 Tangent = tuple[Tensor, ...]
 Point = tuple[Tensor, ...]
@@ -311,10 +311,10 @@ def euclidean_pairing(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     The Euclidean pairing of a gradient with a tangent: with a metric-orthogonal projection it
     is the metric inner product of the Riemannian gradient with any horizontal vector
     (:meth:`Geometry.ascent_direction`). One dot product per component, in its dtype, or one
-    over the flat buffers when both tangents' components lie in one each
-    (:func:`~geosharp.geometry.flat.flat_of`).
+    over the flat buffers when both tangents' components lie in one each, in float32 or float64
+    (:func:`~geosharp.geometry.flat.flat_dot`).
     """
-    fa, fb = flat_of(a), flat_of(b)
+    fa, fb = flat_dot(a), flat_dot(b)
     if fa is not None and fb is not None and len(a) == len(b) and fa.numel() == fb.numel():
         # components in one flat buffer each (:mod:`geosharp.geometry.flat`): one dot
         return torch.dot(fa, fb.to(fa.dtype)).to(torch.float64)

@@ -41,7 +41,7 @@ from torch import Tensor
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.draws import draw_like
-from geosharp.geometry.flat import flat_of, views
+from geosharp.geometry.flat import FLAT_DOT_DTYPES, flat_dot, views
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
@@ -292,14 +292,14 @@ class ElementwiseGeometry(Geometry):
         ``e ← e ⊙ w`` (frozen coordinates zeroed), ``⟨d, d⟩ = e·e``, then ``e ← e ⊙ w``: two
         element-wise passes and a norm, each one multi-tensor op over the components (the
         values of ``t = e ⊙ w; d = t ⊙ w``). The norm is one dot product over the components'
-        flat buffer where they lie in one (:func:`~geosharp.geometry.flat.flat_of`), else one
-        per component, summed.
+        flat buffer where they lie in one, in float32 or float64
+        (:func:`~geosharp.geometry.flat.flat_dot`), else one per component, summed.
         """
         e = list(egrad)
         w = list(self.point)
         torch._foreach_mul_(e, w)
         self._zero_frozen_all_(e)
-        flat = flat_of(e)
+        flat = flat_dot(e)
         if flat is not None:
             total = torch.dot(flat, flat)
         else:
@@ -385,7 +385,8 @@ class ElementwiseGeometry(Geometry):
         out: list[list[int]] = []
         n, key = 0, None
         for k, (x, y, w) in enumerate(zip(a, b, self.point, strict=True)):
-            kk = (x.dtype, x.device) if x.dtype == y.dtype == w.dtype else (k,)
+            same = x.dtype == y.dtype == w.dtype and x.dtype in FLAT_DOT_DTYPES
+            kk = (x.dtype, x.device) if same else (k,)  # else alone: one dot per component
             m = x.numel()
             if out and kk == key and n + m <= _CHUNK:
                 out[-1].append(k)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["axpy", "clone", "flat_of", "flatten", "lists", "views"]
+__all__ = ["FLAT_DOT_DTYPES", "axpy", "clone", "flat_dot", "flat_of", "flatten", "lists", "views"]
 
 
 def flat_of(ts: Sequence[Tensor]) -> Tensor | None:
@@ -44,6 +44,18 @@ def flat_of(ts: Sequence[Tensor]) -> Tensor | None:
             return None
         n += t.numel()
     return t0.as_strided((n - start,), (1,), start)
+
+
+#: Dtypes whose dot products run over a whole flat buffer: a dot returns its dtype, and a
+#: bfloat16 or float16 sum rounded once over every component would differ from the per-component
+#: sums (each rounded, then added in float64) by far more than a reordering (issue 43).
+FLAT_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def flat_dot(ts: Sequence[Tensor]) -> Tensor | None:
+    """:func:`flat_of` ``ts`` where a dot product may run over it (:data:`FLAT_DOT_DTYPES`)."""
+    f = flat_of(ts)
+    return f if f is not None and f.dtype in FLAT_DOT_DTYPES else None
 
 
 def flatten(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
