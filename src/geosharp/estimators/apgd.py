@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from geosharp.estimators.perturbation import Perturbation, Xi
-from geosharp.geometry.flat import axpy, clone, lists
+from geosharp.geometry.flat import axpy, clone, lists, scale_
 
 #: Momentum of Auto-PGD (SPEC §6, step 5).
 MOMENTUM = 0.75
@@ -124,7 +124,7 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
     """
     for tz, tx, tp in zip(z, xi, xi_prev, strict=True):
         if tz:  # multi-tensor ops: one dispatch each, not one per component
-            torch._foreach_mul_(list(tz), a)
+            scale_(tz, a)
             torch._foreach_add_(list(tz), list(tx), alpha=2.0 * b)
             torch._foreach_add_(list(tz), list(tp), alpha=-b)
 
@@ -170,8 +170,7 @@ def _l2_step(
     r = rho / n if n > rho else 1.0
     if s * r != 1.0:
         for tt in t:
-            if tt:
-                torch._foreach_mul_(lists(tt)[0], s * r)
+            scale_(tt, s * r)
     return t, r
 
 

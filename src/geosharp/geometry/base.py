@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from geosharp.geometry._validate import check_order, check_steps
-from geosharp.geometry.flat import flat_dot
+from geosharp.geometry.flat import flat_exact
 
 Tangent = tuple[Tensor, ...]
 Point = tuple[Tensor, ...]
@@ -312,9 +312,9 @@ def euclidean_pairing(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     is the metric inner product of the Riemannian gradient with any horizontal vector
     (:meth:`Geometry.ascent_direction`). One dot product per component, in its dtype, or one
     over the flat buffers when both tangents' components lie in one each, in float32 or float64
-    (:func:`~geosharp.geometry.flat.flat_dot`).
+    (:func:`~geosharp.geometry.flat.flat_exact`).
     """
-    fa, fb = flat_dot(a), flat_dot(b)
+    fa, fb = flat_exact(a), flat_exact(b)
     if fa is not None and fb is not None and len(a) == len(b) and fa.numel() == fb.numel():
         # components in one flat buffer each (:mod:`geosharp.geometry.flat`): one dot
         return torch.dot(fa, fb.to(fa.dtype)).to(torch.float64)

@@ -41,7 +41,7 @@ from torch import Tensor
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.draws import draw_like
-from geosharp.geometry.flat import FLAT_DOT_DTYPES, flat_dot, views
+from geosharp.geometry.flat import FLAT_DTYPES, flat_exact, views
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
@@ -293,13 +293,13 @@ class ElementwiseGeometry(Geometry):
         element-wise passes and a norm, each one multi-tensor op over the components (the
         values of ``t = e ⊙ w; d = t ⊙ w``). The norm is one dot product over the components'
         flat buffer where they lie in one, in float32 or float64
-        (:func:`~geosharp.geometry.flat.flat_dot`), else one per component, summed.
+        (:func:`~geosharp.geometry.flat.flat_exact`), else one per component, summed.
         """
         e = list(egrad)
         w = list(self.point)
         torch._foreach_mul_(e, w)
         self._zero_frozen_all_(e)
-        flat = flat_dot(e)
+        flat = flat_exact(e)
         if flat is not None:
             total = torch.dot(flat, flat)
         else:
@@ -385,7 +385,7 @@ class ElementwiseGeometry(Geometry):
         out: list[list[int]] = []
         n, key = 0, None
         for k, (x, y, w) in enumerate(zip(a, b, self.point, strict=True)):
-            same = x.dtype == y.dtype == w.dtype and x.dtype in FLAT_DOT_DTYPES
+            same = x.dtype == y.dtype == w.dtype and x.dtype in FLAT_DTYPES
             kk = (x.dtype, x.device) if same else (k,)  # else alone: one dot per component
             m = x.numel()
             if out and kk == key and n + m <= _CHUNK:

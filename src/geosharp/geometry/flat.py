@@ -16,7 +16,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["FLAT_DOT_DTYPES", "axpy", "clone", "flat_dot", "flat_of", "flatten", "lists", "views"]
+__all__ = [
+    "FLAT_DTYPES",
+    "axpy",
+    "clone",
+    "flat_exact",
+    "flat_of",
+    "flatten",
+    "lists",
+    "scale_",
+    "views",
+]
 
 
 def flat_of(ts: Sequence[Tensor]) -> Tensor | None:
@@ -46,29 +56,32 @@ def flat_of(ts: Sequence[Tensor]) -> Tensor | None:
     return t0.as_strided((n - start,), (1,), start)
 
 
-#: Dtypes whose dot products run over a whole flat buffer: a dot returns its dtype, and a
-#: bfloat16 or float16 sum rounded once over every component would differ from the per-component
-#: sums (each rounded, then added in float64) by far more than a reordering (issue 43).
-FLAT_DOT_DTYPES = (torch.float32, torch.float64)
+#: Dtypes in which an op runs over a whole flat buffer. In bfloat16 and float16 it does not: a
+#: dot returns its dtype, so one rounding over every component would replace the per-component
+#: dots' (summed in float64), and ``torch.add(x, v, alpha=c)`` rounds some elements differently
+#: over a flat buffer than component by component (the vectorized loop and its tail compute
+#: ``x + c·v`` apart): their per-component values are kept (issue 43).
+FLAT_DTYPES = (torch.float32, torch.float64)
 
 
-def flat_dot(ts: Sequence[Tensor]) -> Tensor | None:
-    """:func:`flat_of` ``ts`` where a dot product may run over it (:data:`FLAT_DOT_DTYPES`)."""
+def flat_exact(ts: Sequence[Tensor]) -> Tensor | None:
+    """:func:`flat_of` ``ts`` where ops over it give per-component values (:data:`FLAT_DTYPES`)."""
     f = flat_of(ts)
-    return f if f is not None and f.dtype in FLAT_DOT_DTYPES else None
+    return f if f is not None and f.dtype in FLAT_DTYPES else None
 
 
 def flatten(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """``ts`` copied into one fresh flat buffer (one ``cat``), as views of it in their shapes.
 
     Returned as they are when already flat (:func:`flat_of`), when there is one component,
-    or when the components' dtypes or devices differ (a model split across devices).
+    when the components' dtypes or devices differ (a model split across devices), or in a dtype
+    outside :data:`FLAT_DTYPES` (whose ops keep their per-component values).
     """
     ts = tuple(ts)
     if len(ts) < 2 or flat_of(ts) is not None:
         return ts
     t0 = ts[0]
-    if any(t.dtype != t0.dtype or t.device != t0.device for t in ts):
+    if t0.dtype not in FLAT_DTYPES or any(t.dtype != t0.dtype or t.device != t0.device for t in ts):
         return ts
     return views(torch.cat([t.reshape(-1) for t in ts]), ts)
 
@@ -76,10 +89,10 @@ def flatten(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
 def lists(*tangents: Sequence[Tensor]) -> list[list[Tensor]]:
     """The operands of one ``torch._foreach_*`` op over several tangents of one piece.
 
-    ``[[flat] for each]`` when every tangent is flat with the same number of elements (one
-    tensor each: the op runs once over the buffers), else their component lists.
+    ``[[flat] for each]`` when every tangent is flat (:func:`flat_exact`) with the same number of
+    elements (one tensor each: the op runs once over the buffers), else their component lists.
     """
-    flats = [flat_of(t) for t in tangents]
+    flats = [flat_exact(t) for t in tangents]
     if all(f is not None for f in flats) and len({f.numel() for f in flats}) == 1:  # type: ignore[union-attr]
         return [[f] for f in flats]  # type: ignore[list-item]
     return [list(t) for t in tangents]
@@ -102,13 +115,29 @@ def clone(ts: Sequence[Tensor]) -> tuple[Tensor, ...]:
 def axpy(x: Sequence[Tensor], v: Sequence[Tensor], c: float, reuse: bool) -> tuple[Tensor, ...]:
     """``x + c·v`` per component (the values of ``torch.add(x, v, alpha=c)``).
 
-    Written into ``v`` when ``reuse``; one op over the flat buffers where both lie in one,
-    else one multi-tensor op (one per component when writing into ``v``).
+    Written into ``v`` when ``reuse``; one op over the flat buffers where both lie in one
+    (:func:`flat_exact`), else one multi-tensor op (one per component when writing into ``v``).
     """
-    fx, fv = flat_of(x), flat_of(v)
+    fx, fv = flat_exact(x), flat_exact(v)
     if fx is not None and fv is not None and len(x) == len(v) and fx.numel() == fv.numel():
         out = torch.add(fx, fv, alpha=c, out=fv if reuse else None)
         return tuple(v) if reuse else views(out, x)
     if reuse:
         return tuple(torch.add(a, b, alpha=c, out=b) for a, b in zip(x, v, strict=True))
     return tuple(torch._foreach_add(list(x), list(v), alpha=c))
+
+
+def scale_(ts: Sequence[Tensor], c: float) -> None:
+    """``t.mul_(c)`` for every component: one op (over the flat buffer, or multi-tensor).
+
+    In bfloat16 and float16 one ``mul_`` per component: the multi-tensor ``mul_`` by a scalar
+    rounds differently there.
+    """
+    ts = list(ts)
+    if not ts:
+        return
+    if ts[0].dtype in FLAT_DTYPES and all(t.dtype == ts[0].dtype for t in ts):
+        torch._foreach_mul_(lists(ts)[0], c)
+        return
+    for t in ts:
+        t.mul_(c)
