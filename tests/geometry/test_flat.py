@@ -1,0 +1,69 @@
+"""Tangent components in one flat buffer (geometry/flat.py, issue 43): same values, fewer ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geosharp.geometry.flat import (
+    axpy,
+    clone,
+    flat_exact,
+    flat_of,
+    flatten,
+    lists,
+    scale_,
+    views,
+)
+
+SHAPES = [(3, 5), (7,), (2, 3, 4), (1,), (129,)]
+
+
+def _parts(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g).to(dtype) for s in SHAPES)
+
+
+def test_flat_of_finds_consecutive_views_only():
+    ts = _parts(torch.float32, 0)
+    assert flat_of(ts) is None  # separate tensors
+    f = flatten(ts)
+    base = flat_of(f)
+    assert base is not None and base.numel() == sum(t.numel() for t in ts)
+    assert all(torch.equal(a, b) for a, b in zip(f, ts, strict=True))
+    assert flat_of(f[::-1]) is None  # out of order
+    assert flat_of(f[1:]) is not None  # a run of consecutive views
+    assert all(a is b for a, b in zip(flatten(f), f, strict=True))  # flat already: no copy
+    base.zero_()  # the views are the buffer
+    assert all(bool((t == 0).all()) for t in f)
+
+
+def test_half_precision_is_left_per_component():
+    ts = _parts(torch.bfloat16, 1)
+    assert flatten(ts) == ts  # no flat copy
+    f = views(torch.cat([t.reshape(-1) for t in ts]), ts)
+    assert flat_of(f) is not None and flat_exact(f) is None
+    assert all(len(x) == len(ts) for x in lists(f, f))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("flat", [True, False])
+def test_axpy_and_scale_give_the_per_component_values(dtype, reuse, flat):
+    x, v = _parts(dtype, 2), _parts(dtype, 3)
+    want = [torch.add(a, b, alpha=0.3711) for a, b in zip(x, v, strict=True)]
+    xs, vs = (flatten(x), flatten(v)) if flat else (x, tuple(t.clone() for t in v))
+    got = axpy(xs, vs, 0.3711, reuse)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if reuse:  # written into v
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, vs, strict=True))
+    want2 = [t.clone().mul_(0.37) for t in got]
+    scale_(got, 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(got, want2, strict=True))
+
+
+def test_clone_keeps_a_flat_tangent_flat():
+    f = flatten(_parts(torch.float32, 4))
+    c = clone(f)
+    assert flat_of(c) is not None and flat_of(c).data_ptr() != flat_of(f).data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(c, f, strict=True))
