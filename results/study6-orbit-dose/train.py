@@ -41,6 +41,8 @@ never part of the study) writes ``runs/study6/models/<id>.pt``, appends to ``run
 a model already in the manifest is skipped, so a killed run resumes) and writes the sharpness
 sample ``runs/study6/sharpness.npz`` once. A model is written to ``excluded.csv`` instead of
 the manifest when its loss was not finite or its train error is above 0.5 (PREREGISTRATION.md).
+``--restore`` rebuilds the manifest's models whose files are missing (a study folder committed
+without its models), each checked bit for bit against its manifest row.
 """
 
 from __future__ import annotations
@@ -258,6 +260,35 @@ def write_sharpness(out: Path, d: dict[str, torch.Tensor]) -> None:
                 tmp.replace(path)
 
 
+def restore(out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor]) -> None:
+    """Retrain every model of ``out/manifest.csv`` whose file is missing, checking its row.
+
+    Training is deterministic on one CPU thread (the same draw, seed and data order give the
+    same weights bit for bit), so a study folder can be committed without its models and its
+    models rebuilt where the measuring goes on; a model whose errors or losses differ from its
+    manifest row in any bit stops the restore (another torch or CPU: retrain the study).
+    """
+    with (out / "manifest.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for row in rows:
+        path = out / row["model"]
+        if path.is_file():
+            continue
+        i = int(row["name"].rsplit("-", 1)[1])
+        if row["name"] != f"{prefix}-{recipe}-{i:03d}":
+            raise SystemExit(f"{row['name']}: not a model of recipe {recipe}")
+        model, metrics = train(draw(recipe, i), d)
+        for key in ("train_error", "test_error", "train_loss", "test_loss"):
+            if repr(float(metrics[key])) != repr(float(row[key])):
+                raise SystemExit(
+                    f"{row['name']}: retrained {key} {metrics[key]!r} differs from the manifest's "
+                    f"{row[key]}: not the same model (another torch build or CPU?)"
+                )
+        torch.save(model, out / f"{row['model']}.tmp")
+        (out / f"{row['model']}.tmp").replace(path)
+        print(f"{row['name']}: restored ({metrics['train_time_s']} s, errors as in the manifest)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True, choices=list(RECIPES))
@@ -267,6 +298,10 @@ def main() -> None:
     ap.add_argument("--shard", default="1/1", help="k/n: models k-1, k-1+n, ...")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit-s", type=float, default=math.inf, help="stop before this many s")
+    ap.add_argument("--restore", action="store_true",
+                    help="retrain the manifest's models whose file is missing (the study's "
+                    "folder committed without its models): each must give its manifest row's "
+                    "errors and losses bit for bit")  # fmt: skip
     ap.add_argument("--smoke", action="store_true",
                     help="try the pipeline: the pilot stream, one epoch, names smoke-...")  # fmt: skip
     args = ap.parse_args()
@@ -278,6 +313,9 @@ def main() -> None:
     (out / "models").mkdir(parents=True, exist_ok=True)
     d = data()
     write_sharpness(out, d)
+    if args.restore:
+        restore(out, args.recipe, args.prefix, d)
+        return
     t0 = time.perf_counter()
     for i in range(k - 1, args.models, n):
         name = f"{args.prefix}-{args.recipe}-{i:03d}"
