@@ -4,7 +4,8 @@ Run as ``python -m geosharp.studies.check_reports [ROOT ...]`` (default root: ``
 
 Every folder under ``results/`` that holds a ``study.sqlite`` is copied, without its report,
 into a temporary folder (the store and the files a report reads: ``symmetry_test.csv``,
-``diagnostics.csv``, ``sections.json``), its report is rebuilt there with
+``diagnostics.csv``, ``sections.json``; a manifest study's ``manifest.json`` and
+``models.json``; ``orbit_spread.csv``), its report is rebuilt there with
 :func:`geosharp.studies.study_report.report_from_folder` (what ``geosharp report DIR`` does), and
 ``tau_table.md``, ``summary.json`` and ``report.html`` are compared with the committed ones
 after :func:`normalize` has blanked what changes on every run (the time a report was generated
@@ -37,7 +38,15 @@ __all__ = ["COMPARED", "INPUTS", "FolderCheck", "compare_folder", "normalize", "
 #: Files of a report that are compared.
 COMPARED = ("tau_table.md", "summary.json", "report.html")
 #: Files of a study folder that a report is built from.
-INPUTS = ("study.sqlite", "symmetry_test.csv", "diagnostics.csv", "sections.json")
+INPUTS = (
+    "study.sqlite",
+    "symmetry_test.csv",
+    "diagnostics.csv",
+    "sections.json",
+    "manifest.json",  # a manifest study's record of its manifest (population_sections)
+    "models.json",  # and of its models
+    "orbit_spread.csv",  # the heads' orbit rows, where the store has none
+)
 
 _RULES = (
     (re.compile(r'"generated_at": "[^"]*"'), '"generated_at": "<time>"'),

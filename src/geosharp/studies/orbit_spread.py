@@ -89,7 +89,8 @@ HEAD_COLUMNS = (
 #: spread (1.0e-4, fine-tunes that kept the pretrained position).
 SMALL_SPREAD = 1e-3
 #: At or above this spread a committed study saw the measures differ: Study 4's (0.23–0.24,
-#: geodesic inv stronger than adaptive, Δτ −0.06 [−0.12, −0.01]), rounded down.
+#: geodesic inv stronger than adaptive, Δτ −0.06 [−0.12, −0.01]), rounded down; Study 6's high
+#: level reached 0.23 by training and did not (Δτ +0.04 [−0.03, +0.10]).
 LARGE_SPREAD = 0.2
 
 
@@ -150,6 +151,30 @@ REFERENCE: tuple[Reference, ...] = (
         "−0.06 [−0.12, −0.01]",
         True,
         "results/vit-orbit/diagnostics.csv; results/vit-orbit/analysis.md",
+    ),
+    Reference(
+        "Study 6, low (results/study6-orbit-dose)",
+        "64 ViTs trained by AdamW with weight decay",
+        {"QK": 0.028, "VO": 0.030},
+        "+0.00 [−0.05, +0.06]",
+        False,
+        "results/study6-orbit-dose/run/analysis.md (the study's own orbit rows)",
+    ),
+    Reference(
+        "Study 6, middle (results/study6-orbit-dose)",
+        "64 ViTs trained by SGD without weight decay",
+        {"QK": 0.051, "VO": 0.056},
+        "+0.03 [−0.01, +0.07]",
+        False,
+        "results/study6-orbit-dose/run/analysis.md (the study's own orbit rows)",
+    ),
+    Reference(
+        "Study 6, high (results/study6-orbit-dose)",
+        "64 ViTs trained by SGD, Q/O init scales drawn",
+        {"QK": 0.16, "VO": 0.23},
+        "+0.04 [−0.03, +0.10]",
+        False,
+        "results/study6-orbit-dose/run/analysis.md (the study's own orbit rows)",
     ),
 )
 
@@ -339,7 +364,8 @@ def spread_note(spreads: Sequence[KindSpread]) -> str | None:
 
     ``None`` for a population without GL-type heads. At most :data:`SMALL_SPREAD`: too small
     for the orbit position to separate adaptive and geodesic sharpness; at least
-    :data:`LARGE_SPREAD`: as large as where a committed study saw them differ; between: as the
+    :data:`LARGE_SPREAD`: as large as where a committed study saw them differ (and another, at a
+    spread reached by training, did not); between: as the
     committed populations there, which did not tell them apart.
     """
     level = spread_level(spreads)
@@ -351,7 +377,7 @@ def spread_note(spreads: Sequence[KindSpread]) -> str | None:
                 "spread."
             )
         return None
-    small, mid, large = (REFERENCE[0], REFERENCE[2], REFERENCE[3])
+    small, mid, large, trained = (REFERENCE[0], REFERENCE[2], REFERENCE[3], REFERENCE[6])
     if level <= SMALL_SPREAD:
         return (
             f"Orbit spread {level:.2g} (≤ {SMALL_SPREAD:g}): the models sit at one orbit position, "
@@ -361,7 +387,9 @@ def spread_note(spreads: Sequence[KindSpread]) -> str | None:
     if level >= LARGE_SPREAD:
         return (
             f"Orbit spread {level:.2g} (≥ {LARGE_SPREAD:g}): as large as where a committed study "
-            f"saw adaptive and geodesic sharpness differ ({_reference_text(large)})."
+            f"saw adaptive and geodesic sharpness differ ({_reference_text(large)}, orbit "
+            f"positions drawn by hand) and where another did not ({_reference_text(trained)}, "
+            "reached by training): this population's paired Δτ is the answer."
         )
     return (
         f"Orbit spread {level:.2g}, between {SMALL_SPREAD:g} and {LARGE_SPREAD:g}: the committed "
@@ -449,10 +477,11 @@ def spread_sections(
         "This study's orbit spread (the largest over its block kinds) beside its paired Δτ = "
         "τ geodesic − τ adaptive, and what the committed studies found: the spread has gone "
         "with disagreement only at Study 4's size (orbit positions drawn by hand at "
-        "initialization); populations near one orbit position (fine-tunes) or near balance "
-        "(ViTs trained the ordinary way) ranked generalization alike under both measures. "
+        "initialization), not at the same size reached by training (Study 6's high level); "
+        "populations near one orbit position (fine-tunes) or near balance (ViTs trained the "
+        "ordinary way) ranked generalization alike under both measures. "
         "Spreads of the committed studies: sd over models of their diagnostics.csv "
-        "imbalance columns."
+        "imbalance columns (Study 6: of its own orbit rows)."
     )
     return [
         Section("Orbit spread of the population", head, body, caption),
