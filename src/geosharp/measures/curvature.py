@@ -193,8 +193,8 @@ class Curvature(Measure):
     ) -> Any:
         """:func:`geosharp.curvature` of this measure's quantity (``rho`` must be ``None``).
 
-        ``trace_method`` is passed for the trace only (on a sharded model ``gs.curvature``
-        refuses ``"exact"`` whatever the quantities).
+        ``trace_method`` is the trace's setting and is passed for the trace only (λ_max and
+        λ_min never use it, nor are they checked against it).
         """
         if rho is not None:
             raise MeasureError(f"{self.name} takes no radius rho, got {rho}")
@@ -204,7 +204,7 @@ class Curvature(Measure):
             "quantities": (self.quantity,),
         }
         taken = accepted(curvature, settings)
-        if self.quantity != "trace":  # the trace's method: gs.curvature refuses "exact" sharded
+        if self.quantity != "trace":  # the trace's setting, not λ_max's or λ_min's
             taken.pop("trace_method", None)
         return curvature(model, loss_fn, batches, **{**taken, **identity})
 
