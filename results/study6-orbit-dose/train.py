@@ -260,6 +260,13 @@ def write_sharpness(out: Path, d: dict[str, torch.Tensor]) -> None:
                 tmp.replace(path)
 
 
+def save(model: nn.Module, out: Path, rel: str) -> str:
+    """``torch.save`` the model as ``out/rel`` through a temporary file; returns ``rel``."""
+    torch.save(model, out / f"{rel}.tmp")
+    (out / f"{rel}.tmp").replace(out / rel)
+    return rel
+
+
 def restore(out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor]) -> None:
     """Retrain every model of ``out/manifest.csv`` whose file is missing, checking its row.
 
@@ -284,8 +291,7 @@ def restore(out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor]) -> 
                     f"{row['name']}: retrained {key} {metrics[key]!r} differs from the manifest's "
                     f"{row[key]}: not the same model (another torch build or CPU?)"
                 )
-        torch.save(model, out / f"{row['model']}.tmp")
-        (out / f"{row['model']}.tmp").replace(path)
+        save(model, out, row["model"])
         print(f"{row['name']}: restored ({metrics['train_time_s']} s, errors as in the manifest)")
 
 
@@ -331,10 +337,7 @@ def main() -> None:
         row = {"name": name, **hp, **metrics}
         why = excluded_because(metrics)
         if why is None:
-            rel = f"models/{name}.pt"
-            torch.save(model, out / f"{rel}.tmp")
-            (out / f"{rel}.tmp").replace(out / rel)
-            row["model"] = rel
+            row["model"] = save(model, out, f"models/{name}.pt")
             append(out / "manifest.csv", row, FIELDS)
         else:
             append(out / "excluded.csv", {**row, "why": why}, [*FIELDS, "why"])
