@@ -28,6 +28,11 @@ For every configuration and measure:
   below zero for adaptive); **alone**: ``perturbation_of`` counted by itself (what
   ``gs.sharpness`` runs before its clean pass), and ``find_symmetries`` by itself.
 
+The GL geometry runs its per-step products chunk by chunk of heads on a CPU (a chunk of widened
+heads stays in cache) and in one batched pass per piece on a GPU. ``--path device`` (the
+default) counts the GPU's path on this CPU (:func:`~geosharp.geometry.gl_execution.chunked_on`
+with no device): the launches a GPU dispatches; ``--path cpu`` the CPU's own.
+
 Run (``--list`` shows the configurations and measures; every configuration and measure took 31
 min on a shared 2-core machine, 21 of them in the exact geodesic; ``--table FILE.json`` prints
 the README's table of an earlier run):
@@ -58,8 +63,15 @@ from tests.launch_counter import Count, count  # noqa: E402
 import geosharp as gs  # noqa: E402
 from geosharp.estimators.cache import clear_cache  # noqa: E402
 from geosharp.estimators.harness import perturbation_of  # noqa: E402
+from geosharp.geometry.gl_execution import chunked_on  # noqa: E402
 
 SCHEMA = "geosharp-launches/1"
+
+#: ``--path`` → the device types on which the GL geometry chunks its per-step products
+#: (:func:`~geosharp.geometry.gl_execution.chunked_on`): none, as on a GPU (one batched pass
+#: per piece: the launches a GPU dispatches), or the CPU's own chunks of heads (a chunk of
+#: widened heads in cache; a few times the geometry's launches, which cost little on a CPU).
+PATHS = {"device": (), "cpu": ("cpu",)}
 
 #: measure → (what N counts, the call's keyword arguments without N). ``gs.sharpness`` unless
 #: ``"curvature"`` is in the name (``gs.curvature``, geodesic inv). The cost does not depend on
@@ -347,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact-steps", default="2,3", help="N1,N2 steps of the exact geodesic (2,3)")
     ap.add_argument("--products", default="2,3", help="N1,N2 curvature iterations/probes (2,3)")
     ap.add_argument("--top", type=int, default=6, help="ops listed per step (6)")
+    ap.add_argument(
+        "--path",
+        choices=PATHS,
+        default="device",
+        help="device: the GL geometry's products in one batched pass per piece, as on a GPU "
+        "(the launches a GPU pays); cpu: chunk by chunk of heads, as on this CPU (default device)",
+    )
     ap.add_argument("--markdown", action="store_true", help="also print the README's table")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--list", action="store_true", help="list configurations and measures")
@@ -385,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": list(steps),
             "exact_steps": list(exact),
             "products": list(products),
+            "path": args.path,
             "argv": sys.argv[1:] if argv is None else list(argv),
         },
         "runs": [],
@@ -392,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for name in configs:
         print(f"{name}: counting ...", flush=True)
-        run = measure_config(name, measures, steps, exact, products, args.top)
+        with chunked_on(PATHS[args.path]):
+            run = measure_config(name, measures, steps, exact, products, args.top)
+        run["path"] = args.path
         run["wall_s"] = time.perf_counter() - t0
         report["runs"].append(run)
         print_run(run)

@@ -110,3 +110,19 @@ def test_ascent_direction_norms_equal_the_metric_ones(kw):
     assert abs(xd2 - inner2) <= 1e-9 * (norm * float(pert.norm_sq(xi2))) ** 0.5 and zero == 0.0
     _, dd0, none = pert.ascent_direction(e)
     assert none == [] and abs(dd0 - norm) <= 1e-10 * norm
+
+
+def test_piece_sums_add_each_list_in_order():
+    """The pieces' scalars summed in one stack where they line up, term by term otherwise."""
+    from geosharp.estimators.reductions import _piece_sums
+
+    g = torch.Generator().manual_seed(3)
+    terms = [
+        [torch.randn((), generator=g, dtype=torch.float64) for _ in (1, 2, 3)] for _ in (1, 2, 3)
+    ]
+    got = _piece_sums(terms)
+    for vs, s in zip(terms, got, strict=True):
+        assert float(s) == float((vs[0] + vs[1]) + vs[2])  # left to right, as before
+    assert _piece_sums([[terms[0][0]], []]) == [terms[0][0], None]  # uneven: term by term
+    one = _piece_sums([[terms[0][0]], [terms[1][0]]])  # one piece: the scalars themselves
+    assert one[0] is terms[0][0] and one[1] is terms[1][0]

@@ -14,6 +14,7 @@ from geosharp.geometry.adaptive_balls import (
     project_linf_ball,
 )
 from geosharp.geometry.elementwise import ElementwiseGeometry, EuclideanGeometry
+from geosharp.geometry.flat import flatten
 
 DT = torch.float64
 
@@ -156,6 +157,33 @@ def test_ascent_direction_in_place_with_frozen_coordinates():
         assert torch.equal(a, b) and float(a[1, 2]) == 0.0 and float(a[3, 0]) == 0.0
     assert geom.orthogonal_projection and float(dd) == float(dd_)
     assert math.isclose(float(dd), float(geom.norm_sq(d)), rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inner_over_components_frozen_throughout_in_part_and_not(dtype):
+    """``Σ (a/w)(b/w)`` over a flat chunk: a zero bias (frozen throughout: zeros for it), a
+    weight with two zero entries (frozen in part) and plain weights, against the definition."""
+    g = torch.Generator().manual_seed(11)
+    plain = torch.randn(6, 5, generator=g, dtype=torch.float64) + 3.0
+    part = torch.randn(40, generator=g, dtype=torch.float64) + 3.0
+    part[[3, 17]] = 0.0
+    point = tuple(t.to(dtype) for t in (plain, torch.zeros(7, dtype=torch.float64), part, plain))
+    geom = ElementwiseGeometry(point)
+    assert geom._whole_frozen() == [False, True, False, False]
+
+    def tangent():
+        x = tuple(torch.randn(w.shape, generator=g).to(dtype) for w in point)
+        return tuple(geom.project(x))
+
+    a, b = tangent(), tangent()
+    want = 0.0
+    for x, y, w in zip(a, b, point, strict=True):
+        moving = w != 0
+        want += float(((x.double() / w.double()) * (y.double() / w.double()))[moving].sum())
+    got = geom.inner(flatten(a), flatten(b)).sum()  # one buffer each: the chunked dot
+    tol = 1e-14 if dtype == torch.float64 else 1e-5
+    assert math.isclose(float(got), want, rel_tol=tol)
+    assert torch.isfinite(got)
 
 
 # -- frozen coordinates found in chunks (no temporary the size of the weights) ---------------

@@ -12,8 +12,11 @@ from geosharp.geometry.flat import (
     flat_of,
     flatten,
     lists,
+    pair_buffer,
     scale_,
+    untracked,
     views,
+    widen_pair,
 )
 
 SHAPES = [(3, 5), (7,), (2, 3, 4), (1,), (129,)]
@@ -67,3 +70,32 @@ def test_clone_keeps_a_flat_tangent_flat():
     c = clone(f)
     assert flat_of(c) is not None and flat_of(c).data_ptr() != flat_of(f).data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(c, f, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widen_pair_gives_the_casts_in_one_buffer(dtype):
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 5, 2, generator=g).to(dtype), torch.randn(3, 4, 2, generator=g).to(dtype)
+    for pair in ((a, b), flatten((a, b))):  # separate tensors, then one flat buffer
+        wa, wb = widen_pair(pair[0], pair[1], torch.float64)
+        assert torch.equal(wa, a.double()) and torch.equal(wb, b.double())
+        assert flat_of((wa, wb)) is not None  # one buffer: one dot, one copy after
+    assert all(x is y for x, y in zip(widen_pair(a, b, dtype), (a, b), strict=True))
+    tracked = a.clone().requires_grad_(True)  # a graph sees it: plain differentiable casts
+    wa, wb = widen_pair(tracked, b, torch.float64)
+    assert wa.requires_grad and torch.equal(wa.detach(), a.double())
+    wa.sum().backward()
+    assert torch.equal(tracked.grad, torch.ones_like(a))
+
+
+def test_pair_buffer_and_untracked():
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.float64)
+    x, y = pair_buffer(a, b, torch.float64)
+    assert x.shape == a.shape and y.shape == b.shape and flat_of((x, y)) is not None
+    assert untracked((a, b))
+    assert not untracked((a.requires_grad_(True), b))
+    with torch.no_grad():
+        assert untracked((a, b))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(b, torch.ones_like(b))
+        assert not untracked((dual,))

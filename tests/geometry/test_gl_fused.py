@@ -1,11 +1,15 @@
 """The fused order-2 endpoint and the Gram-matrix norms of GLGeometry equal their definitions."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from geosharp.geometry import GLSubgroupGeometry
+from geosharp.geometry import GLSubgroupGeometry, gl_execution
 from geosharp.geometry.gl import GLGeometry
-from geosharp.geometry.gl_math import christoffel, order2_endpoint
+from geosharp.geometry.gl_endpoint import _eye_like, eye_plus_mm, scaled_mm
+from geosharp.geometry.gl_execution import GLExecution, chunked_on
+from geosharp.geometry.gl_math import christoffel, lam_from, order2_endpoint
 from geosharp.geometry.gl_subgroup import BlockDiagonalAlgebra
 
 DT = torch.float64
@@ -122,3 +126,49 @@ def test_forward_mode_and_torch_func_use_plain_autograd(metric):
     u = xi[0].clone().requires_grad_(True)
     ref = torch.autograd.grad(geom.geodesic((u, xi[1]), order=2)[0].sum(), u)[0]
     assert _rel(g, ref) < 1e-13
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 8), (21, 64), (72, 32)])
+def test_one_launch_factors_give_the_plain_values_bit_for_bit(dtype, shape):
+    """``I + α·A@B`` and ``α·A@B`` in fewer launches (issue 43): the values of the plain forms."""
+    b, h = shape
+    g = torch.Generator().manual_seed(b * h)
+    A, B = (torch.randn(b, h, h, generator=g, dtype=dtype) for _ in range(2))
+    eye = torch.eye(h, dtype=dtype)
+    for alpha in (0.5, -0.5):
+        assert torch.equal(eye_plus_mm(A, B, alpha), eye + alpha * (A @ B))
+        assert torch.equal(scaled_mm(A, B, alpha), alpha * (A @ B))
+        assert torch.equal(scaled_mm(A, B, alpha), A @ (alpha * B))  # a power of two
+    assert torch.equal(eye_plus_mm(A[0], B[0], 0.5), eye + 0.5 * (A[0] @ B[0]))  # 2-D: plain
+    assert _eye_like(A) is _eye_like(B)  # made once, shared
+    assert torch.equal(_eye_like(A), eye)
+
+
+def test_eig_sums_are_the_solve_denominators_and_leave_the_projection_as_it_was():
+    G, H, xi = _block(5, (4,))
+    geom = GLGeometry(G, H, metric="inv")
+    F = geom.factors
+    assert F.eig_sums is not None
+    assert torch.equal(F.eig_sums, F.eig.unsqueeze(-1) + F.eig.unsqueeze(-2))
+    plain = dataclasses.replace(F, eig_sums=None)
+    XH, GX = xi[1].mT @ H, G.mT @ xi[0]
+    assert torch.equal(lam_from(XH, GX, F, "inv"), lam_from(XH, GX, plain, "inv"))
+
+
+def test_chunked_on_sets_the_default_chunks_for_a_while():
+    G, H, xi = _block(6, (40,), n=30, m=30, h=8)
+    small = GLExecution(chunk_elements=512)  # 2 heads a chunk on the CPU
+    chunked = GLGeometry(G, H, metric="inv", execution=small)
+    assert len(chunked._slices) == 20
+    with chunked_on(()):
+        one = GLGeometry(G, H, metric="inv", execution=GLExecution(chunk_elements=512))
+        assert len(one._slices) == 1  # one batched pass, as on a GPU
+        assert gl_execution.CHUNK_DEVICES == ()
+    assert gl_execution.CHUNK_DEVICES == ("cpu",)
+    with pytest.raises(RuntimeError), chunked_on(()):
+        raise RuntimeError
+    assert gl_execution.CHUNK_DEVICES == ("cpu",)  # put back on an error too
+    a, b = chunked.ascent_direction(xi), one.ascent_direction(xi)
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))  # head by head
+    assert abs(float(a[1]) - float(b[1])) <= 1e-14 * abs(float(b[1]))  # a sum in chunks

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from geosharp.geometry.flat import untracked
 from geosharp.geometry.gl_endpoint import _reverse_mode_only
 from geosharp.symmetry import ParameterSpace
 from geosharp.symmetry.blocks import SymmetryBlock
@@ -198,19 +199,6 @@ def read_parts(
         srcs.append(src)
     _copy_all(dests, srcs)
     return buf
-
-
-def _untracked(inputs: Sequence[Tensor]) -> bool:
-    """Whether no autograd graph, ``torch.func`` transform or dual tensor sees ``inputs``.
-
-    Then their copies may be one multi-tensor op.
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return all(unpack(t).tangent is None for t in inputs)
 
 
 def _copy_all(dests: list[Tensor], srcs: list[Tensor]) -> None:
@@ -515,7 +503,7 @@ class Assembly:
         if _reverse_mode_only(inputs):  # else the views' own autograd (torch.func, duals)
             out = _WriteParts.apply(self, dtype, *inputs)
             return dict(zip(self.gathered, out, strict=True))
-        return self._write(inputs, dtype, batched=_untracked(inputs))
+        return self._write(inputs, dtype, batched=untracked(inputs))
 
     def _write(self, inputs: Sequence[Tensor], dtype: torch.dtype, batched: bool = False) -> dict:
         """The gathered parameters, written part by part through views of the :attr:`plan`.

@@ -40,13 +40,11 @@ def ascent_sums(
     """
     out: Xi = []
     # the numbers stay tensors until every piece is done: one wait for the device, not one
-    # per piece and number (float64 sums in the same order as Python floats: same values)
-    sums: list[Tensor | None] = [None] * (1 + len(pairs))  # ‖d‖², then ⟨ξ_j, d⟩
+    # per piece and number; summed at the end (_piece_sums)
+    terms: list[list[Tensor]] = [[] for _ in range(1 + len(pairs))]  # ‖d‖², then ⟨ξ_j, d⟩
 
     def add(i: int, v: Tensor) -> None:
-        v = v.to(torch.float64)
-        total = sums[i]
-        sums[i] = v if total is None else total + v.to(total.device)
+        terms[i].append(v.to(torch.float64))
 
     for k, (p, e) in enumerate(zip(pieces, egrad, strict=True)):
         g = p.norm_geometry
@@ -68,4 +66,24 @@ def ascent_sums(
                 add(1 + j, g.inner(x, d).sum())
         out.append(tuple(d))
         add(0, n)
-    return out, sums
+    return out, _piece_sums(terms)
+
+
+def _piece_sums(terms: list[list[Tensor]]) -> list[Tensor | None]:
+    """Each list of float64 scalars summed in order (``None`` for an empty one).
+
+    Where every list has the same number of scalars on one device, all of them in one stack and
+    one sum (two launches, not one per term); else term by term, each brought to the first
+    one's device (a model split across devices).
+    """
+    full = [v for vs in terms for v in vs]
+    k = len(terms[0])
+    if k > 1 and all(len(vs) == k for vs in terms) and len({v.device for v in full}) == 1:
+        return list(torch.stack(full).view(len(terms), k).sum(1).unbind(0))
+    sums: list[Tensor | None] = []
+    for vs in terms:
+        total = None
+        for v in vs:
+            total = v if total is None else total + v.to(total.device)
+        sums.append(total)
+    return sums

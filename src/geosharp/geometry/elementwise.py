@@ -407,8 +407,12 @@ class ElementwiseGeometry(Geometry):
         if plain:  # x / w as a copy of x divided in place: the same values
             torch._foreach_copy_([dest[i] for i in plain], [x[ks[i]] for i in plain])
             torch._foreach_div_([dest[i] for i in plain], [self.point[ks[i]] for i in plain])
+        whole = self._whole_frozen()
+        zeros = [dest[i] for i, k in enumerate(ks) if whole[k]]
+        if zeros:  # x · 0 on a component frozen throughout: zeros, one op for them all
+            torch._foreach_zero_(zeros)
         for i, k in enumerate(ks):
-            if self._frozen[k] is not None:
+            if self._frozen[k] is not None and not whole[k]:
                 torch.mul(x[k], self._zero_frozen_(self.point[k].reciprocal(), k), out=dest[i])
         return flat
 

@@ -24,8 +24,11 @@ __all__ = [
     "flat_of",
     "flatten",
     "lists",
+    "pair_buffer",
     "scale_",
+    "untracked",
     "views",
+    "widen_pair",
 ]
 
 
@@ -141,3 +144,57 @@ def scale_(ts: Sequence[Tensor], c: float) -> None:
         return
     for t in ts:
         t.mul_(c)
+
+
+def untracked(inputs: Sequence[Tensor]) -> bool:
+    """Whether no autograd graph, ``torch.func`` transform or dual tensor sees ``inputs``.
+
+    Then their values may be written into buffers made here (``out=``, ``copy_``, multi-tensor
+    ops) instead of by differentiable out-of-place ops.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return all(unpack(t).tangent is None for t in inputs)
+
+
+def pair_buffer(
+    like_a: Tensor, like_b: Tensor, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """Two uninitialized tensors shaped like ``like_a`` and ``like_b``, slices of one buffer.
+
+    In ``dtype`` (default ``like_a``'s) on ``like_a``'s device: :func:`flat_of` sees the pair,
+    so a pairing or a combination of it is one op over the buffer. Two tensors where the
+    devices differ.
+    """
+    dtype = dtype or like_a.dtype
+    if like_b.device != like_a.device:
+        return (
+            torch.empty(like_a.shape, dtype=dtype, device=like_a.device),
+            torch.empty(like_b.shape, dtype=dtype, device=like_b.device),
+        )
+    n = like_a.numel()
+    buf = torch.empty(n + like_b.numel(), dtype=dtype, device=like_a.device)
+    return buf[:n].view(like_a.shape), buf[n:].view(like_b.shape)
+
+
+def widen_pair(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(a.to(dtype), b.to(dtype))``, the two slices of one buffer where nothing tracks them.
+
+    The tensors themselves when already in ``dtype``; one cast of their flat buffer when they
+    are one already (:func:`flat_of`); else, untracked (:func:`untracked`), two casting copies
+    into a :func:`pair_buffer`; tracked, two casts. The values of ``.to(dtype)`` every time.
+    """
+    if a.dtype == dtype and b.dtype == dtype:
+        return a, b
+    if a.device == b.device and a.dtype == b.dtype:
+        f = flat_of((a, b))
+        if f is not None:
+            return views(f.to(dtype), (a, b))  # type: ignore[return-value]
+    if untracked((a, b)):
+        wa, wb = pair_buffer(a, b, dtype)
+        torch._foreach_copy_([wa, wb], [a, b])
+        return wa, wb
+    return a.to(dtype), b.to(dtype)

@@ -58,6 +58,7 @@ from geosharp.geometry._validate import (
     check_tensor,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
+from geosharp.geometry.flat import flat_of, pair_buffer, untracked, widen_pair
 from geosharp.geometry.gl_diagnose import exact_geodesic_trouble, relative_speed
 from geosharp.geometry.gl_endpoint import order2_adjoint_by_chunks, order2_factors_by_chunks
 from geosharp.geometry.gl_execution import GLExecution, by_head
@@ -79,6 +80,16 @@ __all__ = ["DEFAULT_EPS", "GLGeometry"]
 #: Default damping of the Gram matrices. ``0`` keeps the metrics exactly GL(h)-invariant;
 #: a rank-deficient block then raises an error that suggests ``eps > 0``.
 DEFAULT_EPS = 0.0
+
+
+def _store(oG: Tensor, oH: Tensor, heads: slice, pG: Tensor, pH: Tensor) -> None:
+    """``oG[heads], oH[heads] = pG, pH``: one copy where both pairs are one buffer each."""
+    if heads == slice(None):
+        fo, fp = flat_of((oG, oH)), flat_of((pG, pH))
+        if fo is not None and fp is not None and untracked((pG, pH)):
+            fo.copy_(fp)
+            return
+    oG[heads], oH[heads] = pG, pH
 
 
 class GLGeometry(GLSampling, Geometry):
@@ -170,7 +181,7 @@ class GLGeometry(GLSampling, Geometry):
             grams = gram_matrices(G, H, ex.factor_dtype, ex.row_sum)
             factors = self._factorize(G, H, check, grams=grams)
         #: The base-point factors, in ``execution.work_dtype``.
-        self.factors = factors.cast(ex.work_dtype)
+        self.factors = factors.cast(ex.work_dtype).with_eig_sums()
         #: ``(M_G⁻¹, M_H⁻¹)`` of the order-2 endpoint, in ``execution.endpoint_dtype``.
         self._endpoint_inv = (
             factors.MG_inv.to(ex.endpoint_dtype),
@@ -308,8 +319,8 @@ class GLGeometry(GLSampling, Geometry):
         rows = [self._flat(t) for t in (*a, *(a if b is None else b))]
         out = torch.empty(rows[0].shape[0], dtype=ex.work_dtype, device=rows[0].device)
         for sl, F in zip(self._slices, self._chunk_factors, strict=True):
-            aG, aH = ex.widen(rows[0][sl], rows[1][sl])
-            bG, bH = (aG, aH) if b is None else ex.widen(rows[2][sl], rows[3][sl])
+            aG, aH = widen_pair(rows[0][sl], rows[1][sl], ex.work_dtype)
+            bG, bH = (aG, aH) if b is None else widen_pair(rows[2][sl], rows[3][sl], ex.work_dtype)
             out[sl] = gl_math.inner(aG, aH, bG, bH, F, self.metric)
         return out.reshape(self.G.shape[:-2]).to(a[0].dtype)
 
@@ -372,13 +383,14 @@ class GLGeometry(GLSampling, Geometry):
 
         Each chunk (all heads in one, per :attr:`execution`) is widened, projected in the work
         dtype and written into the result in the tangent's dtype: the same products as one
-        pass, head by head. ``pairing`` (a 0-dim tensor) accumulates ``xi·result`` of the
+        pass, head by head. The result's two components are consecutive slices of one buffer
+        (:func:`~geosharp.geometry.flat.pair_buffer`), so the ascent's pairings and combinations
+        of it are one op each. ``pairing`` (a 0-dim tensor) accumulates ``xi·result`` of the
         unrounded chunks.
         """
         ex = self.execution
         xG, xH = self._flat(xi[0]), self._flat(xi[1])
-        outG = torch.empty(xi[0].shape, dtype=xi[0].dtype, device=xi[0].device)
-        outH = torch.empty(xi[1].shape, dtype=xi[1].dtype, device=xi[1].device)
+        outG, outH = pair_buffer(xi[0], xi[1])
         oG, oH = self._flat(outG), self._flat(outH)
         split = ex.row_sum is not None and len(self._slices) > 1
         lams = self._split_lams(xG, xH, grad) if split else None
@@ -387,9 +399,13 @@ class GLGeometry(GLSampling, Geometry):
             # the Riemannian gradient is a fresh temporary: P may accumulate into it
             pG, pH = gl_math.horizontal_projection(G, H, g, h, L, inplace=grad and ex.inplace)
             if pairing is not None:
-                pairing += torch.dot(eG.reshape(-1), pG.reshape(-1))
-                pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
-            oG[sl], oH[sl] = pG, pH
+                fe, fp = flat_of((eG, eH)), flat_of((pG, pH))
+                if fe is not None and fp is not None:  # the pairs in one buffer each: one dot
+                    pairing += torch.dot(fe, fp)
+                else:
+                    pairing += torch.dot(eG.reshape(-1), pG.reshape(-1))
+                    pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
+            _store(oG, oH, sl, pG, pH)
         return outG, outH
 
     def _chunks(self, xG: Tensor, xH: Tensor, grad: bool) -> Iterator[tuple]:
@@ -397,10 +413,15 @@ class GLGeometry(GLSampling, Geometry):
 
         ``(g, h)`` is ``e`` itself, or with ``grad`` its Riemannian gradient.
         """
-        ex = self.execution
+        wd = self.execution.work_dtype
         for sl, F in zip(self._slices, self._chunk_factors, strict=True):
-            eG, eH = ex.widen(xG[sl], xH[sl])
-            g, h = gl_math.riemannian_grad(eG, eH, F, self.metric) if grad else (eG, eH)
+            eG, eH = widen_pair(xG[sl], xH[sl], wd)  # one buffer: one dot, one copy after
+            if not grad:
+                g, h = eG, eH
+            elif untracked((eG, eH)):  # into one buffer too: the projection accumulates in it
+                g, h = gl_math.riemannian_grad(eG, eH, F, self.metric, out=pair_buffer(eG, eH))
+            else:
+                g, h = gl_math.riemannian_grad(eG, eH, F, self.metric)
             yield (sl, F, eG, eH, g, h, *self.point_rows(sl))
 
     def _split_lams(self, xG: Tensor, xH: Tensor, grad: bool) -> list[Tensor]:

@@ -20,8 +20,40 @@ from geosharp.geometry.gl_rows import RowSum, contract, sum_chunks
 __all__: list[str] = []
 
 
+#: The identities of :func:`_eye_like`, one per ``(h, dtype, device)``: made once, never written.
+_EYES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
 def _eye_like(M: Tensor) -> Tensor:
-    return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    """The ``h × h`` identity in ``M``'s dtype and device, made once (no launch per step).
+
+    Shared and never written in place (every use here is out of place). Made outside
+    inference mode, so that a graph recorded later may use it.
+    """
+    key = (M.shape[-1], M.dtype, M.device)
+    eye = _EYES.get(key)
+    if eye is None:
+        with torch.inference_mode(False):
+            eye = _EYES[key] = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    return eye
+
+
+def eye_plus_mm(A: Tensor, B: Tensor, alpha: float) -> Tensor:
+    """``I + α·A @ B`` (batched ``h × h``): :func:`scaled_mm` and one ``add``.
+
+    The values of ``I + α·(A @ B)`` (a ``baddbmm`` onto ``I`` would round differently).
+    """
+    return scaled_mm(A, B, alpha) + _eye_like(A)
+
+
+def scaled_mm(A: Tensor, B: Tensor, alpha: float) -> Tensor:
+    """``α·A @ B`` (batched), one ``baddbmm`` with ``β = 0`` for 3-D operands.
+
+    The values of ``α·(A @ B)``; for ``α`` a power of two also those of ``A @ (α·B)``.
+    """
+    if A.dim() == 3 and B.dim() == 3 and A.shape[0] == B.shape[0]:
+        return torch.baddbmm(_eye_like(A), A, B, beta=0.0, alpha=alpha)
+    return alpha * (A @ B)
 
 
 def add_mm(X: Tensor, A: Tensor, B: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
@@ -67,13 +99,12 @@ def _order2_from(
 
     ``XG = ξ_Gᵀ G``, ``XH = ξ_Hᵀ H``, ``KG = ξ_Gᵀ ξ_G``, ``KH = ξ_Hᵀ ξ_H``, summed over every row.
     """
-    eye = _eye_like(XG)
     if metric == "inv":
-        cG = eye + 0.5 * (MG_inv @ (XG + XG.mT))
-        cH = eye + 0.5 * (MH_inv @ (XH + XH.mT))
+        cG = eye_plus_mm(MG_inv, XG + XG.mT, 0.5)
+        cH = eye_plus_mm(MH_inv, XH + XH.mT, 0.5)
         return cG, MG_inv @ KG, cH, MH_inv @ KH, -0.5
-    cG = eye - 0.5 * ((XH + XH.mT) @ MH_inv)
-    cH = eye - 0.5 * ((XG + XG.mT) @ MG_inv)
+    cG = eye_plus_mm(XH + XH.mT, MH_inv, -0.5)
+    cH = eye_plus_mm(XG + XG.mT, MG_inv, -0.5)
     return cG, KH @ MH_inv, cH, KG @ MG_inv, 0.5
 
 
@@ -226,13 +257,13 @@ def _adjoint_from(
     From its contractions ``ξ_Gᵀ g_G``, ``Gᵀ g_G``, ``ξ_Hᵀ g_H``, ``Hᵀ g_H`` (summed over every
     row): ``∂ξ_G = g_G C_Gᵀ + G·sym ∂S_G + ξ_G·sym ∂T_G``, the same for H.
     """
-    dBG, dBH = s * dBG, s * dBH
+    # s = ±½ and ½ are powers of two: s·(M @ dB) is M @ (s·dB), one baddbmm each
     if metric == "inv":
-        dSG, dTG = 0.5 * (MG_inv.mT @ dCG), MG_inv.mT @ dBG
-        dSH, dTH = 0.5 * (MH_inv.mT @ dCH), MH_inv.mT @ dBH
+        dSG, dTG = scaled_mm(MG_inv.mT, dCG, 0.5), scaled_mm(MG_inv.mT, dBG, s)
+        dSH, dTH = scaled_mm(MH_inv.mT, dCH, 0.5), scaled_mm(MH_inv.mT, dBH, s)
     else:
-        dSG, dTG = -0.5 * (dCH @ MG_inv.mT), dBH @ MG_inv.mT
-        dSH, dTH = -0.5 * (dCG @ MH_inv.mT), dBG @ MH_inv.mT
+        dSG, dTG = scaled_mm(dCH, MG_inv.mT, -0.5), scaled_mm(dBH, MG_inv.mT, s)
+        dSH, dTH = scaled_mm(dCG, MH_inv.mT, -0.5), scaled_mm(dBG, MH_inv.mT, s)
     return _sym(dSG), _sym(dTG), _sym(dSH), _sym(dTH)
 
 

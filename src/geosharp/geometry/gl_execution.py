@@ -26,9 +26,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,35 @@ from torch import Tensor
 
 from geosharp.geometry.gl_rows import RowSum
 
-__all__ = ["CHUNK_ELEMENTS", "GLExecution"]
+__all__ = ["CHUNK_DEVICES", "CHUNK_ELEMENTS", "GLExecution", "chunked_on"]
 
 #: Default number of work-dtype elements in one chunk of heads of the per-step products on a
 #: CPU: a chunk of widened heads of about 2 MB stays in cache between its products.
 CHUNK_ELEMENTS = 2**18
+
+
+#: Device types on which a default :class:`GLExecution` runs its per-step products chunk by
+#: chunk of heads (:attr:`GLExecution.chunk_devices`): the CPU, where a chunk of widened heads
+#: stays in cache and a launch costs little. Elsewhere (a GPU) one batched pass per piece, a
+#: fixed number of launches. Set for a while by :func:`chunked_on`.
+CHUNK_DEVICES: tuple[str, ...] = ("cpu",)
+
+
+@contextlib.contextmanager
+def chunked_on(devices: tuple[str, ...]) -> Iterator[None]:
+    """Within the block, geometries made with a default policy chunk on ``devices`` only.
+
+    ``chunked_on(())`` runs the products in one batched pass on every device, the CPU
+    included: the path, and the launches, of a GPU (``benchmarks/launches.py --path device``).
+    Each head's products are the same either way; sums over heads (a pairing, a norm) add the
+    chunks' partial sums in another order.
+    """
+    global CHUNK_DEVICES
+    saved, CHUNK_DEVICES = CHUNK_DEVICES, tuple(devices)
+    try:
+        yield
+    finally:
+        CHUNK_DEVICES = saved
 
 
 @dataclass(frozen=True)
@@ -75,7 +100,7 @@ class GLExecution:
         chunk_elements: Work-dtype elements of one chunk of heads of the per-step products
             (the projection, the horizontal gradient and the metric).
         chunk_devices: Device types on which the per-step products run chunk by chunk (one
-            batched pass elsewhere).
+            batched pass elsewhere; default :data:`CHUNK_DEVICES`, when the policy is made).
         inplace: Accumulate the projection ``g + GΛ`` into the fresh Riemannian gradient
             ``g`` instead of copying it (the same values).
         row_sum: Sums the ``h × h`` contractions over rows across the ranks that hold the
@@ -91,7 +116,7 @@ class GLExecution:
     hold_point: bool | None = None
     endpoint_dtype: torch.dtype | None = None
     chunk_elements: int = CHUNK_ELEMENTS
-    chunk_devices: tuple[str, ...] = ("cpu",)
+    chunk_devices: tuple[str, ...] = dataclasses.field(default_factory=lambda: CHUNK_DEVICES)
     inplace: bool = True
     row_sum: RowSum | None = None
 

@@ -67,6 +67,8 @@ class GLFactors:
         S: inv metric only: ``S = M_H^{1/2} Q`` of the Sylvester solve (SPEC §4.4).
         S_inv: ``S⁻¹ = Qᵀ M_H^{−1/2}``.
         eig: The eigenvalues ``D`` of ``C = M_H^{1/2} M_G M_H^{1/2} = Q D Qᵀ``, ``(..., h)``.
+        eig_sums: The Sylvester solve's denominators ``d_i + d_j``, ``(..., h, h)``, formed
+            once in the dtype the factors are used in (:meth:`with_eig_sums`), or ``None``.
     """
 
     MG: Tensor
@@ -76,6 +78,7 @@ class GLFactors:
     S: Tensor | None = None
     S_inv: Tensor | None = None
     eig: Tensor | None = None
+    eig_sums: Tensor | None = None
 
     #: Fields that are not per head (shared by every head): cast, never sliced.
     SHARED: ClassVar[frozenset[str]] = frozenset()
@@ -83,6 +86,15 @@ class GLFactors:
     def cast(self, dtype: torch.dtype) -> GLFactors:
         """The same factors with every floating tensor in ``dtype`` (rounded once)."""
         return self._map(lambda t: t.to(dtype) if t.is_floating_point() else t, shared=True)
+
+    def with_eig_sums(self) -> GLFactors:
+        """The same factors with :attr:`eig_sums` formed from :attr:`eig` (in its dtype).
+
+        The values every solve would form from ``eig`` again (``d_i + d_j``), made once.
+        """
+        if self.eig is None:
+            return self
+        return dataclasses.replace(self, eig_sums=self.eig.unsqueeze(-1) + self.eig.unsqueeze(-2))
 
     def per_head(self, fn: Callable[[Tensor], Tensor]) -> GLFactors:
         """The factors with ``fn`` (e.g. a slice of the flattened heads) on every per-head one."""

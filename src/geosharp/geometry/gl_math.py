@@ -78,14 +78,22 @@ def inner(aG: Tensor, aH: Tensor, bG: Tensor, bH: Tensor, F: GLFactors, metric: 
     return trace_form(aG.mT @ bG, aH.mT @ bH, *metric_weights(F, metric))
 
 
-def riemannian_grad(eG: Tensor, eH: Tensor, F: GLFactors, metric: str) -> tuple[Tensor, Tensor]:
+def riemannian_grad(
+    eG: Tensor,
+    eH: Tensor,
+    F: GLFactors,
+    metric: str,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """The Riemannian gradient ``g⁻¹e`` of a Euclidean gradient ``e`` (SPEC §4.7).
 
-    inv: ``(e_G M_G, e_H M_H)``; mix: ``(e_G M_H⁻¹, e_H M_G⁻¹)``.
+    inv: ``(e_G M_G, e_H M_H)``; mix: ``(e_G M_H⁻¹, e_H M_G⁻¹)``. ``out``: tensors to write
+    the two products into (not differentiable), e.g. slices of one buffer.
     """
-    if metric == "inv":
-        return eG @ F.MG, eH @ F.MH
-    return eG @ F.MH_inv, eH @ F.MG_inv
+    MG, MH = (F.MG, F.MH) if metric == "inv" else (F.MH_inv, F.MG_inv)
+    if out is None:
+        return eG @ MG, eH @ MH
+    return torch.matmul(eG, MG, out=out[0]), torch.matmul(eH, MH, out=out[1])
 
 
 # -- quotient structure (SPEC §4.3–§4.4) ----------------------------------------------------------
@@ -120,7 +128,8 @@ def lam_from(XH: Tensor, GX: Tensor, F: GLFactors, metric: str) -> Tensor:
         return 0.5 * (XH @ F.MH_inv - F.MG_inv @ GX)
     B = XH @ F.MG - F.MH @ GX
     S, d = F.S, F.eig
-    Y = (F.S_inv @ B @ S) / (d.unsqueeze(-1) + d.unsqueeze(-2))
+    sums = F.eig_sums if F.eig_sums is not None else d.unsqueeze(-1) + d.unsqueeze(-2)
+    Y = (F.S_inv @ B @ S) / sums
     return S @ Y @ F.S_inv
 
 
