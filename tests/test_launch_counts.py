@@ -46,17 +46,18 @@ MEASURES = {
 }
 
 #: measure → (launches per step / plain, P written per batch-step beyond plain), upper bounds:
-#: the figure measured on 2026-12-07 × 1.05 (that figure, then the one before the element-wise
-#: bookkeeping became multi-tensor ops (issue 43), in the comment; written counts the tensors
-#: an in-place ``_foreach_*_`` op writes since then, which the earlier count missed).
+#: the figure measured on 2026-12-07 × 1.05 (that figure, then the figures before the
+#: element-wise bookkeeping became multi-tensor ops and before the GL geometry's pairs became
+#: one buffer (issue 43), in the comment; written counts the tensors an in-place ``_foreach_*_``
+#: op writes since the first, which the earlier count missed).
 BOUNDS = {
     "adaptive-l2": (1.25, 7.82),  # 1.187, 7.442; was 5.626, 6.555
     "adaptive-linf": (1.30, 20.25),  # 1.230, 19.283; was 7.662, 19.283
-    "geodesic-inv-o2": (2.07, 14.68),  # 1.971, 13.980; was 5.043, 13.090
-    "geodesic-mix-o2": (2.04, 14.37),  # 1.935, 13.677; was 5.007, 12.788
-    "geodesic-inv-exact": (7.72, 155.37),  # 7.345, 147.968; was 10.417, 147.078
-    "geodesic-inv-average": (1.83, 10.23),  # 1.741, 9.743; was 2.115, 9.743
-    "curvature-hvp": (7.2, 32.33),  # 6.856, 30.789; was 6.935, 30.789
+    "geodesic-inv-o2": (1.89, 14.23),  # 1.795, 13.543; was 1.971 and 5.043, 13.980
+    "geodesic-mix-o2": (1.86, 13.97),  # 1.770, 13.303; was 1.935 and 5.007, 13.677
+    "geodesic-inv-exact": (7.60, 155.31),  # 7.237, 147.907; was 7.345 and 10.417, 147.968
+    "geodesic-inv-average": (1.01, 10.03),  # 0.957, 9.550; was 1.741 and 2.115, 9.743
+    "curvature-hvp": (6.49, 32.02),  # 6.173, 30.487; was 6.856 and 6.935, 30.789
 }
 
 

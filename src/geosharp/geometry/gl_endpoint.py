@@ -34,7 +34,9 @@ def _eye_like(M: Tensor) -> Tensor:
     eye = _EYES.get(key)
     if eye is None:
         with torch.inference_mode(False):
-            eye = _EYES[key] = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        if type(eye) is torch.Tensor:  # not a fake or traced one (torch.compile, a meta mode)
+            _EYES[key] = eye
     return eye
 
 
