@@ -172,3 +172,18 @@ def test_chunked_on_sets_the_default_chunks_for_a_while():
     a, b = chunked.ascent_direction(xi), one.ascent_direction(xi)
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))  # head by head
     assert abs(float(a[1]) - float(b[1])) <= 1e-14 * abs(float(b[1]))  # a sum in chunks
+
+
+def test_a_large_piece_off_the_cpu_runs_in_a_few_chunks():
+    """Off the chunk devices (a GPU) a piece runs in one pass, or in at most a few chunks of
+    ``device_chunk_elements`` when larger (the float64 copies of a whole piece at once: issue
+    43's GPU peak); checked on the CPU through ``chunked_on(())``."""
+    G, H, _ = _block(7, (40,), n=30, m=30, h=8)  # 40 heads of 240 elements
+    with chunked_on(()):
+        ex = GLExecution(device_chunk_elements=2400)  # 10 heads a chunk: 4 chunks
+        assert len(ex.head_slices(G, H)) == 4
+        ex = GLExecution(device_chunk_elements=480)  # 2 heads a chunk, but at most 4 chunks
+        assert [s.stop - s.start for s in ex.head_slices(G, H)] == [10, 10, 10, 10]
+        assert GLExecution().head_slices(G, H) == [slice(None)]  # fits in one: one pass
+        ex = GLExecution(device_chunk_elements=480, device_max_chunks=3)
+        assert [s.stop - s.start for s in ex.head_slices(G, H)] == [14, 14, 12]

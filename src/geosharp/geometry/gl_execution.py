@@ -37,17 +37,34 @@ from torch import Tensor
 
 from geosharp.geometry.gl_rows import RowSum
 
-__all__ = ["CHUNK_DEVICES", "CHUNK_ELEMENTS", "GLExecution", "chunked_on"]
+__all__ = [
+    "CHUNK_DEVICES",
+    "CHUNK_ELEMENTS",
+    "DEVICE_CHUNK_ELEMENTS",
+    "DEVICE_MAX_CHUNKS",
+    "GLExecution",
+    "chunked_on",
+]
 
 #: Default number of work-dtype elements in one chunk of heads of the per-step products on a
 #: CPU: a chunk of widened heads of about 2 MB stays in cache between its products.
 CHUNK_ELEMENTS = 2**18
 
+#: Elsewhere (a GPU): work-dtype elements of one chunk (128 MB in float64), taken only where
+#: the products would otherwise need more, and then in at most :data:`DEVICE_MAX_CHUNKS`
+#: chunks. A whole-piece pass widens the piece's tangent, its Riemannian gradient and its point
+#: to float64 at once: three float64 copies of every block weight (on a 335 M BERT, 0.3 of the
+#: weights in blocks: 1.8 parameter-sized float32 buffers); four chunks make that a quarter, for
+#: a few more launches per step.
+DEVICE_CHUNK_ELEMENTS = 2**24
+DEVICE_MAX_CHUNKS = 4
+
 
 #: Device types on which a default :class:`GLExecution` runs its per-step products chunk by
-#: chunk of heads (:attr:`GLExecution.chunk_devices`): the CPU, where a chunk of widened heads
-#: stays in cache and a launch costs little. Elsewhere (a GPU) one batched pass per piece, a
-#: fixed number of launches. Set for a while by :func:`chunked_on`.
+#: chunk of heads of :data:`CHUNK_ELEMENTS` (:attr:`GLExecution.chunk_devices`): the CPU, where a
+#: chunk of widened heads stays in cache and a launch costs little. Elsewhere (a GPU) one
+#: batched pass per piece, or at most :data:`DEVICE_MAX_CHUNKS` on a large piece: a fixed number
+#: of launches. Set for a while by :func:`chunked_on`.
 CHUNK_DEVICES: tuple[str, ...] = ("cpu",)
 
 
@@ -55,8 +72,9 @@ CHUNK_DEVICES: tuple[str, ...] = ("cpu",)
 def chunked_on(devices: tuple[str, ...]) -> Iterator[None]:
     """Within the block, geometries made with a default policy chunk on ``devices`` only.
 
-    ``chunked_on(())`` runs the products in one batched pass on every device, the CPU
-    included: the path, and the launches, of a GPU (``benchmarks/launches.py --path device``).
+    ``chunked_on(())`` runs the products as on a GPU on every device, the CPU included: one
+    batched pass per piece (at most :data:`DEVICE_MAX_CHUNKS` on a large one), the path and the
+    launches of a GPU (``benchmarks/launches.py --path device``).
     Each head's products are the same either way; sums over heads (a pairing, a norm) add the
     chunks' partial sums in another order.
     """
@@ -99,8 +117,11 @@ class GLExecution:
             under 1 % either way).
         chunk_elements: Work-dtype elements of one chunk of heads of the per-step products
             (the projection, the horizontal gradient and the metric).
-        chunk_devices: Device types on which the per-step products run chunk by chunk (one
-            batched pass elsewhere; default :data:`CHUNK_DEVICES`, when the policy is made).
+        chunk_devices: Device types on which the per-step products run chunk by chunk of
+            :attr:`chunk_elements` (default :data:`CHUNK_DEVICES`, when the policy is made).
+        device_chunk_elements: Elsewhere, the elements of one chunk, in at most
+            :attr:`device_max_chunks` chunks (one pass when the piece fits in one).
+        device_max_chunks: The most chunks of a piece elsewhere (a GPU: launches per step).
         inplace: Accumulate the projection ``g + GΛ`` into the fresh Riemannian gradient
             ``g`` instead of copying it (the same values).
         row_sum: Sums the ``h × h`` contractions over rows across the ranks that hold the
@@ -117,6 +138,8 @@ class GLExecution:
     endpoint_dtype: torch.dtype | None = None
     chunk_elements: int = CHUNK_ELEMENTS
     chunk_devices: tuple[str, ...] = dataclasses.field(default_factory=lambda: CHUNK_DEVICES)
+    device_chunk_elements: int = DEVICE_CHUNK_ELEMENTS
+    device_max_chunks: int = DEVICE_MAX_CHUNKS
     inplace: bool = True
     row_sum: RowSum | None = None
 
@@ -150,13 +173,18 @@ class GLExecution:
     def head_slices(self, G: Tensor, H: Tensor) -> list[slice]:
         """The chunks of the flattened heads the per-step products run over.
 
-        ``[slice(None)]`` (one pass) off the :attr:`chunk_devices` or when all heads fit in
-        :attr:`chunk_elements`; otherwise consecutive slices of
-        ``chunk_elements // (max(n, m) · h)`` heads.
+        On the :attr:`chunk_devices`, consecutive slices of ``chunk_elements // (max(n, m) · h)``
+        heads; elsewhere of ``device_chunk_elements // (max(n, m) · h)`` heads, but at least
+        ``1 / device_max_chunks`` of them. ``[slice(None)]`` (one pass) when they all fit in one.
         """
         n_heads = math.prod(G.shape[:-2])
-        per = max(1, self.chunk_elements // (max(G.shape[-2], H.shape[-2]) * G.shape[-1]))
-        if G.device.type not in self.chunk_devices or per >= n_heads:
+        head = max(G.shape[-2], H.shape[-2]) * G.shape[-1]
+        if G.device.type in self.chunk_devices:
+            per = max(1, self.chunk_elements // max(head, 1))
+        else:
+            per = max(1, self.device_chunk_elements // max(head, 1))
+            per = max(per, -(-n_heads // max(self.device_max_chunks, 1)))
+        if per >= n_heads:
             return [slice(None)]
         return [slice(i, min(i + per, n_heads)) for i in range(0, n_heads, per)]
 
