@@ -21,8 +21,9 @@ geometry alike, after composite ops have been decomposed (``linear`` arrives as 
   launches (or fuse) still counts once: the figure is dispatched ops, the launches' floor.
 
 With every launch the elements its outputs hold are summed (:attr:`Count.elements`: what it
-writes; an in-place op writes its whole output; a multi-tensor in-place op, ``_foreach_add_``,
-which returns nothing, every tensor it writes), and the dtype casts are counted
+writes; an in-place op writes its whole output, but an indexed one, ``index_copy_``,
+``index_fill_``, ``index_put_``, the rows it writes; a multi-tensor in-place op,
+``_foreach_add_``, which returns nothing, every tensor it writes), and the dtype casts are counted
 (:attr:`Count.casts`: ``_to_copy`` to another dtype, or ``copy_`` between dtypes).
 
 The count depends only on the ops dispatched, never on time, so it is the same from one run
@@ -31,6 +32,7 @@ to the next (checked by ``tests/test_launch_counts.py``) and a test may bound it
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -136,9 +138,42 @@ class Count:
         return [(k, c, self.op_elements[k]) for c, k in ranked[:n]]
 
 
+def _index_copy(args: tuple, kwargs: dict) -> int:  # (self, dim, index, source)
+    return _arg(args, kwargs, 3, "source").numel()
+
+
+def _index_fill(args: tuple, kwargs: dict) -> int:  # (self, dim, index, value)
+    t, dim, index = args[0], _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "index")
+    return index.numel() * (t.numel() // max(t.shape[dim] if t.dim() else 1, 1))
+
+
+def _index_put(args: tuple, kwargs: dict) -> int:  # (self, indices, values, accumulate)
+    t, indices = args[0], list(_arg(args, kwargs, 1, "indices"))
+    if not indices or any(i is None for i in indices):  # slices among the indices: say all
+        return t.numel()
+    if len(indices) == 1 and indices[0].dtype == torch.bool:
+        mask = indices[0]
+        return int(mask.sum()) * (t.numel() // max(mask.numel(), 1))
+    picked = torch.broadcast_shapes(*(i.shape for i in indices)).numel()
+    return picked * (t.numel() // max(math.prod(t.shape[: len(indices)]), 1))
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str):
+    return args[i] if i < len(args) else kwargs[name]
+
+
+#: In-place ops that write some rows of their output only: name → the elements they write.
+PARTIAL_WRITES = {"index_copy_": _index_copy, "index_fill_": _index_fill, "index_put_": _index_put}
+
+
 def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
     """Elements an op writes: its outputs', or, for an in-place op that returns nothing (the
-    multi-tensor ``_foreach_*_`` ops), those of the arguments its schema marks as written."""
+    multi-tensor ``_foreach_*_`` ops), those of the arguments its schema marks as written; an
+    in-place indexed write (:data:`PARTIAL_WRITES`) counts the rows it writes, not its
+    whole output."""
+    partial = PARTIAL_WRITES.get(func.overloadpacket.__name__)
+    if partial is not None:
+        return partial(args, kwargs)
     n = sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     if n or func._schema.returns:
         return n

@@ -164,3 +164,15 @@ def test_what_counts_as_a_launch():
         torch._foreach_mul(a, 2.0)  # one launch writing two new tensors
     assert m.count.ops == {"_foreach_add_": 1, "_foreach_mul": 1}
     assert m.count.op_elements == {"_foreach_add_": 7, "_foreach_mul": 7}
+    t, rows, cols, src = (
+        torch.zeros(5, 3),
+        torch.tensor([1, 4]),
+        torch.tensor([0, 2]),
+        torch.ones(2, 3),
+    )
+    with LaunchCounter() as m:  # indexed in-place writes: the rows they write, not the table
+        t.index_copy_(0, rows, src)
+        t.index_fill_(0, rows, 2.0)
+        t.index_put_((rows,), src)
+        t.index_put_((rows, cols), src[0, :2])
+    assert m.count.op_elements == {"index_copy_": 6, "index_fill_": 6, "index_put_": 6 + 2}

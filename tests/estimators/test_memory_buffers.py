@@ -402,9 +402,10 @@ def test_the_ball_norm_from_the_pairings_is_the_norm_of_the_combination(monkeypa
     assert max(norms) <= rho * (1 + 1e-12) and max(norms) > 0.99 * rho
 
 
-def test_buffer_bytes_counts_a_cut_table_as_its_rows_and_its_perturbed_copy():
+def test_buffer_bytes_counts_a_cut_table_as_its_rows_twice():
     """A table cut to the rows a batch reaches: ξ holds those rows, the perturbation their
-    ``w[rows]`` and, for each forward, the perturbed table as a whole (``w``, rows replaced)."""
+    ``w[rows]`` and, for each forward, the rows it overwrites in the table (put back after it;
+    no copy of the table, estimators/table_rows.py)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 3))
     space = gs.find_symmetries(model, adapters=[])
@@ -414,7 +415,7 @@ def test_buffer_bytes_counts_a_cut_table_as_its_rows_and_its_perturbed_copy():
     cut = pert.on_rows({"0.weight": torch.tensor([1, 2, 7])})
     xi, held = cut.buffer_bytes()
     assert xi == (3 * 16 + 16 * 3 + 3) * 4
-    assert held == 3 * 16 * 4 + 50 * 16 * 4  # w[rows], and the perturbed table
+    assert held == 3 * 16 * 4 + 3 * 16 * 4  # w[rows], and the rows overwritten (kept)
 
 
 def test_no_buffer_budget_keeps_the_best_direction_always_with_the_same_ascent():

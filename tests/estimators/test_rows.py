@@ -221,3 +221,90 @@ def test_frozen_coordinates_are_held_compactly():
     dense[0] = 1.0
     assert ElementwiseGeometry(dense)._frozen[0].dtype == torch.bool
     assert ElementwiseGeometry(torch.ones(4, 4))._frozen[0] is None
+
+
+def _copying(monkeypatch):
+    """Every cut table perturbed as a copy (``index_put``), as before issue 43's in-place rows."""
+    from geosharp.estimators.perturbation import Perturbation as P
+
+    orig = P.endpoint_params
+
+    def copying(self, xi, applied=False):
+        saved, self._rows_log = self._rows_log, None
+        try:
+            return orig(self, xi, applied=applied)
+        finally:
+            self._rows_log = saved
+
+    monkeypatch.setattr(P, "endpoint_params", copying)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "kw", [dict(measure="adaptive", rho=0.3), dict(measure="adaptive", norm="linf", rho=0.01)]
+)
+def test_a_cut_table_written_in_place_gives_the_copys_values_and_is_put_back(
+    monkeypatch, dtype, kw
+):
+    """The rows of a cut table written into the table itself for each loss: the same values,
+    bit for bit, as the copy with the rows replaced; the model's table unchanged after."""
+    model = _model(dtype=dtype)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    made = _spy(monkeypatch)
+    args = (model, nn.functional.cross_entropy, _data())
+    inplace = gs.sharpness(*args, steps=10, cache=False, **kw)
+    assert made == [["emb.weight", "pos.weight"]]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    _copying(monkeypatch)
+    copied = gs.sharpness(*args, steps=10, cache=False, **kw)
+    assert inplace.value == copied.value and inplace.traces == copied.traces
+    assert (inplace.n_forward, inplace.n_backward) == (copied.n_forward, copied.n_backward)
+
+
+def test_a_cut_table_is_put_back_when_the_loss_fails(monkeypatch):
+    """An error in the forward (here the loss at the third evaluation) leaves the table as it
+    was: the rows written for it are restored on the way out."""
+    model = _model()
+    before = model.emb.weight.detach().clone()
+    calls = []
+
+    def failing(out, y):
+        calls.append(1)
+        if len(calls) == 3:
+            assert not torch.equal(model.emb.weight.detach(), before)  # rows written in place
+            raise RuntimeError("boom")
+        return nn.functional.cross_entropy(out, y)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        gs.sharpness(model, failing, _data(), measure="adaptive", rho=0.3, steps=5, cache=False)
+    assert torch.equal(model.emb.weight.detach(), before)
+
+
+def test_no_copy_of_a_cut_table_during_the_forward():
+    """No op writes a tensor the size of the cut table during the ascent (the copy with the
+    rows replaced is gone); the writes into it are its rows."""
+    from tests.launch_counter import LaunchCounter
+
+    model = Bag()
+    torch.manual_seed(0)
+    big = V * D
+    seen = []
+
+    class Sizes(LaunchCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == big and "index_put" in str(func):
+                seen.append(str(func))
+            return out
+
+    with Sizes():
+        gs.sharpness(
+            model,
+            nn.functional.cross_entropy,
+            _data(torch.float32),
+            measure="adaptive",
+            rho=0.3,
+            steps=4,
+            cache=False,
+        )
+    assert seen == []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from geosharp.estimators.table_rows import RowsWritten, rows_into
 from geosharp.geometry.flat import untracked
 from geosharp.geometry.gl_endpoint import _reverse_mode_only
 from geosharp.symmetry import ParameterSpace
@@ -453,15 +454,25 @@ class Assembly:
             if gathered
         )
 
-    def __call__(self, moved: Sequence[tuple[Tensor, ...]]) -> dict[str, Tensor]:
-        """The perturbed parameters by name from the moved pieces (one tuple per piece)."""
+    def __call__(
+        self, moved: Sequence[tuple[Tensor, ...]], rows_log: RowsWritten | None = None
+    ) -> dict[str, Tensor]:
+        """The perturbed parameters by name from the moved pieces (one tuple per piece).
+
+        ``rows_log``: a table cut to rows (:attr:`rows`) is written in place, its rows put
+        back by the log (:mod:`~geosharp.estimators.table_rows`), where only a reverse-mode
+        gradient (or none) is taken; without it, a copy of the table with the rows replaced.
+        """
         out: dict[str, Tensor] = {}
         rest = moved[self.rest_piece] if self.rest_piece is not None else ()
         for c, ((j, whole), value) in enumerate(zip(self.layout, rest, strict=True)):
             if whole:
                 if c in self.rows:  # a table cut to the rows a batch reaches: w, those replaced
                     r, table = self.rows[c]
-                    value = table.index_put((r,), value)
+                    if rows_log is not None and (untracked([value]) or _reverse_mode_only([value])):
+                        value = rows_into(table, r, value, rows_log)
+                    else:
+                        value = table.index_put((r,), value)
                 out[self.names[j]] = value.view(self.shapes[j])
         if self.gathered:
             ref = moved[self.sym_pieces[0]][0] if self.sym_pieces else rest[self.mixed[0]]

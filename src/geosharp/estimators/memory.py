@@ -35,7 +35,7 @@ def held_bytes(
     geometry holds, :meth:`~geosharp.geometry.Geometry.held_tensors`, once; not those in
     ``own``, the model's), the rows kept by a row cut, and the perturbed parameters made for
     each forward and kept by the backward (those with block coordinates, gathered, and the
-    tables cut to rows, whole). ``itemsize`` is the bytes per element of every parameter.
+    rows of the tables cut to rows that a forward overwrites). ``itemsize`` is the bytes per element of every parameter.
     """
     seen = set(own)
     held = 0
@@ -48,8 +48,12 @@ def held_bytes(
                     held += st.nbytes()
     sizes = zip(assembly.gathered, assembly.gathered_sizes, strict=True)
     held += sum(n * itemsize[j] for j, n in sizes)
-    # a table cut to rows is perturbed as a whole copy for each forward (w, rows replaced)
-    held += sum(full.numel() * full.element_size() for _, full in assembly.rows.values())
+    # a table cut to rows is perturbed in place for each forward, its rows kept to be put back
+    # (estimators/table_rows.py): rows × width, not a copy of the table
+    held += sum(
+        r.numel() * (full.numel() // max(full.shape[0], 1)) * full.element_size()
+        for r, full in assembly.rows.values()
+    )
     return held
 
 

@@ -53,6 +53,7 @@ from geosharp.estimators.pieces import (
     build_pieces,
 )
 from geosharp.estimators.reductions import ascent_sums, scalar_sum
+from geosharp.estimators.table_rows import RowsWritten
 from geosharp.geometry.draws import generator_for
 from geosharp.symmetry import ParameterSpace
 
@@ -143,6 +144,8 @@ class Perturbation:
         params = _base_params(space, theta0)
         #: Storages of the base point's own tensors (the model's: not held by the pieces).
         self._own = {t.untyped_storage().data_ptr() for t in params.values()}
+        #: The rows of tables written in place during :meth:`applied` (else ``None``).
+        self._rows_log: RowsWritten | None = None
         names = space.param_names
         self._itemsize = [params[n].element_size() for n in names]
         #: The device of every parameter: each piece, index and buffer is made on the device
@@ -315,7 +318,7 @@ class Perturbation:
             applied: Take the rest piece's tensors as the perturbed values themselves.
         """
         moved = self._moved(xi, skip=self._rest_piece if applied and self.straight_rest else None)
-        return self._assembly(moved)
+        return self._assembly(moved, rows_log=self._rows_log if applied else None)
 
     def loss_and_grad(
         self,
@@ -443,7 +446,9 @@ class Perturbation:
         representable, e.g. ``ξ = 0``), so an ascent carries the perturbation of the point it
         evaluated. Pieces that do not move on straight lines are left as they are, and so are
         the rest piece's components ``skip`` (a caller holding their ``θ′`` elsewhere: a
-        sharded model's shards, :mod:`geosharp.estimators.sharded.objective`).
+        sharded model's shards, :mod:`geosharp.estimators.sharded.objective`). A table cut to
+        the rows a batch reaches (:meth:`on_rows`) is perturbed in its own tensor for the loss
+        (:mod:`~geosharp.estimators.table_rows`: no copy of the table) and put back on exit.
         """
         k = self._rest_piece
         if not self.straight_rest or k is None:
@@ -464,10 +469,15 @@ class Perturbation:
         with torch.no_grad():
             if ts:  # one multi-tensor op: one dispatch, not one per component
                 torch._foreach_add_(ts, ws)
+        # a table cut to rows is perturbed in place for this loss (no copy of it), put back here
+        self._rows_log = RowsWritten() if self._assembly.rows else None
         try:
             yield xi
         finally:
             with torch.no_grad():
+                if self._rows_log is not None:
+                    self._rows_log.restore()
+                    self._rows_log = None
                 if ts:
                     torch._foreach_sub_(ts, ws)
 
