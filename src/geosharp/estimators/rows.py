@@ -13,8 +13,9 @@ records the indices it looks up. :meth:`BatchRows.restrict` then cuts those tabl
 reached (:meth:`~geosharp.estimators.perturbation.Perturbation.on_rows`), provided the clean
 gradient of the table vanishes on every other row: a table used elsewhere as well (tied to an
 output layer, as in most language-model heads) has gradients there and is left whole. Tables
-of which most rows are reached are left whole too (the cut costs one copy of the table per
-step, for the perturbed table ``w`` with the rows replaced).
+of which most rows are reached are left whole too (the cut saves little there, and each
+forward writes its rows into the table and puts them back:
+:mod:`~geosharp.estimators.table_rows`).
 
 The restricted ascent is the same ascent: its iterates equal the full ones on the rows kept and
 are zero elsewhere, and only the order of the terms in the norms' sums changes (float
