@@ -36,14 +36,16 @@ def _status() -> dict[str, float]:
     return out
 
 
-def _clock() -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds of this process (user and system) and its minor page faults.
+def _clock() -> tuple[float, float, float, int]:
+    """Wall seconds, user and system CPU seconds of this process, and its minor page faults.
 
     On a loaded machine the CPU time and the page faults (fresh pages: on a VM each can cost
-    more than the arithmetic of its 4 kB) vary less than the wall time.
+    more than the arithmetic of its 4 kB) vary less than the wall time; the system time is
+    mostly those page faults, whose cost varies from run to run on a VM, the user time the
+    arithmetic and the copies.
     """
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), r.ru_utime + r.ru_stime, r.ru_minflt
+    return time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,11 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     t2 = _clock()
     end = _status()
     unit = n * 4 / 1e9
-    (w0, c0, f0), (w1, c1, f1), (w2, c2, f2) = t0, t1, t2
+
+    def took(x: tuple[float, float, float, int], y: tuple[float, float, float, int]) -> str:
+        (wa, ua, sa, fa), (wb, ub, sb, fb) = x, y
+        return (
+            f"{wb - wa:.2f} s (CPU {ub - ua + sb - sa:.2f} s: user {ub - ua:.2f} s, system "
+            f"{sb - sa:.2f} s; {(fb - fa) / 1e3:.0f} k page faults)"
+        )
+
     print(
-        f"{a.config}: P = {n / 1e6:.0f} M; find_symmetries {w1 - w0:.1f} s (CPU {c1 - c0:.1f} s, "
-        f"{(f1 - f0) / 1e3:.0f} k page faults), perturbation {w2 - w1:.1f} s (CPU {c2 - c1:.1f} s, "
-        f"{(f2 - f1) / 1e3:.0f} k page faults); peak above the model "
+        f"{a.config}: P = {n / 1e6:.0f} M; find_symmetries {took(t0, t1)}, perturbation "
+        f"{took(t1, t2)}; peak above the model "
         f"{end['VmHWM'] - start:.2f} GB = {(end['VmHWM'] - start) / unit:.2f} P, held after "
         f"{(end['VmRSS'] - start) / unit:.2f} P"
     )

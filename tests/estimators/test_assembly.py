@@ -8,6 +8,8 @@ must give the same parameters, the same gradients and the same pull-back, bit fo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -220,6 +222,71 @@ def test_a_plan_that_misses_coordinates_fails_its_cover_check(monkeypatch):
     asm.mixed_local.append((j, torch.tensor([0])))  # coordinate 0 of parameter j written twice
     with pytest.raises(ValueError, match="do not cover parameter"):
         asm._check_cover(asm.plan, pert.pieces)
+
+
+@pytest.mark.parametrize("name", ["hf_bert", "hf_llama_gqa_rotary", "phi3_fused_gqa"])
+def test_the_cover_check_through_one_table_names_a_parameter_written_twice_or_never(
+    name, monkeypatch
+):
+    """The cover check counts a parameter at a time through one reused table: a plan that
+    covers every coordinate once passes (the table is cleared between parameters of different
+    sizes), and a coordinate written twice, or never, fails naming its parameter."""
+    model = MODELS[name]().build()
+    _, pert = _perturbation(model)
+    asm = pert._assembly
+    assert asm.plan is not None and len(asm.gathered) > 1
+    asm._check_cover(asm.plan, pert.pieces)  # once each: passes
+    j = asm.gathered[-1]  # after every other parameter has used the table
+    size = asm.shapes[j].numel()
+    asm.mixed_local.append((j, torch.tensor([size - 1])))  # its last coordinate written twice
+    with pytest.raises(ValueError, match=re.escape(f"cover parameter {asm.names[j]!r} once")):
+        asm._check_cover(asm.plan, pert.pieces)
+    asm.mixed_local.pop()
+    split = assembly._Factor.split
+    dropped: list[int] = []
+
+    def lose_last(self, t):  # every factor's last part written by nothing
+        out = split(self, t)
+        dropped.append(out[-1][1].param)
+        return out[:-1]
+
+    monkeypatch.setattr(assembly._Factor, "split", lose_last)
+    with pytest.raises(ValueError, match="do not cover parameter") as err:
+        asm._check_cover(asm.plan, pert.pieces)
+    never = next(g for g in asm.gathered if g in dropped)  # the first one checked
+    assert repr(asm.names[never]) in str(err.value)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_transposed_parts_read_a_head_at_a_time_are_the_same_copy(name, monkeypatch):
+    """``read_parts`` copies a transposed part (Q/K/V rows read as ``(heads, in, h)``) a 2-D
+    slice at a time, for ATen's blocked transpose: the same values as one copy of the view."""
+    from geosharp.estimators.pieces import _group_blocks
+
+    model = MODELS[name]().build()
+    space = gs.find_symmetries(model)
+    named = dict(model.named_parameters())
+    params = [named[n].detach() for n in space.param_names]
+    sliced = []
+    transposed = assembly._transposed
+
+    def spy(dst, src):
+        sliced.append(transposed(dst, src))
+        return sliced[-1]
+
+    for _, blocks in _group_blocks(space):
+        plan = assembly._factor_plan(space, blocks)
+        if plan is None:
+            continue
+        for f, shape in zip(plan, assembly.batched_shapes(blocks), strict=True):
+            monkeypatch.setattr(assembly, "_transposed", lambda d, s: False)
+            want = assembly.read_parts(f, params, shape, params[0].dtype, params[0].device)
+            monkeypatch.setattr(assembly, "_BLOCKED_MIN", 0)  # the small models' parts too
+            monkeypatch.setattr(assembly, "_transposed", spy)
+            got = assembly.read_parts(f, params, shape, params[0].dtype, params[0].device)
+            assert torch.equal(got, want)
+    if name in ("hf_llama_gqa_rotary", "hf_bert"):
+        assert any(sliced)  # their Q/K parts took the sliced copy
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,8 @@ def held_bytes(
     geometry holds, :meth:`~geosharp.geometry.Geometry.held_tensors`, once; not those in
     ``own``, the model's), the rows kept by a row cut, and the perturbed parameters made for
     each forward and kept by the backward (those with block coordinates, gathered, and the
-    rows of the tables cut to rows that a forward overwrites). ``itemsize`` is the bytes per element of every parameter.
+    rows of the tables cut to rows that a forward overwrites). ``itemsize`` is the bytes per
+    element of every parameter.
     """
     seen = set(own)
     held = 0

@@ -91,11 +91,17 @@ def _frozen_of(t: Tensor, scratch: dict | None = None) -> Tensor | None:
         starts = [starts[i] for i in torch.nonzero(~(least > clear)).reshape(-1).tolist()]
     for start in starts:
         c = flat[start : start + _FROZEN_CHUNK]
-        frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
-        if mask is not None:
-            mask[start : start + c.numel()] = frozen
+        if clear is None:
+            frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
+            idx = frozen.nonzero().reshape(-1)
+        else:  # the exact test on the coordinates not clear of the threshold (NaN too) only
+            near = (torch.abs(c, out=scratch[key][: c.numel()]) > clear).logical_not_()
+            idx = near.nonzero().reshape(-1)
+            v = c[idx]
+            idx = idx[(v == 0) | ~torch.isfinite(v.reciprocal().square_())]
+        if mask is not None:  # zeros from here on: only the frozen are set
+            mask[idx + start] = True
             continue
-        idx = frozen.nonzero().reshape(-1)
         if idx.numel():
             found.append(idx.add_(start))
             n += idx.numel()

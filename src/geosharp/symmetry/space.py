@@ -157,7 +157,8 @@ class ParameterSpace:
                 assert views is not None  # the same recipes as above
                 for v in views:
                     v.fill_(True)  # a view of another parameter's meta tensor: nothing
-            if bool(mask.all()):
+            # all set: its bytes' smallest is 1 (a boolean ``all`` was 50 times slower on CPU)
+            if not size or int(mask.view(torch.uint8).amin()) == 1:
                 continue
             layout.append((j, torch.nonzero(~mask).reshape(-1)))
         return layout
