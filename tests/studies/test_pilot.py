@@ -46,6 +46,7 @@ def test_models_at_chance_are_set_aside_and_a_named_one_refused():
 
 
 def test_at_chance_reads_the_clean_loss_against_the_trivial_predictor():
+    torch.manual_seed(0)  # the draws below, whichever tests ran before in this process
     x = torch.randn(32, 3)
     y = (x[:, 0] > 0).long()
     fit = nn.Linear(3, 2)
@@ -55,6 +56,7 @@ def test_at_chance_reads_the_clean_loss_against_the_trivial_predictor():
     blank = nn.Linear(3, 2)
     with torch.no_grad():
         blank.weight.mul_(1e-4)
+        blank.bias.zero_()  # uniform outputs: at chance whatever the labels' balance
     ce = nn.functional.cross_entropy
     assert at_chance(Prepared(fit, [(x, y)], ce)) is None
     why = at_chance(Prepared(blank, [(x, y)], ce))
