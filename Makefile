@@ -26,10 +26,15 @@ $(STAMP): $(PY) pyproject.toml requirements.lock
 
 install: $(STAMP)
 
+# The suite on $(WORKERS) pytest-xdist processes, a test file per process at a time (--dist
+# loadfile: a file's module fixtures, e.g. the FSDP worlds of tests/estimators/test_fsdp.py, run
+# once); conftest.py gives each worker one thread. `make test WORKERS=0` runs it in one process.
+WORKERS ?= 2
+
 test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(PY) -m geosharp.demos.invariance
