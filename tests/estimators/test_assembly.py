@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import geosharp as gs
-from geosharp.estimators import assembly
+from geosharp.estimators import assembly, factor_plan
 from geosharp.estimators.assembly import _Assembly
 from geosharp.estimators.perturbation import Perturbation
 from geosharp.symmetry import GLBlock, ParameterSpace
@@ -242,7 +242,7 @@ def test_the_cover_check_through_one_table_names_a_parameter_written_twice_or_ne
     with pytest.raises(ValueError, match=re.escape(f"cover parameter {asm.names[j]!r} once")):
         asm._check_cover(asm.plan, pert.pieces)
     asm.mixed_local.pop()
-    split = assembly._Factor.split
+    split = factor_plan._Factor.split
     dropped: list[int] = []
 
     def lose_last(self, t):  # every factor's last part written by nothing
@@ -250,7 +250,7 @@ def test_the_cover_check_through_one_table_names_a_parameter_written_twice_or_ne
         dropped.append(out[-1][1].param)
         return out[:-1]
 
-    monkeypatch.setattr(assembly._Factor, "split", lose_last)
+    monkeypatch.setattr(factor_plan._Factor, "split", lose_last)
     with pytest.raises(ValueError, match="do not cover parameter") as err:
         asm._check_cover(asm.plan, pert.pieces)
     never = next(g for g in asm.gathered if g in dropped)  # the first one checked
@@ -268,22 +268,22 @@ def test_transposed_parts_read_a_head_at_a_time_are_the_same_copy(name, monkeypa
     named = dict(model.named_parameters())
     params = [named[n].detach() for n in space.param_names]
     sliced = []
-    transposed = assembly._transposed
+    transposed = factor_plan._transposed
 
     def spy(dst, src):
         sliced.append(transposed(dst, src))
         return sliced[-1]
 
     for _, blocks in _group_blocks(space):
-        plan = assembly._factor_plan(space, blocks)
+        plan = factor_plan._factor_plan(space, blocks)
         if plan is None:
             continue
-        for f, shape in zip(plan, assembly.batched_shapes(blocks), strict=True):
-            monkeypatch.setattr(assembly, "_transposed", lambda d, s: False)
-            want = assembly.read_parts(f, params, shape, params[0].dtype, params[0].device)
-            monkeypatch.setattr(assembly, "_BLOCKED_MIN", 0)  # the small models' parts too
-            monkeypatch.setattr(assembly, "_transposed", spy)
-            got = assembly.read_parts(f, params, shape, params[0].dtype, params[0].device)
+        for f, shape in zip(plan, factor_plan.batched_shapes(blocks), strict=True):
+            monkeypatch.setattr(factor_plan, "_transposed", lambda d, s: False)
+            want = factor_plan.read_parts(f, params, shape, params[0].dtype, params[0].device)
+            monkeypatch.setattr(factor_plan, "_BLOCKED_MIN", 0)  # the small models' parts too
+            monkeypatch.setattr(factor_plan, "_transposed", spy)
+            got = factor_plan.read_parts(f, params, shape, params[0].dtype, params[0].device)
             assert torch.equal(got, want)
     if name in ("hf_llama_gqa_rotary", "hf_bert"):
         assert any(sliced)  # their Q/K parts took the sliced copy
@@ -361,10 +361,11 @@ def test_heads_read_from_the_parameters_are_slices_of_the_point(name):
             for per in (1, 2, 3, n):
                 for lo in range(0, n, per):
                     sl = slice(lo, min(lo + per, n))
-                    got = assembly.read_heads(factor, tensors, sl, point.shape, point.dtype, "cpu")
+                    shape, dtype = point.shape, point.dtype
+                    got = factor_plan.read_heads(factor, tensors, sl, shape, dtype, "cpu")
                     assert torch.equal(got, point[sl])
                     checked += 1
-            wide = assembly.read_heads(
+            wide = factor_plan.read_heads(
                 factor, tensors, slice(None), point.shape, torch.float64, "cpu"
             )
             assert torch.equal(wide, point.double())

@@ -181,7 +181,7 @@ def test_padded_factors_are_recipes_of_the_shards_and_of_pad(world):
     as ``_padded`` numbers them); a key-bias translation keeps the rank's slice of ``b_k``. The
     local space's assembly writes them all through views (a plan, no gather index).
     """
-    from geosharp.estimators.assembly import _factor_plan
+    from geosharp.estimators.factor_plan import _factor_plan
     from geosharp.estimators.sharded.space import PAD, _local_blocks
     from geosharp.symmetry import ParameterSpace
     from geosharp.symmetry.blocks import TranslationBlock

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from geosharp.estimators.assembly import _Factor, _factor_plan, batched_shapes, read_parts
+from geosharp.estimators.factor_plan import _Factor, _factor_plan, batched_shapes, read_parts
 from geosharp.geometry import ElementwiseGeometry, EuclideanGeometry, FixedGeometry, Geometry
 from geosharp.geometry.base import Tangent
 from geosharp.geometry.gl_rows import RowSum
@@ -299,7 +299,7 @@ def _block_pieces(
 ) -> tuple[list[Piece], list[list[_Factor] | None]]:
     """One piece per group of symmetry blocks, its geometry made on the group's device.
 
-    Returned with each piece's view plan (:func:`~geosharp.estimators.assembly._factor_plan`,
+    Returned with each piece's view plan (:func:`~geosharp.estimators.factor_plan._factor_plan`,
     ``None`` where its blocks' layout is no view of the parameters), which the assembly uses
     too. See :class:`~geosharp.estimators.perturbation.Perturbation` for the arguments.
     """

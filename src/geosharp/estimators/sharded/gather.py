@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from geosharp.estimators.assembly import read_heads, read_parts
+from geosharp.estimators.factor_plan import read_heads, read_parts
 from geosharp.estimators.sharded import fsdp2
 from geosharp.geometry.gl_endpoint import add_eye, add_mm
 
