@@ -16,7 +16,7 @@ from torch import Tensor
 
 from geosharp.estimators.factor_plan import _copy_all, _Factor, _Part, read_parts
 from geosharp.estimators.table_rows import RowsWritten, rows_into
-from geosharp.geometry.flat import untracked
+from geosharp.geometry.flat import outside_transforms, untracked
 from geosharp.geometry.gl_endpoint import _reverse_mode_only
 from geosharp.symmetry import ParameterSpace
 
@@ -252,7 +252,7 @@ class Assembly:
             if whole:
                 if c in self.rows:  # a table cut to the rows a batch reaches: w, those replaced
                     r, table = self.rows[c]
-                    if rows_log is not None and (untracked([value]) or _reverse_mode_only([value])):
+                    if rows_log is not None and outside_transforms([value]):
                         value = rows_into(table, r, value, rows_log)
                     else:
                         value = table.index_put((r,), value)

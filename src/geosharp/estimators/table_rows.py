@@ -43,9 +43,6 @@ class RowsWritten:
                 table, rows, before = self._saved.pop()
                 table.index_copy_(0, rows, before)
 
-    def __len__(self) -> int:
-        return len(self._saved)
-
 
 class _RowsInto(torch.autograd.Function):
     """``table`` with ``table[rows] = value`` written in place; the adjoint is ``g[rows]``."""

@@ -24,6 +24,7 @@ __all__ = [
     "flat_of",
     "flatten",
     "lists",
+    "outside_transforms",
     "pair_buffer",
     "scale_",
     "untracked",
@@ -146,6 +147,18 @@ def scale_(ts: Sequence[Tensor], c: float) -> None:
         t.mul_(c)
 
 
+def outside_transforms(inputs: Sequence[Tensor]) -> bool:
+    """Whether no ``torch.func`` transform and no forward-mode dual tensor sees ``inputs``.
+
+    Then plain autograd (or none) is all that differentiates them: a hand-written
+    ``autograd.Function``, which has no ``jvp`` or ``vmap`` rule, may serve them.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return all(unpack(t).tangent is None for t in inputs)
+
+
 def untracked(inputs: Sequence[Tensor]) -> bool:
     """Whether no autograd graph, ``torch.func`` transform or dual tensor sees ``inputs``.
 
@@ -154,10 +167,7 @@ def untracked(inputs: Sequence[Tensor]) -> bool:
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return all(unpack(t).tangent is None for t in inputs)
+    return outside_transforms(inputs)
 
 
 def pair_buffer(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from geosharp.geometry.flat import outside_transforms
 from geosharp.geometry.gl_rows import RowSum, contract, sum_chunks
 
 __all__: list[str] = []
@@ -153,10 +154,7 @@ def _reverse_mode_only(inputs: Sequence[Tensor]) -> bool:
     """
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return all(unpack(t).tangent is None for t in inputs)
+    return outside_transforms(inputs)
 
 
 def _sym(X: Tensor) -> Tensor:
