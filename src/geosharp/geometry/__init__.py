@@ -6,6 +6,7 @@ Modules:
     gl_sampling: the random draws of a GL(h) block, equivariant sample by sample.
     gl_math: the GL(h) formulas as pure functions of the base point, its factors and tangents.
     gl_execution: the execution policy of a GL geometry (dtypes, chunks of heads).
+    gl_chunked: the per-step products of a GL geometry, run a chunk of heads at a time.
     elementwise: the adaptive (element-wise GL(1)) metric and the Euclidean one.
     diagonal: GL(1) per coordinate of a diagonal linear network, with closed-form geodesics and
         sharpness.

@@ -20,8 +20,10 @@ Everything is batched over any leading dimensions (e.g. ``layers × heads``), di
 and dtype/device agnostic. The formulas are the pure functions of
 :mod:`~geosharp.geometry.gl_math`; :class:`GLGeometry` factorizes the base point once
 (:mod:`~geosharp.geometry.gl_factors`) and evaluates them under one execution policy
-(:class:`~geosharp.geometry.gl_execution.GLExecution`: dtypes, chunks of heads). The group
-action is :mod:`~geosharp.geometry.gl_action`'s.
+(:class:`~geosharp.geometry.gl_execution.GLExecution`: dtypes, chunks of heads), running the
+per-step products chunk by chunk of heads (:mod:`~geosharp.geometry.gl_chunked`). The group
+action is :mod:`~geosharp.geometry.gl_action`'s; its random draws are
+:mod:`~geosharp.geometry.gl_sampling`'s.
 
 Example:
     >>> import torch
@@ -43,7 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -58,7 +60,7 @@ from geosharp.geometry._validate import (
     check_tensor,
 )
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
-from geosharp.geometry.flat import flat_of, pair_buffer, untracked, widen_pair
+from geosharp.geometry.gl_chunked import GLChunkedProducts
 from geosharp.geometry.gl_diagnose import exact_geodesic_trouble, relative_speed
 from geosharp.geometry.gl_endpoint import order2_adjoint_by_chunks, order2_factors_by_chunks
 from geosharp.geometry.gl_execution import GLExecution, by_head
@@ -69,7 +71,7 @@ from geosharp.geometry.gl_factors import (
     factorize,
     gram_matrices,
 )
-from geosharp.geometry.gl_rows import RowSum, contract, sum_chunks
+from geosharp.geometry.gl_rows import RowSum
 from geosharp.geometry.gl_sampling import GLSampling
 
 #: Reads ``(G, H)`` of some flattened heads in a dtype (:meth:`GLGeometry.read_point_from`).
@@ -82,17 +84,7 @@ __all__ = ["DEFAULT_EPS", "GLGeometry"]
 DEFAULT_EPS = 0.0
 
 
-def _store(oG: Tensor, oH: Tensor, heads: slice, pG: Tensor, pH: Tensor) -> None:
-    """``oG[heads], oH[heads] = pG, pH``: one copy where both pairs are one buffer each."""
-    if heads == slice(None):
-        fo, fp = flat_of((oG, oH)), flat_of((pG, pH))
-        if fo is not None and fp is not None and untracked((pG, pH)):
-            fo.copy_(fp)
-            return
-    oG[heads], oH[heads] = pG, pH
-
-
-class GLGeometry(GLSampling, Geometry):
+class GLGeometry(GLSampling, GLChunkedProducts, Geometry):
     r"""The geometry of one (batched) GL(h) block at a fixed base point ``(G, H)``.
 
     All base-point work — Gram matrices, their inverses and the eigendecomposition behind the
@@ -256,16 +248,6 @@ class GLGeometry(GLSampling, Geometry):
         self._held = None
         return released
 
-    def _read_grams(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(GᵀG, HᵀH)`` in ``dtype``, read a chunk of heads at a time, summed over the ranks."""
-        parts = [
-            torch.stack(contract(*((X, X) for X in self.point_rows(sl, dtype))))
-            for sl in self._slices
-        ]
-        lead = self.G.shape[:-2]
-        MG, MH = sum_chunks(parts, self.execution.row_sum)
-        return MG.reshape(*lead, *MG.shape[-2:]), MH.reshape(*lead, *MH.shape[-2:])
-
     def point_rows(self, heads: slice, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """``(G, H)`` of the flattened heads ``heads``, in ``dtype`` (default: the work dtype).
 
@@ -312,17 +294,6 @@ class GLGeometry(GLSampling, Geometry):
         """Squared norm ``⟨ξ, ξ⟩`` from the ``h × h`` Gram matrices ``ξ_Gᵀ ξ_G``, ``ξ_Hᵀ ξ_H``."""
         self._validate_tangent(xi)
         return self._pair_form(xi, None)
-
-    def _pair_form(self, a: Tangent, b: Tangent | None) -> Tensor:
-        """``⟨a, b⟩`` (``b = None``: ``⟨a, a⟩``) per head, widened chunk by chunk of heads."""
-        ex = self.execution
-        rows = [self._flat(t) for t in (*a, *(a if b is None else b))]
-        out = torch.empty(rows[0].shape[0], dtype=ex.work_dtype, device=rows[0].device)
-        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
-            aG, aH = widen_pair(rows[0][sl], rows[1][sl], ex.work_dtype)
-            bG, bH = (aG, aH) if b is None else widen_pair(rows[2][sl], rows[3][sl], ex.work_dtype)
-            out[sl] = gl_math.inner(aG, aH, bG, bH, F, self.metric)
-        return out.reshape(self.G.shape[:-2]).to(a[0].dtype)
 
     # -- quotient structure ---------------------------------------------------------------------
     def vertical(self, omega: Tensor) -> Tangent:
@@ -375,71 +346,6 @@ class GLGeometry(GLSampling, Geometry):
         total = torch.zeros((), dtype=wd, device=egrad[0].device)
         d = self._project_chunks(egrad, grad=True, pairing=total)
         return d, total.to(torch.float64)
-
-    def _project_chunks(
-        self, xi: Tangent, grad: bool, pairing: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """:meth:`project` (or, with ``grad``, :meth:`horizontal_grad`) chunk by chunk of heads.
-
-        Each chunk (all heads in one, per :attr:`execution`) is widened, projected in the work
-        dtype and written into the result in the tangent's dtype: the same products as one
-        pass, head by head. The result's two components are consecutive slices of one buffer
-        (:func:`~geosharp.geometry.flat.pair_buffer`), so the ascent's pairings and combinations
-        of it are one op each. ``pairing`` (a 0-dim tensor) accumulates ``xi·result`` of the
-        unrounded chunks.
-        """
-        ex = self.execution
-        xG, xH = self._flat(xi[0]), self._flat(xi[1])
-        outG, outH = pair_buffer(xi[0], xi[1])
-        oG, oH = self._flat(outG), self._flat(outH)
-        split = ex.row_sum is not None and len(self._slices) > 1
-        lams = self._split_lams(xG, xH, grad) if split else None
-        for c, (sl, F, eG, eH, g, h, G, H) in enumerate(self._chunks(xG, xH, grad)):
-            L = self._lam(F, G, H, g, h) if lams is None else lams[c]
-            # the Riemannian gradient is a fresh temporary: P may accumulate into it
-            pG, pH = gl_math.horizontal_projection(G, H, g, h, L, inplace=grad and ex.inplace)
-            if pairing is not None:
-                fe, fp = flat_of((eG, eH)), flat_of((pG, pH))
-                if fe is not None and fp is not None:  # the pairs in one buffer each: one dot
-                    pairing += torch.dot(fe, fp)
-                else:
-                    pairing += torch.dot(eG.reshape(-1), pG.reshape(-1))
-                    pairing += torch.dot(eH.reshape(-1), pH.reshape(-1))
-            _store(oG, oH, sl, pG, pH)
-        return outG, outH
-
-    def _chunks(self, xG: Tensor, xH: Tensor, grad: bool) -> Iterator[tuple]:
-        """The chunks of heads, each widened once: ``(slice, factors, e_G, e_H, g, h, G, H)``.
-
-        ``(g, h)`` is ``e`` itself, or with ``grad`` its Riemannian gradient.
-        """
-        wd = self.execution.work_dtype
-        for sl, F in zip(self._slices, self._chunk_factors, strict=True):
-            eG, eH = widen_pair(xG[sl], xH[sl], wd)  # one buffer: one dot, one copy after
-            if not grad:
-                g, h = eG, eH
-            elif untracked((eG, eH)):  # into one buffer too: the projection accumulates in it
-                g, h = gl_math.riemannian_grad(eG, eH, F, self.metric, out=pair_buffer(eG, eH))
-            else:
-                g, h = gl_math.riemannian_grad(eG, eH, F, self.metric)
-            yield (sl, F, eG, eH, g, h, *self.point_rows(sl))
-
-    def _split_lams(self, xG: Tensor, xH: Tensor, grad: bool) -> list[Tensor]:
-        """Every chunk's ``Λ`` when the rows are split over ranks, with one collective.
-
-        The chunks of heads are this rank's (its rows decide them), so a collective per chunk
-        would not pair up across ranks: the contractions of every chunk are formed first, summed
-        over the ranks in one ``row_sum``, and each chunk's ``Λ`` solved from them; the caller
-        then widens each chunk again for its row-wise products.
-        """
-        parts = [
-            torch.stack(contract((h, H), (G, g))) for *_, g, h, G, H in self._chunks(xG, xH, grad)
-        ]
-        XH, GX = sum_chunks(parts, self.execution.row_sum)  # one sum
-        return [
-            self._lam_from(F, XH[sl], GX[sl])
-            for sl, F in zip(self._slices, self._chunk_factors, strict=True)
-        ]
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         """Residual of the horizontality condition, zero iff ``ξ`` is horizontal (at ``eps=0``).
