@@ -129,6 +129,21 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
             torch._foreach_add_(list(tz), list(tp), alpha=-b)
 
 
+def _linf_step(
+    pert: Perturbation, xi: Xi, xi_prev: Xi, d: Xi, eta: float, rho: float, a: float, b: float
+) -> Xi:
+    """``P(a·P(ξ_k + η sign(d)⊙|w|) + 2b·ξ_k − b·ξ_{k−1})``: the ℓ∞ step, in new tensors.
+
+    The box's ``|w|`` and bounds are formed once for the step (:class:`~geosharp.estimators.
+    linf.StepBox`) and both projections clip in place; a function of its own, so that the
+    bounds die with its frame, before the next forward and backward.
+    """
+    box = pert.step_box(rho)
+    z = box.project_(box.sign_step(xi, d, eta))
+    _momentum_(z, xi, xi_prev, a, b)
+    return box.project_(z)
+
+
 def _l2_step(
     xi: Xi | None,
     d: Xi,
@@ -275,11 +290,7 @@ def autopgd(
             cross = r * (al * xi_nsq + be * xd + ga * cross)
             prev_nsq, xi_nsq = xi_nsq, r * r * max(nsq, 0.0)
         else:
-            step = pert.sign_direction(direction)
-            z = pert.box(Perturbation.combine(xi, step, 1.0, sched.eta), rho)
-            _momentum_(z, xi, xi_prev, a, b)
-            new = pert.box(z, rho)
-            z = step = None
+            new = _linf_step(pert, xi, xi_prev, direction, sched.eta, rho, a, b)
         res.step_sizes.append(sched.eta)
         xi_prev, xi = xi, new
         if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):

@@ -9,11 +9,12 @@ Euclidean box): the sign direction, the projection onto the box and a uniform sa
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from geosharp.estimators.pieces import Piece, Xi
 from geosharp.geometry.draws import draw_like
 
-__all__ = ["box", "box_from_uniform", "sign_direction", "uniform_box"]
+__all__ = ["StepBox", "box", "box_from_uniform", "sign_direction", "uniform_box"]
 
 
 def sign_direction(pieces: list[Piece], egrad: Xi) -> Xi:
@@ -56,6 +57,76 @@ def box(pieces: list[Piece], xi: Xi, rho: float) -> Xi:
         torch._foreach_maximum_(clipped, low)
         out.append(tuple(clipped))
     return out
+
+
+class StepBox:
+    """The box of one ascent step: ``|w|`` and the bounds ``±ρ|w|`` formed once per step.
+
+    Auto-PGD's ℓ∞ step reads the box three times: the sign step ``ξ + η sign(e) ⊙ |w|``, the
+    projection of that point and the projection of the momentum's point. :func:`sign_direction`
+    and :func:`box` form ``|w|``, ``ρ|w|`` and ``−ρ|w|`` at every call, and :func:`box` writes a
+    new tensor; here each is formed once and the projections clip in place, with the same
+    operations in the same order on every element (the same numbers bit for bit). The bounds
+    live for the step only (two perturbation-sized buffers while it combines, none during the
+    loss); ``|w|`` is dropped once the bounds are made. The Euclidean box clips to the scalar
+    ``±ρ`` (no bound tensors).
+
+    Args:
+        pieces: The perturbation's pieces.
+        rho: The box's radius ``ρ``.
+    """
+
+    def __init__(self, pieces: list[Piece], rho: float) -> None:
+        self.pieces, self.rho = pieces, rho
+        self._scale: list[tuple[Tensor, ...] | None] = [None] * len(pieces)
+        self._bounds: list[tuple[list[Tensor], list[Tensor]] | None] | None = None
+
+    def _abs_w(self, k: int) -> tuple[Tensor, ...] | None:
+        if self._scale[k] is None:
+            self._scale[k] = self.pieces[k].geometry.box_scale()
+        return self._scale[k]
+
+    def sign_step(self, xi: Xi, egrad: Xi, eta: float) -> Xi:
+        """``ξ + η · sign(e) ⊙ |w|`` (adaptive; ``sign(e)`` Euclidean): new tensors, 3 passes."""
+        out = []
+        for k, (x, e) in enumerate(zip(xi, egrad, strict=True)):
+            if not e:
+                out.append(tuple(e))
+                continue
+            step = torch._foreach_sign(list(e))
+            scale = self._abs_w(k)
+            if scale is not None:
+                torch._foreach_mul_(step, list(scale))
+            torch._foreach_mul_(step, eta)
+            torch._foreach_add_(step, list(x))  # η·s + ξ: the sum ξ + η·s, commuted
+            out.append(tuple(step))
+        return out
+
+    def _bounds_of(self, k: int) -> tuple[list[Tensor], list[Tensor]] | None:
+        if self._bounds is None:
+            self._bounds = [None] * len(self.pieces)
+        if self._bounds[k] is None:
+            scale = self._abs_w(k)
+            if scale is None:
+                return None
+            high = torch._foreach_mul(list(scale), self.rho)
+            self._scale[k] = None  # |w| is not needed once the bounds are made
+            self._bounds[k] = (high, torch._foreach_neg(high))
+        return self._bounds[k]
+
+    def project_(self, xi: Xi) -> Xi:
+        """``max(min(ξ, ρ|w|), −ρ|w|)`` in place (``ξ``'s own tensors), returned."""
+        for k, x in enumerate(xi):
+            if not x:
+                continue
+            bounds = self._bounds_of(k)
+            if bounds is None:
+                torch._foreach_clamp_max_(list(x), self.rho)
+                torch._foreach_clamp_min_(list(x), -self.rho)
+            else:
+                torch._foreach_minimum_(list(x), bounds[0])
+                torch._foreach_maximum_(list(x), bounds[1])
+        return xi
 
 
 def uniform_box(pieces: list[Piece], generator: torch.Generator | None, rho: float) -> Xi:

@@ -490,6 +490,13 @@ class Perturbation:
         """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
         return linf.box(self.pieces, xi, rho)
 
+    def step_box(self, rho: float) -> linf.StepBox:
+        """The ℓ∞ box of one ascent step (:class:`~geosharp.estimators.linf.StepBox`).
+
+        Its sign step and in-place projections, with ``|w|`` and the bounds formed once.
+        """
+        return linf.StepBox(self.pieces, rho)
+
     def uniform_box(self, generator: torch.Generator | None, rho: float) -> Xi:
         """Uniform sample of the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
         if self.draws is not None:  # a sharded model's rank: its part of the unsharded draw
