@@ -188,9 +188,17 @@ def _bert(device: torch.device, hidden: int, layers: int, heads: int, batch: int
 
 
 def _llama(
-    device: torch.device, hidden: int, layers: int, heads: int, kv: int, batch: int, seq: int
+    device: torch.device,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    batch: int,
+    seq: int,
+    intermediate: int | None = None,
 ) -> Case:
-    """A Llama-GQA classifier from a ``LlamaConfig`` (rotary Q/K blocks, grouped K/V heads)."""
+    """A Llama-GQA classifier from a ``LlamaConfig`` (rotary Q/K blocks, grouped K/V heads); the
+    MLP's width is ``intermediate`` (default ``2.75 · hidden``, TinyLlama's ratio)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     cfg = LlamaConfig(
@@ -199,7 +207,7 @@ def _llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        intermediate_size=int(2.75 * hidden),
+        intermediate_size=intermediate if intermediate is not None else int(2.75 * hidden),
         max_position_embeddings=2 * seq,
         num_labels=2,
         pad_token_id=0,
@@ -221,6 +229,11 @@ CONFIGS: dict[str, tuple[str, Callable[[torch.device], Case]]] = {
         _minilm_small,
     ),
     "minilm-32x64": ("MiniLM-L6, random ids, batch 32 × 64, all 22.7 M perturbed", _minilm_32x64),
+    "minilm-shape-32x64": (
+        "MiniLM-L6's shape with random weights (384, 6 layers, 12 heads; 22.7 M; no weight "
+        "package needed), batch 32 × 64",
+        lambda d: _bert(d, 384, 6, 12, 32, 64),
+    ),
     "vit-tiny": ("the ViT of ascent_step.py (d=64, 4 layers), batch 128", _vit_tiny),
     "bert-41m": (
         "BERT-medium shape (512, 8 layers, 8 heads; 41.4 M), batch 8 × 32",
@@ -233,6 +246,11 @@ CONFIGS: dict[str, tuple[str, Callable[[torch.device], Case]]] = {
     "llama-1b": (
         "TinyLlama shape (2048, 22 layers, 32 heads, 4 KV heads; 1.1 B), batch 8 × 128 (GPU)",
         lambda d: _llama(d, 2048, 22, 32, 4, 8, 128),
+    ),
+    "llama-7b": (
+        "Llama-2-7B shape (4096, 32 layers, 32 heads, MLP 11008; 6.6 B), batch 1 × 128 (GPU, "
+        "bfloat16)",
+        lambda d: _llama(d, 4096, 32, 32, 32, 1, 128, intermediate=11008),
     ),
 }
 DEFAULT_CONFIGS = "minilm-small,minilm-32x64,vit-tiny,bert-41m"
@@ -457,6 +475,7 @@ def time_config(
     device: torch.device,
     cuda_memory: bool = False,
     reuse_space: bool = False,
+    found_space: tuple[Any, list[float]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Figures (a) and (b) of every measure, interleaved in this process.
 
@@ -464,12 +483,17 @@ def time_config(
     above the peak of its plain step (``max_memory_allocated``, reset before each). With
     ``reuse_space`` the symmetries are found twice here (timed: the first and a repeated
     search) and the space is passed to every call; its time is added to the set-up figures.
+    ``found_space`` — ``(space, [first search s, repeated search s])`` found by the caller —
+    does the same without searching again (one search for several calls of this function).
     """
     probe = Probe(device)
     for _ in range(2):
         plain_step(case)  # warm-up (allocator, kernels, lazy init)
     space, find_s = None, [0.0, 0.0]
-    if reuse_space:
+    if found_space is not None:
+        space, find_s = found_space[0], list(found_space[1])
+        reuse_space = True
+    elif reuse_space:
         for i in range(2):
             t0 = time.perf_counter()
             space = find_space(case)
