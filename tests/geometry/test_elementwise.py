@@ -200,16 +200,16 @@ def _frozen_in_one_pass(t):
 @pytest.mark.parametrize("share", [0.0, 0.01, 0.06, 0.07, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_frozen_coordinates_in_chunks_equal_the_one_pass_rule(monkeypatch, chunk, share, dtype):
-    from geosharp.geometry import elementwise
+    from geosharp.geometry import elementwise_frozen
 
-    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", chunk)
+    monkeypatch.setattr(elementwise_frozen, "_FROZEN_CHUNK", chunk)
     g = torch.Generator().manual_seed(int(share * 100) + chunk)
     t = torch.randn(37, 11, generator=g, dtype=dtype)
     k = int(share * t.numel())
     where = torch.randperm(t.numel(), generator=g)[:k]
     t.view(-1)[where[: k // 2]] = 0.0
     t.view(-1)[where[k // 2 :]] = torch.finfo(dtype).tiny / 8  # 1/w² overflows: frozen too
-    want, got = _frozen_in_one_pass(t), elementwise._frozen_of(t)
+    want, got = _frozen_in_one_pass(t), elementwise_frozen._frozen_of(t)
     if want is None:
         assert got is None
     else:
@@ -223,9 +223,9 @@ def test_frozen_coordinates_at_the_edges_of_the_clear_chunk_test(monkeypatch, ch
     """NaN, ±inf, −0, subnormals and weights on either side of the smallest ``|w|`` whose
     ``1/w²`` is finite, between ordinary weights: a chunk is skipped only when nothing in it is
     frozen (the skip test reads ``min |w|``, in which a NaN compares false)."""
-    from geosharp.geometry import elementwise
+    from geosharp.geometry import elementwise_frozen
 
-    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", chunk)
+    monkeypatch.setattr(elementwise_frozen, "_FROZEN_CHUNK", chunk)
     fi = torch.finfo(dtype)
     edge = fi.max**-0.5  # about where 1/w² overflows
     special = [float("nan"), float("inf"), -float("inf"), -0.0, fi.tiny / 4, edge / 2, edge]
@@ -233,7 +233,7 @@ def test_frozen_coordinates_at_the_edges_of_the_clear_chunk_test(monkeypatch, ch
     for v in special:
         t = torch.full((5, 4), 0.5, dtype=dtype)
         t.view(-1)[13] = v
-        want, got = _frozen_in_one_pass(t), elementwise._frozen_of(t)
+        want, got = _frozen_in_one_pass(t), elementwise_frozen._frozen_of(t)
         assert (want is None) == (got is None), v
         if want is not None:
             assert torch.equal(got, want), v

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from geosharp.geometry import elementwise, gl_factors
+from geosharp.geometry import elementwise_frozen, gl_factors
 from geosharp.geometry.elementwise import ElementwiseGeometry, _frozen_of
 from geosharp.symmetry import declare_block, find_symmetries
 from geosharp.symmetry.find import _claimed_once, _Resolver
@@ -97,7 +97,7 @@ def test_gram_matrices_one_buffer_is_bit_identical(monkeypatch, chunk, dtype):
 
 
 def test_frozen_of_one_buffer_matches_a_fresh_one(monkeypatch):
-    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", 16)
+    monkeypatch.setattr(elementwise_frozen, "_FROZEN_CHUNK", 16)
     g = torch.Generator().manual_seed(0)
     big = torch.randn(100, generator=g)
     big[[3, 50, 97]] = 0.0
@@ -126,7 +126,7 @@ def test_frozen_of_one_buffer_matches_a_fresh_one(monkeypatch):
 def _buffers_on(device: torch.device, monkeypatch) -> None:
     """The Gram buffer and ``_frozen_of``'s made on ``device``, the results as fresh tensors'."""
     monkeypatch.setattr(gl_factors, "GRAM_CHUNK", 200)
-    monkeypatch.setattr(elementwise, "_FROZEN_CHUNK", 16)
+    monkeypatch.setattr(elementwise_frozen, "_FROZEN_CHUNK", 16)
     g = torch.Generator().manual_seed(0)
     G = torch.randn(3, 5, 17, 4, generator=g).to(device)
     H = torch.randn(3, 5, 9, 4, generator=g).to(device)

@@ -8,6 +8,10 @@ Modules:
     gl_execution: the execution policy of a GL geometry (dtypes, chunks of heads).
     gl_chunked: the per-step products of a GL geometry, run a chunk of heads at a time.
     elementwise: the adaptive (element-wise GL(1)) metric and the Euclidean one.
+    elementwise_frozen: the frozen coordinates of an element-wise geometry (where ``w = 0`` or
+        ``1/w²`` overflows), and its per-component temporaries with them zeroed.
+    elementwise_chunked: the metric products of an element-wise geometry, run a chunk of
+        components at a time.
     diagonal: GL(1) per coordinate of a diagonal linear network, with closed-form geodesics and
         sharpness.
     gl_subgroup: the GL(h) metrics on the quotient by a subgroup (rotary Q/K).

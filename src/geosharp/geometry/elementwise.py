@@ -15,6 +15,11 @@ The metric ``dw²/w²`` has Christoffel symbol ``Γ(ξ, ξ) = −ξ²/w`` and ex
 ``w·exp(tξ/w)``; :meth:`ElementwiseGeometry.geodesic` offers all three orders, though adaptive
 sharpness itself uses the straight line (order 1).
 
+Finding the frozen coordinates and zeroing them, in the per-component temporaries ``w²``,
+``|w|`` and ``x / |w|`` too, is :mod:`~geosharp.geometry.elementwise_frozen`'s; the metric's
+products over many components, a chunk of them at a time, are
+:mod:`~geosharp.geometry.elementwise_chunked`'s. :class:`ElementwiseGeometry` mixes both in.
+
 Besides the ℓ2 ball the adaptive ℓ∞ box ``|δ_i| ≤ ρ|w_i|`` (the reference's headline measure) is
 provided by :func:`~geosharp.geometry.adaptive_balls.linf_norm` and
 :func:`~geosharp.geometry.adaptive_balls.project_linf_ball`.
@@ -41,7 +46,9 @@ from torch import Tensor
 from geosharp.geometry._validate import check_like, check_order, check_tensor
 from geosharp.geometry.base import DEFAULT_RK4_STEPS, Geometry, Point, Tangent
 from geosharp.geometry.draws import draw_like
-from geosharp.geometry.flat import FLAT_DTYPES, flat_exact, views
+from geosharp.geometry.elementwise_chunked import ElementwiseChunkedProducts
+from geosharp.geometry.elementwise_frozen import ElementwiseFrozen, _frozen_of
+from geosharp.geometry.flat import flat_exact
 
 
 def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tensor, ...]:
@@ -49,75 +56,7 @@ def _cut_rows(point: Sequence[Tensor], rows: Mapping[int, Tensor]) -> tuple[Tens
     return tuple(t.index_select(0, rows[c]) if c in rows else t for c, t in enumerate(point))
 
 
-#: Coordinates of the components whose metric products :meth:`ElementwiseGeometry.inner` and
-#: :meth:`~ElementwiseGeometry.norm_sq` write at once (two flat temporaries of at most this many,
-#: or of one larger component): a few launches per chunk, not per component (issue 43).
-_CHUNK = 1 << 22
-
-#: Coordinates examined at once by :func:`_frozen_of` (its temporaries: a few MB, not the tensor's
-#: size).
-_FROZEN_CHUNK = 1 << 20
-
-
-def _frozen_of(t: Tensor, scratch: dict | None = None) -> Tensor | None:
-    """Where ``t`` is frozen (``w = 0`` or ``1/w²`` not finite).
-
-    ``None`` if nowhere; else the flat positions when at most one coordinate in 16 is frozen
-    (an embedding's padding row), or a boolean mask. Read in chunks of :data:`_FROZEN_CHUNK`
-    coordinates: no temporary the size of ``t`` (a word-embedding table's ``1/w²`` was half of
-    a MiniLM's parameters). Each chunk's ``|w|`` is written in one buffer per dtype and device,
-    kept in ``scratch`` for the next tensor (a fresh one per chunk could be fresh pages each time);
-    the chunks' smallest ``|w|`` are read back at once.
-    """
-    flat = t.detach().reshape(-1)  # read only (an ``out=`` takes no tensor that needs grad)
-    numel = flat.numel()
-    found: list[Tensor] = []
-    n = 0
-    mask: Tensor | None = None
-    # a chunk whose smallest |w| is twice the smallest with a finite 1/w² has nothing frozen
-    # (NaN compares false): two passes over it instead of six
-    clear = 2.0 * torch.finfo(t.dtype).max ** -0.5 if t.is_floating_point() else None
-    scratch = {} if scratch is None else scratch
-    key = (t.dtype, t.device)
-    if clear is not None and min(numel, _FROZEN_CHUNK) > scratch.get(key, flat[:0]).numel():
-        scratch[key] = torch.empty(min(numel, _FROZEN_CHUNK), dtype=t.dtype, device=t.device)
-    starts: Sequence[int] = range(0, numel, _FROZEN_CHUNK)
-    if clear is not None and numel:
-        # every chunk's smallest |w|, read back once (not a device sync per chunk)
-        least = torch.empty(len(starts), dtype=t.dtype, device=t.device)
-        for i, start in enumerate(starts):
-            c = flat[start : start + _FROZEN_CHUNK]
-            least[i] = torch.abs(c, out=scratch[key][: c.numel()]).amin()
-        starts = [starts[i] for i in torch.nonzero(~(least > clear)).reshape(-1).tolist()]
-    for start in starts:
-        c = flat[start : start + _FROZEN_CHUNK]
-        if clear is None:
-            frozen = (c == 0) | ~torch.isfinite(c.reciprocal().square_())
-            idx = frozen.nonzero().reshape(-1)
-        else:  # the exact test on the coordinates not clear of the threshold (NaN too) only
-            near = (torch.abs(c, out=scratch[key][: c.numel()]) > clear).logical_not_()
-            idx = near.nonzero().reshape(-1)
-            v = c[idx]
-            idx = idx[(v == 0) | ~torch.isfinite(v.reciprocal().square_())]
-        if mask is not None:  # zeros from here on: only the frozen are set
-            mask[idx + start] = True
-            continue
-        if idx.numel():
-            found.append(idx.add_(start))
-            n += idx.numel()
-            if 16 * n > numel:  # too many for positions: a mask from here on
-                mask = torch.zeros(numel, dtype=torch.bool, device=t.device)
-                for positions in found:
-                    mask[positions] = True
-                found = []
-    if mask is not None:
-        return mask.view(t.shape)
-    if n == 0:
-        return None
-    return torch.cat(found) if len(found) > 1 else found[0]
-
-
-class ElementwiseGeometry(Geometry):
+class ElementwiseGeometry(ElementwiseFrozen, ElementwiseChunkedProducts, Geometry):
     """Adaptive metric ``Σ η_i ζ_i / w_i²`` at the base point ``w``: one tensor or several.
 
     The point may be one tensor (any shape) or a tuple of tensors, e.g. every parameter of a
@@ -179,46 +118,6 @@ class ElementwiseGeometry(Geometry):
         new._whole = None
         return new
 
-    def _zero_frozen_(self, t: Tensor, k: int, value: float | bool = 0.0) -> Tensor:
-        """``t`` (shaped like component ``k``) with its frozen coordinates set to ``value``."""
-        f = self._frozen[k]
-        if f is None:
-            return t
-        if f.dtype == torch.bool:
-            return t.masked_fill_(f, value)
-        if t.is_contiguous():
-            t.view(-1).index_fill_(0, f, value)
-            return t
-        mask = torch.zeros(t.numel(), dtype=torch.bool, device=t.device)
-        mask[f] = True
-        return t.masked_fill_(mask.view(t.shape), value)
-
-    def _whole_frozen(self) -> list[bool]:
-        """Per component, whether every coordinate is frozen (read once, then kept)."""
-        whole = getattr(self, "_whole", None)
-        if whole is None:
-            whole = [
-                f is not None and f.dtype == torch.bool and bool(f.all()) for f in self._frozen
-            ]
-            self._whole = whole
-        return whole
-
-    def _zero_frozen_all_(self, ts: Sequence[Tensor]) -> None:
-        """:meth:`_zero_frozen_` of every component ``ts[k]``, in place.
-
-        The components frozen throughout (a zero-initialized bias) are zeroed by one
-        multi-tensor op; the others with frozen coordinates one at a time.
-        """
-        if not self.has_frozen:
-            return
-        whole = self._whole_frozen()
-        zs = [t for t, w in zip(ts, whole, strict=True) if w]
-        if zs:
-            torch._foreach_zero_(zs)
-        for k, (t, f) in enumerate(zip(ts, self._frozen, strict=True)):
-            if f is not None and not whole[k]:
-                self._zero_frozen_(t, k)
-
     # -- single-tensor conveniences (the point has one component) ----------------------------
     @property
     def w(self) -> Tensor:
@@ -273,13 +172,6 @@ class ElementwiseGeometry(Geometry):
     def abs_w_parts(self) -> tuple[Tensor, ...]:
         """``|w|`` per component, 0 on frozen coordinates."""
         return tuple(self._abs(k) for k in range(len(self.point)))
-
-    def _scaled(self, x: Tensor, k: int) -> Tensor:
-        """``x / |w|`` of component ``k`` (0 on frozen coordinates), a new tensor."""
-        if self._frozen[k] is None:
-            return x / self.point[k]
-        # a product with 1/w (0 where frozen): differentiable everywhere, no 0/0 in a backward
-        return x * self._zero_frozen_(self.point[k].reciprocal(), k)
 
     def coordinate_norm_sq(self, xi: Tangent) -> tuple[Tensor, ...]:
         """``ξ_i² / w_i²`` per coordinate (0 on frozen ones), one tensor per component."""
@@ -340,14 +232,6 @@ class ElementwiseGeometry(Geometry):
         """At order 1 (``w + ξ``)."""
         return order == 1
 
-    def _w2(self, k: int) -> Tensor:
-        """``w²`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
-        return self._zero_frozen_(self.point[k].square(), k)
-
-    def _abs(self, k: int) -> Tensor:
-        """``|w|`` of component ``k``, 0 on frozen coordinates (a temporary of its size)."""
-        return self._zero_frozen_(self.point[k].abs(), k)
-
     def _check(self, xi: Tangent, name: str = "xi") -> tuple[Tensor, ...]:
         return _check_components(self.point, self.name, xi, name)
 
@@ -359,68 +243,6 @@ class ElementwiseGeometry(Geometry):
         """``Σ_i ξ_i² / w_i²`` (temporaries of a chunk of components, :data:`_CHUNK`)."""
         x = self._check(xi)
         return self._scaled_dot(x, x)
-
-    def _scaled_dot(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
-        """``Σ_k (a_k / |w_k|)·(b_k / |w_k|)``, a chunk of components at a time.
-
-        Each chunk (consecutive components of one dtype and device, :meth:`_chunks`) has its
-        ``a / w`` and ``b / w`` written into one flat temporary each (the values of
-        :meth:`_scaled`) by multi-tensor ops, then one dot product: a few launches per chunk,
-        not per component. ``b is a``: one temporary. Differentiated (grad mode, an input
-        requiring grad: a metric lowered by autograd), one component at a time.
-        """
-        total = None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*a, *b)):
-            for k, (x, y) in enumerate(zip(a, b, strict=True)):
-                v = torch.dot(self._scaled(x, k).reshape(-1), self._scaled(y, k).reshape(-1))
-                total = v if total is None else total + v.to(total.device)  # scalars meet
-            return total
-        for ks in self._chunks(a, b):
-            ra = self._scaled_flat(a, ks)
-            rb = ra if b is a else self._scaled_flat(b, ks)
-            v = torch.dot(ra, rb)
-            total = v if total is None else total + v.to(total.device)  # scalars meet
-            del ra, rb
-        return total
-
-    def _chunks(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> list[list[int]]:
-        """Consecutive components of one dtype and device (those of ``a``, ``b`` and ``w``).
-
-        Each chunk holds at most :data:`_CHUNK` coordinates, or one component that holds more.
-        """
-        out: list[list[int]] = []
-        n, key = 0, None
-        for k, (x, y, w) in enumerate(zip(a, b, self.point, strict=True)):
-            same = x.dtype == y.dtype == w.dtype and x.dtype in FLAT_DTYPES
-            kk = (x.dtype, x.device) if same else (k,)  # else alone: one dot per component
-            m = x.numel()
-            if out and kk == key and n + m <= _CHUNK:
-                out[-1].append(k)
-                n += m
-            else:
-                out.append([k])
-                n, key = m, kk
-        return out
-
-    def _scaled_flat(self, x: Sequence[Tensor], ks: list[int]) -> Tensor:
-        """``x_k / |w_k|`` (:meth:`_scaled`) of the components ``ks``, in one flat tensor."""
-        if len(ks) == 1:
-            return self._scaled(x[ks[0]], ks[0]).reshape(-1)
-        first = x[ks[0]]
-        flat = torch.empty(sum(x[k].numel() for k in ks), dtype=first.dtype, device=first.device)
-        dest = views(flat, [x[k] for k in ks])
-        plain = [i for i, k in enumerate(ks) if self._frozen[k] is None]
-        if plain:  # x / w as a copy of x divided in place: the same values
-            torch._foreach_copy_([dest[i] for i in plain], [x[ks[i]] for i in plain])
-            torch._foreach_div_([dest[i] for i in plain], [self.point[ks[i]] for i in plain])
-        whole = self._whole_frozen()
-        zeros = [dest[i] for i, k in enumerate(ks) if whole[k]]
-        if zeros:  # x · 0 on a component frozen throughout: zeros, one op for them all
-            torch._foreach_zero_(zeros)
-        for i, k in enumerate(ks):
-            if self._frozen[k] is not None and not whole[k]:
-                torch.mul(x[k], self._zero_frozen_(self.point[k].reciprocal(), k), out=dest[i])
-        return flat
 
     def project(self, xi: Tangent) -> Tangent:
         """Zero the frozen coordinates (``w_i = 0`` or ``1/w_i²`` not finite)."""
