@@ -108,7 +108,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reuse an output folder that holds a different configuration (rows are kept)",
     )
-    s.add_argument("--shard", default=None, help="only this part k/n of the population")
+    s.add_argument(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="only part k of n of the models: a model belongs to part 1 + (SHA-256 of its "
+        "name) mod n, so adding, removing or reordering models moves no other model; OUT "
+        "records the split and a resumed OUT keeps it (another n is refused without --force; a "
+        "folder from before the rule was recorded keeps taking models by position). geosharp "
+        "merge joins the parts and names any model no part measured",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument(
         "--threads",

@@ -14,6 +14,7 @@ from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
 from geosharp.studies.merge import MergeConflictError, merge_shards
 from geosharp.studies.runner import Shard, run_study
 from geosharp.studies.store import Store, StudyMismatchError
+from geosharp.studies.study_report import report_from_folder
 
 N_MODELS, N_MEASURES = 4, 5  # 4 models x (adaptive + geodesic inv/mix x exact/order 2) x 1 rho
 
@@ -93,11 +94,33 @@ def test_two_shards_plus_merge_equal_one_unsharded_run(runs, capsys):
     assert rows(root / "merged")[1] == meas
 
 
-def test_a_missing_shard_is_reported(runs, tmp_path):
+def test_a_missing_shard_is_reported(runs, tmp_path, capsys):
     root, _ = runs
     summary = merge_shards(tmp_path, [root / "shard1"], report=False, log=lambda m: None)
-    assert summary.missing == ["diag-001", "diag-003"]
+    assert summary.missing == ["diag-001", "diag-003"]  # part 2/2's (a hash of the names)
     assert any("is a shard missing" in w for w in summary.warnings)
+    # The command says it in one line, and the report and results.csv say so too.
+    out = tmp_path / "cli"
+    assert main(["merge", str(out), str(root / "shard1")]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "warning: 2 of the 4 models of the population were measured by no shard: diag-001, "
+        "diag-003 (part 2/2 owns diag-001, diag-003: rerun it, then merge again)"
+    ) in err
+    assert "warning: part(s) 2/2 of the split (name-hash) are in none of the folders" in err
+    csv_rows = (out / "results.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in csv_rows if r.endswith(",not-measured")] == [
+        "diag-001",
+        "diag-003",
+    ]
+    html = (out / "report.html").read_text()
+    assert "not measured: 2 of the 4 models of the population have no row here" in html
+    assert "rerun it, then merge again" not in html and "a shard not merged" in html
+    # A shard folder's own report says whose the other models are.
+    part = tmp_path / "part1"
+    shutil.copytree(root / "shard1", part)
+    report_from_folder(part)
+    assert "this folder holds part 1/2 of the population" in (part / "report.html").read_text()
 
 
 def test_conflicting_rows_are_named_and_nothing_is_written(runs, tmp_path, capsys):

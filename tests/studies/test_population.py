@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ from geosharp.studies.population import (
     run_population,
 )
 from geosharp.studies.population_call import study
-from geosharp.studies.runner import Shard
+from geosharp.studies.runner import Shard, shard_of
 
 from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
 
@@ -344,3 +345,47 @@ def test_exact_steps_reach_the_exact_measures_and_keep_old_studies_resumable():
     assert "exact_steps" not in study._run_kwargs(exact)
     study.grids = {}
     assert "exact_steps" not in study.config()
+
+
+def test_a_manifest_grown_in_the_middle_between_shard_runs(population, tmp_path, capsys):
+    """``--shard k/n`` by the models' names: a model added in the middle of the manifest goes
+    to its own part, the parts already measured keep theirs, and the merge misses none."""
+
+    def manifest(path, names):
+        with path.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["model", "train_accuracy", "test_accuracy", "lr", "width"])
+            for name, tr, te, lr, width in ROWS:
+                if name in names:
+                    w.writerow([f"models/{name}", tr, te, lr, width])
+        return path
+
+    path = population / "grown.csv"  # beside the models: ids models/bert-a, ...
+    common = ["--data", str(population / "data.csv"), "--measures", "adaptive-l2", "--rho",
+              "0.05", "--steps", "2", "--batch-size", "4", "--samples", "8", "--max-length",
+              "16", "--device", "cpu", "--dtype", "float64", "--no-progress"]  # fmt: skip
+
+    def shard(k):
+        out = tmp_path / f"part{k}"
+        assert main(["study", str(path), *common, "--shard", f"{k}/2", "--out", str(out)]) == 0
+        with sqlite3.connect(out / "study.sqlite") as db:
+            held = {Path(r[0]).name for r in db.execute("SELECT model_id FROM models")}
+        db.close()
+        return held, capsys.readouterr()
+
+    # models/bert-a, -c and -d hash to part 1 of 2, models/bert-b to part 2
+    assert [shard_of(f"models/bert-{x}", 2) for x in "abcd"] == [1, 2, 1, 1]
+    manifest(path, {"bert-a", "bert-c", "bert-d"})
+    first = [shard(k)[0] for k in (1, 2)]
+    assert first == [{"bert-a", "bert-c", "bert-d"}, set()]  # part 2 owns none of them yet
+    manifest(path, {"bert-a", "bert-b", "bert-c", "bert-d"})  # bert-b in the middle
+    (one, said1), (two, said2) = shard(1), shard(2)
+    assert "measured 0, reused 3 rows" in said1.out  # part 1 owns what it owned
+    assert "shard part 2/2 (name-hash): 1 of the 4 models" in said2.err
+    assert one == first[0] and two == first[1] | {"bert-b"}
+    assert sorted([*one, *two]) == ["bert-a", "bert-b", "bert-c", "bert-d"]  # each once
+    merged = tmp_path / "merged"
+    assert main(["merge", str(merged), str(tmp_path / "part1"), str(tmp_path / "part2")]) == 0
+    err = capsys.readouterr().err
+    assert "measured by no shard" not in err and "more than one shard" not in err, err
+    assert len(read_results(merged)) == 4

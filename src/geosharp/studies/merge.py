@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.studies.report import ReportPaths
+from geosharp.studies.runner import SHARD_RULE, SHARDS_META, shard_of, shard_record
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.study_report import report_from_folder
 from geosharp.studies.twin_section import TWIN_FILE, merge_twin_files
@@ -73,8 +74,13 @@ class MergeSummary:
         new_measurements: Measurement rows added by this merge.
         duplicates: Rows found more than once (identical, kept once).
         checkpoints: Checkpoint files copied.
-        missing: Models of the study's population with no row in the merged database.
-        warnings: Anything a user should know (missing checkpoint files, missing models).
+        missing: Models of the study's population with no row in the merged database (no shard
+            measured them; the report and ``results.csv`` list them as not measured).
+        measured_twice: Models recorded by more than one shard folder → those folders.
+        population: The models of the study's population (the newest manifest the shards
+            were run with).
+        warnings: Anything a user should know (missing checkpoint files, models no shard
+            measured, models two shards measured, shards split differently).
         report: The report written, if any.
     """
 
@@ -86,6 +92,8 @@ class MergeSummary:
     duplicates: int = 0
     checkpoints: int = 0
     missing: list[str] = field(default_factory=list)
+    measured_twice: dict[str, list[str]] = field(default_factory=dict)
+    population: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     report: ReportPaths | None = None
 
@@ -129,6 +137,70 @@ def _config_difference(a: str | None, b: str | None) -> str:
         return f"{a} vs {b}"
     keys = sorted(k for k in set(da) | set(db) if da.get(k, "∅") != db.get(k, "∅"))
     return ", ".join(f"{k}={da.get(k, '∅')!r} vs {db.get(k, '∅')!r}" for k in keys)
+
+
+def _report_info(meta: dict[str, str]) -> dict[str, Any]:
+    try:
+        info = json.loads(meta.get("report", "{}"))
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _population(
+    infos: Sequence[tuple[str, dict[str, Any]]], warnings: list[str]
+) -> list[str] | None:
+    """The population the merged study covers: the newest manifest the shards were run with.
+
+    ``infos``: ``(folder, report info)`` of every shard (and of ``OUT`` if it held a study).
+    Shards run with different manifests (it grew or shrank between their runs) are said in one
+    line; without the time of their runs (folders of an older geosharp) it is their union.
+    """
+    listed = [(where, info) for where, info in infos if info.get("population") is not None]
+    if not listed:
+        return None
+    pops = [list(info["population"]) for _, info in listed]
+    if all(p == pops[0] for p in pops):
+        return pops[0]
+    union = list(dict.fromkeys(mid for p in pops for mid in p))
+    timed = [(info.get("recorded"), i) for i, (_, info) in enumerate(listed)]
+    if any(t is not None for t, _ in timed):
+        _, newest = max((t or 0.0, i) for t, i in timed)
+        chosen, how = pops[newest], f"the newest, {listed[newest][0]}'s"
+    else:
+        chosen, how = union, "their union"
+    gone = [mid for mid in union if mid not in chosen]
+    sizes = ", ".join(f"{where}: {len(p)}" for (where, _), p in zip(listed, pops, strict=True))
+    warnings.append(
+        f"the shards were run with different manifests ({sizes} models): the population is "
+        f"{how} ({len(chosen)} models)"
+        + (f"; no longer listed: {', '.join(gone[:10])}" if gone else "")
+    )
+    return chosen
+
+
+def _split_of(meta: dict[str, str]) -> tuple[str, int] | None:
+    rec = shard_record(meta)
+    if rec is None or rec.get("n") is None:
+        return None
+    return str(rec.get("rule", SHARD_RULE)), int(rec["n"])
+
+
+def _owners(missing: Sequence[str], splits: set[tuple[str, int]]) -> str:
+    """``" (part 2/3 owns m1; part 1/3 owns m4)"``: which part to rerun, under the name hash."""
+    if len(splits) != 1:
+        return ""
+    rule, n = next(iter(splits))
+    if rule != SHARD_RULE:
+        return ""
+    parts: dict[int, list[str]] = {}
+    for mid in missing[:10]:
+        parts.setdefault(shard_of(mid, n), []).append(mid)
+    return (
+        " ("
+        + "; ".join(f"part {k}/{n} owns {', '.join(ids)}" for k, ids in sorted(parts.items()))
+        + ": rerun it, then merge again)"
+    )
 
 
 def merge_shards(
@@ -187,12 +259,27 @@ def merge_shards(
     summary = MergeSummary(out)
     # Opening OUT with the shards' study and configuration refuses a folder of another study.
     with Store(out / "study.sqlite", study, json.loads(config or "{}")) as dest:
-        if "report" in meta0:
-            with dest.conn:
-                dest.conn.execute(
-                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('report', ?)",
-                    (meta0["report"],),
-                )
+        dest_meta = dest.meta()
+        in_shards = out.resolve() in {s.resolve() for s in shards}
+        infos = [(str(s), _report_info(m)) for s, (_, _, m) in zip(shards, metas, strict=True)]
+        if "report" in dest_meta and not in_shards:
+            infos.insert(0, (str(out), _report_info(dest_meta)))
+        population = _population(infos, summary.warnings)
+        info = _report_info(dest_meta) or _report_info(meta0)
+        if population is not None:
+            info["population"] = population
+            newest = [i.get("recorded") for _, i in infos if i.get("recorded") is not None]
+            if newest:
+                info["recorded"] = max(newest)
+        splits = {split for _, _, m in metas if (split := _split_of(m)) is not None}
+        # OUT holds the parts merged, not one part: its report says so, and a study resumed
+        # in it (unsharded, or a part) takes the stable rule, not a folder's from before it.
+        merged = shard_record(dest_meta) or {"rule": SHARD_RULE, "n": None, "parts": []}
+        meta_rows = [(SHARDS_META, json.dumps({**merged, "merged": True}, sort_keys=True))]
+        if info:
+            meta_rows.append(("report", json.dumps(info, default=str)))
+        owned: dict[str, list[str]] = {}  # model → the shard folders that recorded it
+        counted: set[Path] = set()
         model_cols, existing_models = _rows(dest.conn, "models")
         meas_cols, existing_meas = _rows(dest.conn, "measurements")
         models = {r[0]: (dict(zip(model_cols, r, strict=True)), out) for r in existing_models}
@@ -206,11 +293,19 @@ def merge_shards(
         # 1. Read everything and check for conflicts before writing anything.
         for s in shards:
             if s.resolve() == out.resolve():
+                if s.resolve() not in counted:  # OUT is one of the shards: its own models
+                    counted.add(s.resolve())
+                    for r in existing_models:
+                        owned.setdefault(r[0], []).append(str(s))
                 continue
             with sqlite3.connect(s / "study.sqlite") as conn:
                 cols, rows = _rows(conn, "models")
                 if cols != model_cols:
                     raise StudyMismatchError(f"{s}/study.sqlite has another schema: {cols}")
+                if s.resolve() not in counted:  # a folder given twice counts once
+                    counted.add(s.resolve())
+                    for r in rows:
+                        owned.setdefault(r[0], []).append(str(s))
                 for r in rows:
                     row = dict(zip(cols, r, strict=True))
                     if r[0] in models:
@@ -265,8 +360,11 @@ def merge_shards(
             shutil.copy2(src, tmp)
             tmp.replace(dst)
             summary.checkpoints += 1
-        # 3. All rows in one transaction.
+        # 3. All rows in one transaction, with the population and the split merged.
         with dest.conn:
+            dest.conn.executemany(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta_rows
+            )
             marks = ", ".join("?" * len(model_cols))
             dest.conn.executemany(
                 f"INSERT INTO models VALUES ({marks})",
@@ -279,12 +377,48 @@ def merge_shards(
             )
         summary.new_models, summary.new_measurements = len(new_models), len(new_meas)
         summary.models, summary.measurements = len(models), len(meas)
-        population = json.loads(dest.meta().get("report", "{}")).get("population", [])
-        summary.missing = [mid for mid in population if mid not in models]
-    if summary.missing:
+        summary.population = population or []
+        summary.missing = [mid for mid in summary.population if mid not in models]
+    summary.measured_twice = {mid: ws for mid, ws in owned.items() if len(ws) > 1}
+    if len(splits) > 1:
+        shown = "; ".join(
+            f"{s}: {rec['parts']} of {rec['n']} by {rec.get('rule', SHARD_RULE)}"
+            for s, (_, _, m) in zip(shards, metas, strict=True)
+            if (rec := shard_record(m)) is not None and rec.get("n") is not None
+        )
         summary.warnings.append(
-            f"{len(summary.missing)} of {len(population)} models of the population have no row "
-            f"yet (e.g. {', '.join(summary.missing[:5])}): is a shard missing or unfinished?"
+            f"the shard folders were split differently ({shown}): together they may miss or "
+            "repeat models (the lines below name them)"
+        )
+    elif len(splits) == 1 and all(_split_of(m) is not None for _, _, m in metas):
+        rule, n = next(iter(splits))
+        given = {
+            int(k)
+            for _, _, m in metas
+            if (rec := shard_record(m)) is not None
+            for k in rec.get("parts", [])
+        }
+        absent = [k for k in range(1, n + 1) if k not in given]
+        if absent:
+            summary.warnings.append(
+                f"part(s) {', '.join(f'{k}/{n}' for k in absent)} of the split ({rule}) are in "
+                "none of the folders given"
+            )
+    if summary.missing:
+        names = ", ".join(summary.missing[:10]) + (", …" if len(summary.missing) > 10 else "")
+        summary.warnings.append(
+            f"{len(summary.missing)} of the {len(summary.population)} models of the population "
+            f"were measured by no shard: {names}{_owners(summary.missing, splits)}; is a shard "
+            "missing or unfinished? The report and results.csv list them as not measured"
+        )
+    if summary.measured_twice:
+        shown = "; ".join(
+            f"{mid} ({', '.join(ws)})" for mid, ws in list(summary.measured_twice.items())[:5]
+        )
+        more = ", …" if len(summary.measured_twice) > 5 else ""
+        summary.warnings.append(
+            f"{len(summary.measured_twice)} model(s) were measured by more than one shard: "
+            f"{shown}{more}; their rows agree and are kept once"
         )
     say(
         f"merged {len(shards)} shard folder(s) into {out}: {summary.new_models} new model and "

@@ -510,7 +510,8 @@ def run_population(
     if twin_check:
         from geosharp.studies.population_twin import run_twin_check
 
-        run_twin_check(study, out, shard=shard, check=settings.check, progress=progress)
+        part = summary.shard  # the part as the folder records it (its rule)
+        run_twin_check(study, out, shard=part, check=settings.check, progress=progress)
     if shard is None and study.writes:
         summary.report = report_from_folder(out)
     return summary

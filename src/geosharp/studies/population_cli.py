@@ -122,7 +122,16 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=100, help="curvature: Hutchinson probes (100)")
     p.add_argument("--seed", type=int, default=0, help="seed of the self-check and the ascent")
     p.add_argument("--force", action="store_true", help="reuse a folder of another config")
-    p.add_argument("--shard", default=None, help="only this part k/n of the models")
+    p.add_argument(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="only part k of n of the models: a model belongs to part 1 + (SHA-256 of its "
+        "name) mod n, so adding, removing or reordering models moves no other model; OUT "
+        "records the split and a resumed OUT keeps it (another n is refused without --force; a "
+        "folder from before the rule was recorded keeps taking models by position). geosharp "
+        "merge joins the parts and names any model no part measured",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads of torch and BLAS")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show tracebacks")

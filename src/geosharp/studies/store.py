@@ -375,6 +375,10 @@ class Store:
     def export_csv(self, path: str | Path) -> Path:
         """Write ``results.csv``: one row per measurement, joined with its model's metrics.
 
+        A model of the study's population (as recorded by the run) that has no row, e.g. one
+        no merged shard measured, gets one line of its own: its id, empty cells and the flag
+        ``not-measured``.
+
         Returns:
             The path written.
         """
@@ -406,8 +410,16 @@ class Store:
                 + [m["hparams"].get(k) for k in hp_keys]
                 + [r["time_s"], len(pb), std, _flags_cell(r)]
             )
+        listed = json.loads(self.meta().get("report", "{}")).get("population") or []
+        for mid in listed:  # a model of the population without a row: said, not left out
+            if mid not in models:
+                w.writerow([mid, "", "", "", ""] + [""] * (len(header) - 6) + [NOT_MEASURED])
         atomic_write_text(path, fh.getvalue())
         return path
+
+
+#: results.csv's ``flags`` of a model of the population with no row (no shard measured it).
+NOT_MEASURED = "not-measured"
 
 
 def _flags_cell(row: Mapping[str, Any]) -> str:

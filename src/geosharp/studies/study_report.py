@@ -57,12 +57,24 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
     for m in store.models():
         if m.get("note"):
             all_notes.append(f"{m['model_id']}: {m['note']}")
+    listed = info.get("population") or []
+    recorded = {m["model_id"] for m in store.models()}
+    missing = [mid for mid in listed if mid not in recorded]
+    if missing:  # never rank fewer models silently (a shard not merged, or not finished)
+        split = _split_text(store.meta().get("shards"))
+        all_notes.insert(0, not_measured_line(missing, len(listed), len(models), split))
     if excluded:
         all_notes.append(
             f"{len(excluded)} model(s) left out of the analysis: " + ", ".join(excluded[:20])
         )
     settings = dict(info.get("settings", {}))
     settings["models analysed"] = len(models)
+    if missing:
+        settings["models not measured"] = (
+            f"{len(missing)} of {len(listed)}: "
+            + ", ".join(missing[:20])
+            + (" …" if len(missing) > 20 else "")
+        )
     if models:
         settings["population"] = _population_summary(models)
     if info.get("environments"):
@@ -78,6 +90,41 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
         notes=all_notes,
         gap_label=info.get("gap_label", "generalization gap"),
     )
+
+
+def not_measured_line(
+    missing: Sequence[str], listed: int, analysed: int, split: str | None = None
+) -> str:
+    """The report's one line on the models of the population that have no row.
+
+    ``split``: the parts of a shard folder (``"part 1/2"``), whose other models are the other
+    parts'.
+    """
+    shown = ", ".join(missing[:10]) + (", …" if len(missing) > 10 else "")
+    why = (
+        f"this folder holds {split} of the population; geosharp merge joins the parts"
+        if split
+        else "a shard not merged or not finished? geosharp merge names them"
+    )
+    return (
+        f"not measured: {len(missing)} of the {listed} models of the population have no row "
+        f"here ({shown}); τ and every table rank the {analysed} analysed ({why}; results.csv "
+        "lists them as not-measured)"
+    )
+
+
+def _split_text(record: str | None) -> str | None:
+    """``"part 1/2"`` of a shard folder's record (meta ``shards``), ``None`` for a whole one."""
+    try:
+        rec = json.loads(record or "{}")
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or not rec.get("n") or not rec.get("parts"):
+        return None
+    if rec.get("merged"):
+        return None
+    parts = ", ".join(f"{k}/{rec['n']}" for k in rec["parts"])
+    return f"part{'s' if len(rec['parts']) > 1 else ''} {parts}"
 
 
 def _population_summary(models: Sequence[dict[str, Any]]) -> str:
