@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(rest) >= 2 and rest[0] in ("study", "symmetry-test") and is_manifest(rest[1]):
         return _population(rest[0], rest[1:], debug="--debug" in argv)
     args = _parser().parse_args(argv)
-    from geosharp.studies.runner import Shard, run_study
+    from geosharp.studies.runner import run_study
+    from geosharp.studies.shards import Shard
     from geosharp.studies.store import StudyMismatchError
     from geosharp.studies.study_report import report_from_folder
 

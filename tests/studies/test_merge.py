@@ -12,7 +12,8 @@ import pytest
 from geosharp.cli import main
 from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
 from geosharp.studies.merge import MergeConflictError, merge_shards
-from geosharp.studies.runner import Shard, run_study
+from geosharp.studies.runner import run_study
+from geosharp.studies.shards import Shard
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.study_report import report_from_folder
 
@@ -159,7 +160,8 @@ CHILD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
-    from geosharp.studies.runner import Shard, run_study
+    from geosharp.studies.runner import run_study
+    from geosharp.studies.shards import Shard
 
     out, k = Path(sys.argv[1]), int(sys.argv[2])
     (out.parent / f"ready{k}").touch()

@@ -10,7 +10,8 @@ import pytest
 from geosharp.cli import main
 from geosharp.stats import kendall_tau_a
 from geosharp.studies.diagonal import DiagonalConfig, DiagonalStudy
-from geosharp.studies.runner import Shard, run_study
+from geosharp.studies.runner import run_study
+from geosharp.studies.shards import Shard
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.study_report import report_from_folder
 

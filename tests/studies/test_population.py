@@ -29,7 +29,7 @@ from geosharp.studies.population import (
     run_population,
 )
 from geosharp.studies.population_call import study
-from geosharp.studies.runner import Shard, shard_of
+from geosharp.studies.shards import Shard, shard_of
 
 from ..measure.conftest import CORPUS, make_tokenizer, save_tiny_classifier
 

@@ -14,14 +14,8 @@ import sqlite3
 import pytest
 
 from geosharp.studies.merge import merge_shards
-from geosharp.studies.runner import (
-    POSITION_RULE,
-    SHARD_RULE,
-    Shard,
-    Study,
-    run_study,
-    shard_of,
-)
+from geosharp.studies.runner import Study, run_study
+from geosharp.studies.shards import POSITION_RULE, SHARD_RULE, Shard, shard_of
 from geosharp.studies.store import NOT_MEASURED, Store, StudyMismatchError
 
 

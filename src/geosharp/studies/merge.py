@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.studies.report import ReportPaths
-from geosharp.studies.runner import SHARD_RULE, SHARDS_META, shard_of, shard_record
+from geosharp.studies.shards import SHARD_RULE, SHARDS_META, shard_of, shard_record
 from geosharp.studies.store import Store, StudyMismatchError
 from geosharp.studies.study_report import report_from_folder
 from geosharp.studies.twin_section import TWIN_FILE, merge_twin_files

@@ -182,7 +182,7 @@ def run(
     from geosharp.errors import MeasureError
     from geosharp.measuring.pipeline import options_from_args
     from geosharp.studies.population import PopulationSettings, parse_rho, run_population
-    from geosharp.studies.runner import Shard
+    from geosharp.studies.shards import Shard
 
     args = parser(command).parse_args(list(argv))
     args.command = command

@@ -41,7 +41,8 @@ from geosharp.errors import MeasureError
 from geosharp.measuring.fsdp import FsdpRun, check_args
 from geosharp.studies.manifest import ManifestRow
 from geosharp.studies.population import PopulationSettings, PopulationStudy
-from geosharp.studies.runner import Prepared, RunSummary, Shard, run_study
+from geosharp.studies.runner import Prepared, RunSummary, run_study
+from geosharp.studies.shards import Shard
 from geosharp.studies.store import Store
 
 __all__ = ["ShardedPopulation", "check_study_args"]

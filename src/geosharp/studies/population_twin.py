@@ -32,7 +32,8 @@ from geosharp.errors import MeasureError
 from geosharp.estimators.sharded.check import is_sharded
 from geosharp.measuring.results import flags_text, rho_text
 from geosharp.measuring.twin import TWIN_TOL, make_twin, output_change, promised, relative_change
-from geosharp.studies.runner import Shard, Study, StudyMeasure
+from geosharp.studies.runner import Study, StudyMeasure
+from geosharp.studies.shards import Shard
 from geosharp.studies.store import Store
 from geosharp.studies.twin_section import TWIN_FILE, add_rows, is_flagged, read_rows
 

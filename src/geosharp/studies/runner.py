@@ -10,7 +10,6 @@ killed run restarts where it stopped and never recomputes or loses a finished ro
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -18,7 +17,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,8 @@ from geosharp.measuring.checks import loss_eps
 from geosharp.measuring.flags import reference_loss
 from geosharp.measuring.results import MeasureRow
 from geosharp.studies.report import ReportPaths
-from geosharp.studies.store import Store, StudyMismatchError
+from geosharp.studies.shards import Shard, settle_shard
+from geosharp.studies.store import Store
 from geosharp.studies.study_report import make_report
 
 
@@ -90,204 +90,6 @@ class Prepared:
     clean_losses: list[float] | None = None
     reference: float | None = None
     judged: bool = False
-
-
-#: How ``--shard k/n`` splits a population: model ``M`` belongs to part ``shard_of(M, n)``, a
-#: hash of its name (its id in the store), so adding, removing or reordering models never moves
-#: another model to another part. Recorded in every shard's ``study.sqlite`` (meta ``shards``).
-SHARD_RULE = "name-hash"
-#: The rule of shard folders written before the rule was recorded: the models at positions
-#: ``k−1, k−1+n, …`` of the population (a model added in the middle moves every later one).
-POSITION_RULE = "position"
-SHARD_RULES = {
-    SHARD_RULE: "a hash of the model's name: part 1 + (SHA-256 of the name, first 8 bytes as a "
-    "big-endian integer) mod n",
-    POSITION_RULE: "position in the manifest: models k, k+n, k+2n, …",
-}
-
-
-def shard_of(model_id: str, n: int) -> int:
-    """The part (1 to ``n``) that owns a model under :data:`SHARD_RULE`.
-
-    ``1 + int.from_bytes(sha256(model_id.encode("utf-8")).digest()[:8], "big") % n``: the same
-    on every machine, Python and platform, and independent of the other models.
-
-    Example:
-        >>> [shard_of(f"diag-{i:03d}", 2) for i in range(4)]
-        [1, 2, 1, 2]
-        >>> old = Shard(1, 2).take(["a", "b", "c", "d"])
-        >>> set(old) <= set(Shard(1, 2).take(["a", "new", "b", "c", "d"]))  # grown: none moves
-        True
-    """
-    digest = hashlib.sha256(model_id.encode("utf-8")).digest()
-    return 1 + int.from_bytes(digest[:8], "big") % n
-
-
-def _model_id(item: Any) -> str:
-    return str(item[0] if isinstance(item, tuple | list) else item)
-
-
-@dataclass
-class Shard:
-    """Part ``k`` of ``n`` (1-based) of a population.
-
-    Attributes:
-        k: The part.
-        n: The number of parts.
-        rule: :data:`SHARD_RULE` (the models whose :func:`shard_of` is ``k``: stable when the
-            population grows, shrinks or is reordered) or :data:`POSITION_RULE` (the models at
-            positions ``k−1, k−1+n, …``; what shard folders written before the rule was
-            recorded keep, :func:`settle_shard`).
-    """
-
-    k: int
-    n: int
-    rule: str = SHARD_RULE
-
-    @classmethod
-    def parse(cls, text: str) -> Shard:
-        """Parse ``"k/n"``.
-
-        Raises:
-            ValueError: If the text is not ``k/n`` with ``1 ≤ k ≤ n``.
-        """
-        try:
-            k, n = (int(x) for x in text.split("/"))
-        except ValueError as err:
-            raise ValueError(f"--shard must look like 2/4, got {text!r}") from err
-        if not 1 <= k <= n:
-            raise ValueError(f"--shard k/n needs 1 <= k <= n, got {text!r}")
-        return cls(k, n)
-
-    def owns(self, model_id: str) -> bool:
-        """Whether this part holds the model (:data:`SHARD_RULE` only: it needs no position)."""
-        if self.rule != SHARD_RULE:
-            raise ValueError(f"shard rule {self.rule!r} needs the population's order: use take")
-        return shard_of(model_id, self.n) == self.k
-
-    def take(self, items: Sequence[Any], key: Callable[[Any], str] | None = None) -> list[Any]:
-        """The items of this shard, in their order.
-
-        Args:
-            items: The population: ``(model_id, hyperparameters)`` pairs or model ids.
-            key: The model id of an item (default: the item's first element, or the item).
-        """
-        if self.rule == POSITION_RULE:
-            return list(items[self.k - 1 :: self.n])
-        if self.rule != SHARD_RULE:
-            raise ValueError(f"unknown shard rule {self.rule!r}")
-        key = key or _model_id
-        return [item for item in items if shard_of(key(item), self.n) == self.k]
-
-    def text(self) -> str:
-        """``"part 2/4 (name-hash)"``."""
-        return f"part {self.k}/{self.n} ({self.rule})"
-
-
-#: The ``meta`` key of a folder's shard record: ``{"rule": ..., "n": n or None, "parts": [k]}``.
-SHARDS_META = "shards"
-
-
-def shard_record(meta: dict[str, str]) -> dict[str, Any] | None:
-    """The shard record of a store's meta table (``None``: none recorded)."""
-    text = meta.get(SHARDS_META)
-    if not text:
-        return None
-    try:
-        rec = json.loads(text)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def settle_shard(
-    store: Store,
-    shard: Shard | None,
-    *,
-    force: bool = False,
-    say: Callable[[str], None] = lambda _msg: None,
-) -> Shard | None:
-    """The part this run measures in the folder of ``store``, checked against its record.
-
-    Every folder records how it was split (meta ``shards``: the rule, ``n`` and the parts
-    measured into it), so that a resumed shard never silently owns other models than it did:
-
-    * a new folder, or one recorded with the same ``n``: :data:`SHARD_RULE`, the part added to
-      the record (several parts may share one folder);
-    * a folder recorded with another ``n``: refused (:class:`StudyMismatchError`), unless
-      ``force`` (then it is split anew; its rows are kept);
-    * a folder with models but no record (written before the rule was recorded, when shards were
-      taken by position): it keeps :data:`POSITION_RULE`, and says so; ``force`` switches it to
-      :data:`SHARD_RULE`.
-
-    The record is read and written in one transaction (shards starting together on one folder).
-
-    Raises:
-        StudyMismatchError: If the folder was split into another number of parts.
-    """
-    conn = store.conn
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        rec = shard_record(dict(conn.execute("SELECT key, value FROM meta").fetchall()))
-        has_models = conn.execute("SELECT 1 FROM models LIMIT 1").fetchone() is not None
-        if shard is None:
-            if rec is None and not has_models:  # a new unsharded folder: the rule, no parts
-                rec = {"rule": SHARD_RULE, "n": None, "parts": []}
-                _write_shard_record(conn, rec)
-            conn.execute("COMMIT")
-            return None
-        folder = store.path.parent
-        rule = SHARD_RULE
-        parts: list[int] = []
-        if rec is None and has_models:
-            if force:
-                say(
-                    f"{folder} holds models measured before geosharp recorded how shards are "
-                    f"split (then by {SHARD_RULES[POSITION_RULE]}); --force: it is now part "
-                    f"{shard.k}/{shard.n} by {SHARD_RULES[SHARD_RULE]} (its rows are kept; "
-                    "geosharp merge names any model no shard measured)"
-                )
-            else:
-                rule = POSITION_RULE
-                say(
-                    f"{folder} was started before geosharp recorded how shards are split: it "
-                    f"keeps the rule it was measured with, by {SHARD_RULES[POSITION_RULE]}. If "
-                    "the manifest grew or was reordered since, that moves models between parts: "
-                    "rerun every part, or pass --force to split this folder by the stable rule "
-                    f"({SHARD_RULES[SHARD_RULE]})"
-                )
-        elif rec is not None and rec.get("n") is not None:
-            rule = rec.get("rule", SHARD_RULE)
-            if rec["n"] != shard.n or rule not in SHARD_RULES:
-                was = ", ".join(f"{k}/{rec['n']}" for k in rec.get("parts", []))
-                if not force:
-                    raise StudyMismatchError(
-                        f"{folder} holds part {was} (split by {rule}), but this run asks for "
-                        f"part {shard.k}/{shard.n}: parts of another split own other models than "
-                        f"their sibling folders; give --shard k/{rec['n']}, another --out, or "
-                        "--force to split this folder anew (its rows are kept)"
-                    )
-                say(f"{folder} held part {was} ({rule}); --force: it is now split anew")
-                rule = SHARD_RULE
-            else:
-                parts = [int(k) for k in rec.get("parts", [])]
-                if shard.k not in parts and parts:
-                    shown = ", ".join(str(k) for k in sorted({*parts, shard.k}))
-                    say(f"{folder} holds parts {shown} of {shard.n} (one folder shared by parts)")
-        rec = {"rule": rule, "n": shard.n, "parts": sorted({*parts, shard.k})}
-        _write_shard_record(conn, rec)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return Shard(shard.k, shard.n, rule)
-
-
-def _write_shard_record(conn: Any, rec: dict[str, Any]) -> None:
-    conn.execute(
-        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-        (SHARDS_META, json.dumps(rec, sort_keys=True)),
-    )
 
 
 class Study(ABC):
