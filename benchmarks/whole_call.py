@@ -7,7 +7,8 @@ included), divided by a plain forward+backward of the same model on the same bat
 (``torch.autograd.grad`` of the loss over the trainable weights; the median of three), timed
 right before the two calls. The plain step and the calls of every measure are interleaved in
 one process, repetition after repetition, the order of the measures rotating; the median over
-repetitions is reported.
+repetitions is reported. ``--clock process`` times the process's CPU time instead of wall time
+(for a one-thread run on a machine shared with other jobs).
 
 Unlike ``regimes.py`` (which wraps the library's internals to break a call into stages and keeps
 the cache between the two calls), nothing here reaches inside the library: this script runs
@@ -45,6 +46,8 @@ CONFIGS = {
     "minilm-small": "MiniLM-L6, Study 3's set-up: 2 batches of 16 snippets, embeddings frozen",
     "minilm-small-all": "MiniLM-L6, Study 3's 2 batches of 16 snippets, every weight perturbed "
     "(embeddings too)",
+    "minilm-short-all": "MiniLM-L6, Study 3's 32 snippets cut at 20 word pieces ([CLS] and [SEP] "
+    "included; 20 of 32 reach the cut, 18.1 on average): 2 batches 16 × 20, every weight perturbed",
     "minilm-32x64": "MiniLM-L6, random ids, one batch 32 × 64, every weight perturbed",
     "vit-tiny": "geosharp's ViT (d=64, 4 heads, 4 layers), one batch of 128 32×32 images",
     "mha-vit-128": "a ViT of 4 nn.TransformerEncoderLayer (nn.MultiheadAttention, d=64, "
@@ -65,12 +68,15 @@ def build(name: str) -> tuple[Any, list, Callable]:
     from torch import nn
 
     torch.manual_seed(0)
-    if name in ("minilm-small", "minilm-small-all"):
+    if name in ("minilm-small", "minilm-small-all", "minilm-short-all"):
         from geosharp.studies.minilm_text import MiniLMTextConfig, MiniLMTextStudy
 
-        study = MiniLMTextStudy(MiniLMTextConfig())
+        # Study 3's tokenization truncates at max_len (default 48); its sharpness subset, sorted by
+        # length, is the same 32 snippets at either length.
+        cfg = MiniLMTextConfig(max_len=20) if name == "minilm-short-all" else MiniLMTextConfig()
+        study = MiniLMTextStudy(cfg)
         model = study.build()
-        if name == "minilm-small-all":
+        if name != "minilm-small":
             model.requires_grad_(True)
         return model.eval(), study.batches(), _ce
     if name == "minilm-32x64":
@@ -121,9 +127,18 @@ def plain_step(model: Any, batches: list, loss_fn: Callable) -> None:
         torch.autograd.grad(loss_fn(_forward(model, x), y), trainable, allow_unused=True)
 
 
-def time_config(name: str, measures: list[str], n1: int, n2: int, repeats: int) -> dict:
-    """Per-repetition plain step, T(N₁), T(N₂) and their step ratio, for every measure."""
+def time_config(
+    name: str, measures: list[str], n1: int, n2: int, repeats: int, clock: str = "wall"
+) -> dict:
+    """Per-repetition plain step, T(N₁), T(N₂) and their step ratio, for every measure.
+
+    ``clock="process"`` times the process's CPU time (``time.process_time``, every thread of
+    it) instead of wall time: on a machine shared with other jobs a one-thread run's CPU time
+    does not count the time it waited for a core.
+    """
     import geosharp as gs
+
+    now = time.process_time if clock == "process" else time.perf_counter
 
     try:
         from geosharp.estimators.cache import clear_cache
@@ -138,9 +153,9 @@ def time_config(name: str, measures: list[str], n1: int, n2: int, repeats: int) 
 
     def call(m: str, n: int) -> float:
         clear_cache()
-        t = time.perf_counter()
+        t = now()
         gs.sharpness(model, loss_fn, batches, steps=n, progress=False, **MEASURES[m])
-        return time.perf_counter() - t
+        return now() - t
 
     for m in measures:
         call(m, n1)  # the first call of each measure in the process (lazy imports, kernels)
@@ -150,9 +165,9 @@ def time_config(name: str, measures: list[str], n1: int, n2: int, repeats: int) 
         for m in measures[k:] + measures[:k]:
             plains = []
             for _ in range(3):  # the median of three: one plain step alone is too noisy
-                t = time.perf_counter()
+                t = now()
                 plain_step(model, batches, loss_fn)
-                plains.append(time.perf_counter() - t)
+                plains.append(now() - t)
             p = statistics.median(plains)
             t1, t2 = call(m, n1), call(m, n2)
             step = (t2 - t1) / (n2 - n1)
@@ -181,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         "n1": args.n1,
         "n2": args.n2,
         "threads": args.threads,
+        "clock": args.clock,
         "torch": torch.__version__,
         "src": str(Path(sys.modules["geosharp"].__file__).parent),
         "configs": {},
@@ -188,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     with quiet_transformers():
         for name in args.configs.split(","):
             out["configs"][name] = time_config(
-                name, args.measures.split(","), args.n1, args.n2, args.repeats
+                name, args.measures.split(","), args.n1, args.n2, args.repeats, args.clock
             )
     return out
 
@@ -197,6 +213,8 @@ def ab(args: argparse.Namespace) -> dict:
     """Alternate child processes on two source trees, one repetition each, A first then B first."""
     sides = {"A": args.ab[0], "B": args.ab[1]}
     per: dict[str, dict[str, dict[str, list[float]]]] = {s: {} for s in sides}
+    plain: dict[str, dict[str, dict[str, list[float]]]] = {s: {} for s in sides}
+    children: list[dict] = []  # every child's own figures (T(N₁), T(N₂), plain), in run order
     for r in range(args.repeats):
         order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
         for side in order:
@@ -217,6 +235,8 @@ def ab(args: argparse.Namespace) -> dict:
                 str(args.n2),
                 "--threads",
                 str(args.threads),
+                "--clock",
+                args.clock,
                 "--json",
                 "-",
             ]
@@ -224,9 +244,11 @@ def ab(args: argparse.Namespace) -> dict:
             got = json.loads(
                 subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
             )
+            children.append({"side": side, "repetition": r + 1, **got})
             for c, ms in got["configs"].items():
                 for m, fig in ms.items():
                     per[side].setdefault(c, {}).setdefault(m, []).append(fig["ratio"])
+                    plain[side].setdefault(c, {}).setdefault(m, []).append(fig["plain_s"])
             print(f"rep {r + 1}/{args.repeats} {side} done", file=sys.stderr)
     table = {}
     for c in per["A"]:
@@ -237,8 +259,16 @@ def ab(args: argparse.Namespace) -> dict:
                 "B": statistics.median(b),
                 "A_reps": a,
                 "B_reps": b,
+                "A_plain_s": statistics.median(plain["A"][c][m]),
+                "B_plain_s": statistics.median(plain["B"][c][m]),
             }
-    return {"schema": "geosharp-whole-call-ab/1", "A": sides["A"], "B": sides["B"], "ratios": table}
+    return {
+        "schema": "geosharp-whole-call-ab/1",
+        "A": sides["A"],
+        "B": sides["B"],
+        "ratios": table,
+        "children": children,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n1", type=int, default=3)
     ap.add_argument("--n2", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="wall time, or the process's CPU time (a machine shared with other jobs)",
+    )
     ap.add_argument("--src", default=None, help="import geosharp from this src folder")
     ap.add_argument("--ab", nargs=2, metavar=("SRC_A", "SRC_B"), default=None)
     ap.add_argument("--json", default=None, help="write the figures here ('-': stdout only)")
@@ -265,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.ab:
-        print(f"A = {out['A']}\nB = {out['B']}\n{'config measure':32s}  A      B      B/A")
+        print(f"A = {out['A']}\nB = {out['B']}")
+        print(f"{'config measure':32s}  A      B      B/A    plain_s A  B")
         for k, v in out["ratios"].items():
-            print(f"{k:32s}  {v['A']:.3f}  {v['B']:.3f}  {v['B'] / v['A']:.3f}")
+            print(
+                f"{k:32s}  {v['A']:.3f}  {v['B']:.3f}  {v['B'] / v['A']:.3f}"
+                f"  {v['A_plain_s']:.3f}  {v['B_plain_s']:.3f}"
+            )
     else:
         print(f"{'config':14s} {'measure':14s} ratio  step_s  plain_s  (median of {args.repeats})")
         for c, ms in out["configs"].items():
