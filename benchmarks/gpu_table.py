@@ -293,17 +293,7 @@ def device_info(device: torch.device, memory_gib: float | None) -> dict[str, Any
         info["cuda"] = torch.version.cuda
         text = f"{props.name}, {props.total_memory / 2**30:.1f} GiB, CUDA {torch.version.cuda}"
     else:
-        cpu = platform.processor() or platform.machine()
-        with contextlib.suppress(OSError):
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    if line.startswith("model name"):
-                        cpu = line.split(":", 1)[1].strip()
-                        break
-        total = None
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open("/proc/meminfo", encoding="ascii") as fh:
-                total = 1024 * int(fh.readline().split()[1])
+        cpu, total = regimes.cpu_and_memory()
         info["name"] = cpu
         info["total_memory_bytes"] = total
         text = f"cpu: {cpu}"

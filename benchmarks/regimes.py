@@ -731,8 +731,8 @@ def memory_subprocess(spec: dict[str, Any], timeout: float | None) -> dict[str, 
 
 
 # -- machine and report ----------------------------------------------------------------------
-def machine(device: torch.device) -> dict[str, Any]:
-    """What ran the benchmark (for the JSON): CPU, cores, memory, versions, threads, load."""
+def cpu_and_memory() -> tuple[str, int | None]:
+    """The CPU's model name and the machine's memory in bytes (None where unknown)."""
     cpu = platform.processor() or platform.machine()
     mem_total = None
     with contextlib.suppress(OSError):
@@ -744,6 +744,12 @@ def machine(device: torch.device) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo", encoding="ascii") as fh:
             mem_total = 1024 * int(fh.readline().split()[1])
+    return cpu, mem_total
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What ran the benchmark (for the JSON): CPU, cores, memory, versions, threads, load."""
+    cpu, mem_total = cpu_and_memory()
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -29,6 +29,7 @@ from geosharp._io import ensure_writable_dir, os_error_line, os_error_status, sq
 from geosharp.cli_studies import STUDIES, _make_study
 from geosharp.cli_threads import DEFAULT_STUDY_THREADS, set_threads
 from geosharp.studies.population_cli import is_manifest
+from geosharp.studies.shards import SHARD_HELP
 
 _CURVATURE_HELP = (
     "also measure the study's opt-in curvature part: λ_max and trace of the loss Hessian in "
@@ -112,11 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         "--shard",
         default=None,
         metavar="K/N",
-        help="only part k of n of the models: a model belongs to part 1 + (SHA-256 of its "
-        "name) mod n, so adding, removing or reordering models moves no other model; OUT "
-        "records the split and a resumed OUT keeps it (another n is refused without --force; a "
-        "folder from before the rule was recorded keeps taking models by position). geosharp "
-        "merge joins the parts and names any model no part measured",
+        help=SHARD_HELP,
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument(

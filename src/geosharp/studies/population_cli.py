@@ -13,6 +13,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from geosharp.studies.shards import SHARD_HELP
+
 __all__ = ["MANIFEST_SUFFIXES", "is_manifest", "parser", "run"]
 
 #: What a manifest's file name ends with.
@@ -126,11 +128,7 @@ def parser(command: str = "study") -> argparse.ArgumentParser:
         "--shard",
         default=None,
         metavar="K/N",
-        help="only part k of n of the models: a model belongs to part 1 + (SHA-256 of its "
-        "name) mod n, so adding, removing or reordering models moves no other model; OUT "
-        "records the split and a resumed OUT keeps it (another n is refused without --force; a "
-        "folder from before the rule was recorded keeps taking models by position). geosharp "
-        "merge joins the parts and names any model no part measured",
+        help=SHARD_HELP,
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads of torch and BLAS")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

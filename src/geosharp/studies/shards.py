@@ -20,6 +20,7 @@ from geosharp.studies.store import Store, StudyMismatchError
 __all__ = [
     "POSITION_RULE",
     "SHARDS_META",
+    "SHARD_HELP",
     "SHARD_RULE",
     "SHARD_RULES",
     "Shard",
@@ -41,6 +42,15 @@ SHARD_RULES = {
     "big-endian integer) mod n",
     POSITION_RULE: "position in the manifest: models k, k+n, k+2n, …",
 }
+
+#: The ``--shard K/N`` help of every study command (built-in studies and manifests).
+SHARD_HELP = (
+    "only part k of n of the models: a model belongs to part 1 + (SHA-256 of its name) mod n, "
+    "so adding, removing or reordering models moves no other model; OUT records the split and a "
+    "resumed OUT keeps it (another n is refused without --force; a folder from before the rule "
+    "was recorded keeps taking models by position). geosharp merge joins the parts and names "
+    "any model no part measured"
+)
 
 
 def shard_of(model_id: str, n: int) -> int:
