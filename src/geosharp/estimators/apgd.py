@@ -130,7 +130,7 @@ def _momentum_(z: Xi, xi: Xi, xi_prev: Xi, a: float, b: float) -> None:
 
 
 def _linf_step(
-    pert: Perturbation, xi: Xi, xi_prev: Xi, d: Xi, eta: float, rho: float, a: float, b: float
+    pert: Perturbation, xi: Xi, xi_prev: Xi, d: Xi, *, eta: float, rho: float, a: float, b: float
 ) -> Xi:
     """``P(a·P(ξ_k + η sign(d)⊙|w|) + 2b·ξ_k − b·ξ_{k−1})``: the ℓ∞ step, in new tensors.
 
@@ -290,7 +290,7 @@ def autopgd(
             cross = r * (al * xi_nsq + be * xd + ga * cross)
             prev_nsq, xi_nsq = xi_nsq, r * r * max(nsq, 0.0)
         else:
-            new = _linf_step(pert, xi, xi_prev, direction, sched.eta, rho, a, b)
+            new = _linf_step(pert, xi, xi_prev, direction, eta=sched.eta, rho=rho, a=a, b=b)
         res.step_sizes.append(sched.eta)
         xi_prev, xi = xi, new
         if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):
