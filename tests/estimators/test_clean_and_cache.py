@@ -97,6 +97,7 @@ def test_exact_order_and_diagonal_pairs_keep_the_gradient_through_the_endpoint()
 
 @pytest.mark.parametrize("measure", ["geodesic", "adaptive"])
 def test_sharpness_unchanged_by_the_clean_shortcut(measure, monkeypatch):
+    torch.manual_seed(0)  # the passes below depend on the weights: the same ones in every run
     model = VisionTransformer(
         image_size=8, patch_size=4, in_channels=1, num_classes=3, dim=8, depth=1, num_heads=2
     ).to(DT)
@@ -107,7 +108,10 @@ def test_sharpness_unchanged_by_the_clean_shortcut(measure, monkeypatch):
     monkeypatch.setattr(Perturbation, "pulls_back", property(lambda self: False))
     slow = gs.sharpness(model, nn.functional.cross_entropy, [(x, y)], **kw)
     assert fast.value == slow.value and fast.traces == slow.traces
-    assert (fast.n_forward, fast.n_backward) == (slow.n_forward, slow.n_backward) == (7, 6)
+    assert (fast.n_forward, fast.n_backward) == (slow.n_forward, slow.n_backward)
+    # 6 steps: 7 forwards and 6 backwards, one fewer where a checkpoint restarts from an older
+    # best iterate (the backward whose gradient the restart would discard is skipped)
+    assert fast.n_forward == 7 and fast.n_backward in (5, 6)
 
 
 def test_alternating_measures_are_all_served_from_the_cache():

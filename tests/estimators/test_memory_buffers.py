@@ -372,7 +372,7 @@ def test_the_ball_norm_from_the_pairings_is_the_norm_of_the_combination(monkeypa
     rho = 0.05 if measure == "geodesic" else 0.5
     checked, orig = [], A._l2_step
 
-    def step(xi, d, prev, *, reuse, coef, nsq, rho):
+    def step(xi, d, prev, *, reuse, coef, nsq, rho, into_prev=False):
         al, be, ga = coef
         u = pert.zeros()
         for part, c in ((xi, al), (d, be), (prev, ga)):
@@ -380,7 +380,7 @@ def test_the_ball_norm_from_the_pairings_is_the_norm_of_the_combination(monkeypa
                 u = Perturbation.combine(u, part, 1.0, c)
         exact = float(pert.norm_sq(u))
         checked.append((nsq, exact))
-        return orig(xi, d, prev, reuse=reuse, coef=coef, nsq=nsq, rho=rho)
+        return orig(xi, d, prev, reuse=reuse, coef=coef, nsq=nsq, rho=rho, into_prev=into_prev)
 
     monkeypatch.setattr(A, "_l2_step", step)
 

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from geosharp.geometry.flat import (
+    COMBINE_CHUNK,
     axpy,
     clone,
+    combine_into_,
     flat_exact,
     flat_of,
     flatten,
@@ -63,6 +65,41 @@ def test_axpy_and_scale_give_the_per_component_values(dtype, reuse, flat):
     want2 = [t.clone().mul_(0.37) for t in got]
     scale_(got, 0.37)
     assert all(torch.equal(a, b) for a, b in zip(got, want2, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [1, 1000, COMBINE_CHUNK, 2 * COMBINE_CHUNK + 37])
+@pytest.mark.parametrize("k", [1.0, 0.731])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_combine_into_gives_the_three_ops_values_in_p(dtype, size, k, threads):
+    g = torch.Generator().manual_seed(size)
+    shapes = [(size,), (3, 5)]
+    x, v, p = (
+        flatten(tuple(torch.randn(s, generator=g, dtype=dtype) for s in shapes)) for _ in "xvp"
+    )
+    t = axpy(x, v, 0.3711, False)  # what _l2_step forms without it
+    torch._foreach_add_(*lists(t, p), alpha=-0.0917)
+    if k != 1.0:
+        scale_(t, k)
+    ptr = flat_of(p).data_ptr()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = combine_into_(x, v, 0.3711, p, -0.0917, k)
+    finally:
+        torch.set_num_threads(old)
+    assert got is not None and all(a is b for a, b in zip(got, p, strict=True))
+    assert flat_of(got).data_ptr() == ptr  # written over p: no new buffer
+    assert all(torch.equal(a, b) for a, b in zip(got, t, strict=True))  # bit for bit
+
+
+def test_combine_into_declines_what_is_not_flat():
+    x, v, p = _parts(torch.float32, 7), _parts(torch.float32, 8), _parts(torch.float32, 9)
+    assert combine_into_(x, v, 0.5, p, 0.25, 1.0) is None  # separate tensors
+    fx, fv = flatten(x), flatten(v)
+    assert combine_into_(fx, fv, 0.5, flatten(p)[:-1], 0.25, 1.0) is None  # another size
+    half = flatten(tuple(t.double() for t in p))
+    assert combine_into_(fx, fv, 0.5, half, 0.25, 1.0) is None  # another dtype
 
 
 def test_clone_keeps_a_flat_tangent_flat():

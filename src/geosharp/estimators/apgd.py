@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from geosharp.estimators.perturbation import Perturbation, Xi
-from geosharp.geometry.flat import axpy, clone, lists, scale_
+from geosharp.geometry.flat import axpy, clone, combine_into_, lists, scale_
 
 #: Momentum of Auto-PGD (SPEC §6, step 5).
 MOMENTUM = 0.75
@@ -152,6 +152,7 @@ def _l2_step(
     coef: tuple[float, float, float],
     nsq: float,
     rho: float,
+    into_prev: bool = False,
 ) -> tuple[Xi | None, float]:
     """``P_S(u)``, ``u = α ξ_k + β d + γ ξ_{k−1}``: the momentum step and the ball, in 3 passes.
 
@@ -159,13 +160,34 @@ def _l2_step(
     when ``reuse``), ``t += (γ/α) ξ_{k−1}``, then one rescale of ``t`` to ``r·u`` with
     ``r = min(1, ρ/‖u‖)``: the combination of horizontal vectors is horizontal, so the metric
     projection onto the ball is that radial rescale. ``nsq = ‖u‖²`` comes from the pairings
-    of the three vectors (:func:`autopgd`), so no pass computes a norm. A function of its own,
-    so that its loop variables die with its frame.
+    of the three vectors (:func:`autopgd`), so no pass computes a norm. With ``into_prev`` (the
+    ascent alone holds ``ξ_{k−1}``, which this step retires) the new iterate is written over
+    ``ξ_{k−1}``'s buffers where a piece lies in flat buffers on a CPU
+    (:func:`~geosharp.geometry.flat.combine_into_`: the same values, no new parameter-sized
+    buffer, whose fresh pages cost a CPU more than the three passes). A function of its own, so
+    that its loop variables die with its frame.
 
     Returns:
         The new iterate and ``r``.
     """
     alpha, beta, gamma = coef
+    n = math.sqrt(max(nsq, 0.0))
+    r = rho / n if n > rho else 1.0
+    if xi is not None and not reuse and prev is not None and into_prev:
+        # the new iterate written over ξ_{k−1}'s buffers (the same values: combine_into_),
+        # where a piece lies in flat buffers on a CPU; elsewhere formed as below
+        out: list = []
+        for tx, tv, tp in zip(xi, d, prev, strict=True):
+            done = combine_into_(tx, tv, beta / alpha, tp, gamma / alpha, alpha * r)
+            if done is None:
+                tt = axpy(tx, tv, beta / alpha, False)
+                if tt:
+                    torch._foreach_add_(*lists(tt, tp), alpha=gamma / alpha)
+                    if alpha * r != 1.0:
+                        scale_(tt, alpha * r)
+                done = tt
+            out.append(done)
+        return out, r
     # one op per piece over its flat buffers (or its components), not one per tensor
     if xi is not None:
         t = [axpy(tx, tv, beta / alpha, reuse) for tx, tv in zip(xi, d, strict=True)]
@@ -181,8 +203,6 @@ def _l2_step(
         for tt, tp in zip(t, prev, strict=True):
             if tt:
                 torch._foreach_add_(*lists(tt, tp), alpha=gamma / s)
-    n = math.sqrt(max(nsq, 0.0))
-    r = rho / n if n > rho else 1.0
     if s * r != 1.0:
         for tt in t:
             scale_(tt, s * r)
@@ -237,6 +257,9 @@ def autopgd(
     if xi0 is None and not l2:
         xi0 = pert.zeros()
     xi, xi_prev = xi0, xi0
+    # whether the ascent alone holds an iterate's buffers (the caller's start it does not): the
+    # new iterate may then be written over ξ_{k−1}'s (_l2_step's into_prev)
+    xi_own = prev_own = False
     del xi0  # held as the first ξ_{k−1} and best iterate only: freed once both move on
     xi_nsq = 0.0 if xi is None or not l2 else float(pert.norm_sq(xi))
     if start is not None:
@@ -254,6 +277,7 @@ def autopgd(
     prev_nsq, cross = xi_nsq, xi_nsq
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
     best_xi, best_nsq = xi, xi_nsq
+    best_own = xi_own
     keep = keep_best_direction
     best_direction = direction if keep is not False else None
     best_dd, best_xd = dd, xd
@@ -283,8 +307,16 @@ def autopgd(
                 + ga * ga * prev_nsq
                 + 2.0 * (al * be * xd + al * ga * cross + be * ga * pd)
             )
+            into = prev_own and xi_prev is not xi and xi_prev is not best_xi
             new, r = _l2_step(
-                xi, direction, xi_prev, reuse=reuse, coef=(al, be, ga), nsq=nsq, rho=rho
+                xi,
+                direction,
+                xi_prev,
+                reuse=reuse,
+                coef=(al, be, ga),
+                nsq=nsq,
+                rho=rho,
+                into_prev=into,
             )
             # ⟨ξ_{k+1}, ξ_k⟩ = r⟨u, ξ_k⟩, then shift: ξ_k becomes ξ_{k−1}
             cross = r * (al * xi_nsq + be * xd + ga * cross)
@@ -293,6 +325,7 @@ def autopgd(
             new = _linf_step(pert, xi, xi_prev, direction, eta=sched.eta, rho=rho, a=a, b=b)
         res.step_sizes.append(sched.eta)
         xi_prev, xi = xi, new
+        prev_own, xi_own = xi_own, True  # a new iterate's buffers are the ascent's
         if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):
             best_direction = None  # the best iterate is older: its direction would cost a buffer
         # the old direction is not needed any more (unless it is the best iterate's): drop it
@@ -308,6 +341,7 @@ def autopgd(
         restart = sched.update(i, value, res.best_loss)
         if value > res.best_loss:
             res.best_loss, best_xi, best_nsq = value, xi, xi_nsq
+            best_own = xi_own
             best_direction = direction if keep is not False else None
             best_dd, best_xd = dd, xd
         if restart:
@@ -324,7 +358,7 @@ def autopgd(
                     if keep is None:  # the best iterate is the current one again
                         best_direction, best_dd, best_xd = direction, dd, xd
                 cross = pert.inner(best_xi, xi_prev) if l2 else 0.0
-            xi, xi_nsq = best_xi, best_nsq
+            xi, xi_nsq, xi_own = best_xi, best_nsq, best_own
     res.best_xi = best_xi if best_xi is not None else pert.zeros()
     return res
 

@@ -17,9 +17,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "COMBINE_CHUNK",
     "FLAT_DTYPES",
     "axpy",
     "clone",
+    "combine_into_",
     "flat_exact",
     "flat_of",
     "flatten",
@@ -129,6 +131,43 @@ def axpy(x: Sequence[Tensor], v: Sequence[Tensor], c: float, reuse: bool) -> tup
     if reuse:
         return tuple(torch.add(a, b, alpha=c, out=b) for a, b in zip(x, v, strict=True))
     return tuple(torch._foreach_add(list(x), list(v), alpha=c))
+
+
+#: Elements per chunk of :func:`combine_into_` (a chunk's temporary stays in cache).
+COMBINE_CHUNK = 1 << 18
+
+
+def combine_into_(
+    x: Sequence[Tensor], v: Sequence[Tensor], c1: float, p: Sequence[Tensor], c2: float, k: float
+) -> tuple[Tensor, ...] | None:
+    """``(x + c1·v + c2·p)·k`` written into ``p``'s flat buffer, on a CPU; else None.
+
+    The values of ``t = axpy(x, v, c1, False)``, then ``t += c2·p`` and ``t *= k`` (skipped
+    when ``k`` is 1) bit for bit: the same three ops on every element, a chunk of
+    :data:`COMBINE_CHUNK` elements at a time, the chunk's ``x + c1·v`` in one small temporary.
+    So the combination needs no new parameter-sized buffer. On a CPU a new buffer that size is
+    fresh pages at every step (glibc maps it anew), and their faults cost more than the
+    arithmetic; a GPU's caching allocator has no such cost, so ``None`` is returned there.
+    ``None`` also where ``x``, ``v`` and ``p`` are not each one flat buffer of one size and
+    dtype (:func:`flat_exact`); the caller then forms ``t`` as before. ``p`` is overwritten:
+    the caller must hold it alone.
+    """
+    fx, fv, fp = flat_exact(x), flat_exact(v), flat_exact(p)
+    if fx is None or fv is None or fp is None or fp.device.type != "cpu":
+        return None
+    if not len(x) == len(v) == len(p) or not fx.numel() == fv.numel() == fp.numel():
+        return None
+    if not fx.dtype == fv.dtype == fp.dtype or not fx.device == fv.device == fp.device:
+        return None
+    n = fp.numel()
+    tmp = torch.empty(min(n, COMBINE_CHUNK), dtype=fp.dtype, device=fp.device)
+    for i in range(0, n, COMBINE_CHUNK):
+        j = min(i + COMBINE_CHUNK, n)
+        t = torch.add(fx[i:j], fv[i:j], alpha=c1, out=tmp[: j - i])
+        out = torch.add(t, fp[i:j], alpha=c2, out=fp[i:j])  # t + c2·p, as t.add_(p, alpha=c2)
+        if k != 1.0:
+            out.mul_(k)
+    return tuple(p)
 
 
 def scale_(ts: Sequence[Tensor], c: float) -> None:
