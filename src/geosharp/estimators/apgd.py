@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from geosharp.estimators.perturbation import Perturbation, Xi
 from geosharp.geometry.flat import axpy, clone, combine_into_, lists, scale_
@@ -144,6 +145,32 @@ def _linf_step(
     return box.project_(z)
 
 
+def _piece_step(
+    x: tuple[Tensor, ...],
+    v: tuple[Tensor, ...],
+    p: tuple[Tensor, ...] | None,
+    coefs: tuple[float, float, float],
+    reuse: bool,
+    into_prev: bool,
+) -> tuple[Tensor, ...]:
+    """``(x + c₁v + c₂p)·k`` of one piece (no ``p`` term where ``p`` is None).
+
+    Written into ``v`` when ``reuse``; over ``p``'s flat buffer with ``into_prev`` where
+    :func:`~geosharp.geometry.flat.combine_into_` can (the same values); else in a new buffer.
+    """
+    c1, c2, k = coefs
+    if into_prev and not reuse and p is not None:
+        done = combine_into_(x, v, c1, p, c2, k)
+        if done is not None:
+            return done
+    t = axpy(x, v, c1, reuse)
+    if p is not None and t:
+        torch._foreach_add_(*lists(t, p), alpha=c2)
+    if k != 1.0:
+        scale_(t, k)
+    return t
+
+
 def _l2_step(
     xi: Xi | None,
     d: Xi,
@@ -173,26 +200,16 @@ def _l2_step(
     alpha, beta, gamma = coef
     n = math.sqrt(max(nsq, 0.0))
     r = rho / n if n > rho else 1.0
-    if xi is not None and not reuse and prev is not None and into_prev:
-        # the new iterate written over ξ_{k−1}'s buffers (the same values: combine_into_),
-        # where a piece lies in flat buffers on a CPU; elsewhere formed as below
-        out: list = []
-        for tx, tv, tp in zip(xi, d, prev, strict=True):
-            done = combine_into_(tx, tv, beta / alpha, tp, gamma / alpha, alpha * r)
-            if done is None:
-                tt = axpy(tx, tv, beta / alpha, False)
-                if tt:
-                    torch._foreach_add_(*lists(tt, tp), alpha=gamma / alpha)
-                    if alpha * r != 1.0:
-                        scale_(tt, alpha * r)
-                done = tt
-            out.append(done)
-        return out, r
     # one op per piece over its flat buffers (or its components), not one per tensor
     if xi is not None:
-        t = [axpy(tx, tv, beta / alpha, reuse) for tx, tv in zip(xi, d, strict=True)]
-        s = alpha
-    elif beta != 0.0:
+        coefs = (beta / alpha, gamma / alpha, alpha * r)
+        ps = prev if prev is not None else [None] * len(xi)
+        t = [
+            _piece_step(tx, tv, tp, coefs, reuse, into_prev)
+            for tx, tv, tp in zip(xi, d, ps, strict=True)
+        ]
+        return t, r
+    if beta != 0.0:
         t = d if reuse else [clone(tv) for tv in d]
         s = beta
     elif prev is not None:
@@ -257,9 +274,10 @@ def autopgd(
     if xi0 is None and not l2:
         xi0 = pert.zeros()
     xi, xi_prev = xi0, xi0
-    # whether the ascent alone holds an iterate's buffers (the caller's start it does not): the
-    # new iterate may then be written over ξ_{k−1}'s (_l2_step's into_prev)
-    xi_own = prev_own = False
+    # every iterate but the caller's start is the ascent's alone: ξ_{k−1} may then be written
+    # over (_l2_step's into_prev). Its id, not the start itself, is kept (holding it would keep
+    # its buffers); an id reused once the start is freed only forgoes that write.
+    start_id = id(xi0)
     del xi0  # held as the first ξ_{k−1} and best iterate only: freed once both move on
     xi_nsq = 0.0 if xi is None or not l2 else float(pert.norm_sq(xi))
     if start is not None:
@@ -277,7 +295,6 @@ def autopgd(
     prev_nsq, cross = xi_nsq, xi_nsq
     res = AscentResult(best_loss=value, best_xi=xi, start_loss=value, trace=[value])
     best_xi, best_nsq = xi, xi_nsq
-    best_own = xi_own
     keep = keep_best_direction
     best_direction = direction if keep is not False else None
     best_dd, best_xd = dd, xd
@@ -307,7 +324,7 @@ def autopgd(
                 + ga * ga * prev_nsq
                 + 2.0 * (al * be * xd + al * ga * cross + be * ga * pd)
             )
-            into = prev_own and xi_prev is not xi and xi_prev is not best_xi
+            into = id(xi_prev) != start_id and xi_prev is not xi and xi_prev is not best_xi
             new, r = _l2_step(
                 xi,
                 direction,
@@ -325,7 +342,6 @@ def autopgd(
             new = _linf_step(pert, xi, xi_prev, direction, eta=sched.eta, rho=rho, a=a, b=b)
         res.step_sizes.append(sched.eta)
         xi_prev, xi = xi, new
-        prev_own, xi_own = xi_own, True  # a new iterate's buffers are the ascent's
         if keep is None and not (best_xi is None or best_xi is xi or best_xi is xi_prev):
             best_direction = None  # the best iterate is older: its direction would cost a buffer
         # the old direction is not needed any more (unless it is the best iterate's): drop it
@@ -341,7 +357,6 @@ def autopgd(
         restart = sched.update(i, value, res.best_loss)
         if value > res.best_loss:
             res.best_loss, best_xi, best_nsq = value, xi, xi_nsq
-            best_own = xi_own
             best_direction = direction if keep is not False else None
             best_dd, best_xd = dd, xd
         if restart:
@@ -358,7 +373,7 @@ def autopgd(
                     if keep is None:  # the best iterate is the current one again
                         best_direction, best_dd, best_xd = direction, dd, xd
                 cross = pert.inner(best_xi, xi_prev) if l2 else 0.0
-            xi, xi_nsq, xi_own = best_xi, best_nsq, best_own
+            xi, xi_nsq = best_xi, best_nsq
     res.best_xi = best_xi if best_xi is not None else pert.zeros()
     return res
 

@@ -1,9 +1,9 @@
 """The ℓ∞ perturbation set of adaptive and Euclidean sharpness: the box and its sign steps.
 
 ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ`` (Euclidean), the ℓ∞ counterpart of the metric
-ball (SPEC §2): the operations Auto-PGD's ``norm="linf"`` needs, as functions of a
-perturbation's pieces (each piece's geometry gives its box scale ``|w|``, or ``None`` for the
-Euclidean box): the sign direction, the projection onto the box and a uniform sample of it.
+ball (SPEC §2): the operations Auto-PGD's ``norm="linf"`` needs, over a perturbation's
+pieces (each piece's geometry gives its box scale ``|w|``, or ``None`` for the Euclidean box):
+one step's sign step and projections (:class:`StepBox`) and a uniform sample of the box.
 """
 
 from __future__ import annotations
@@ -14,62 +14,18 @@ from torch import Tensor
 from geosharp.estimators.pieces import Piece, Xi
 from geosharp.geometry.draws import draw_like
 
-__all__ = ["StepBox", "box", "box_from_uniform", "sign_direction", "uniform_box"]
-
-
-def sign_direction(pieces: list[Piece], egrad: Xi) -> Xi:
-    """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction.
-
-    Multi-tensor ops over each piece's components (one dispatch per op, not per component).
-    """
-    out = []
-    for p, e in zip(pieces, egrad, strict=True):
-        if not e:
-            out.append(tuple(e))
-            continue
-        scale = p.geometry.box_scale()
-        signs = torch._foreach_sign(list(e))
-        if scale is not None:
-            torch._foreach_mul_(signs, list(scale))
-        out.append(tuple(signs))
-    return out
-
-
-def box(pieces: list[Piece], xi: Xi, rho: float) -> Xi:
-    """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``.
-
-    ``max(min(ξ, b), −b)`` with ``b = ρ|w|`` by multi-tensor ops over each piece's components.
-    """
-    out = []
-    for p, x in zip(pieces, xi, strict=True):
-        if not x:
-            out.append(tuple(x))
-            continue
-        scale = p.geometry.box_scale()
-        if scale is None:
-            bounds = [torch.full_like(t, rho) for t in x]
-        else:
-            bounds = torch._foreach_mul(list(scale), rho)
-        del scale
-        low = torch._foreach_neg(bounds)
-        clipped = torch._foreach_minimum(list(x), bounds)
-        del bounds
-        torch._foreach_maximum_(clipped, low)
-        out.append(tuple(clipped))
-    return out
+__all__ = ["StepBox", "box_from_uniform", "uniform_box"]
 
 
 class StepBox:
     """The box of one ascent step: ``|w|`` and the bounds ``±ρ|w|`` formed once per step.
 
     Auto-PGD's ℓ∞ step reads the box three times: the sign step ``ξ + η sign(e) ⊙ |w|``, the
-    projection of that point and the projection of the momentum's point. :func:`sign_direction`
-    and :func:`box` form ``|w|``, ``ρ|w|`` and ``−ρ|w|`` at every call, and :func:`box` writes a
-    new tensor; here each is formed once and the projections clip in place, with the same
-    operations in the same order on every element (the same numbers bit for bit). The bounds
-    live for the step only (two perturbation-sized buffers while it combines, none during the
-    loss); ``|w|`` is dropped once the bounds are made. The Euclidean box clips to the scalar
-    ``±ρ`` (no bound tensors).
+    projection of that point and the projection of the momentum's point. ``|w|``, ``ρ|w|`` and
+    ``−ρ|w|`` are formed once for the three, and the projections clip in place
+    (``max(min(ξ, ρ|w|), −ρ|w|)``). The bounds live for the step only (two perturbation-sized
+    buffers while it combines, none during the loss); ``|w|`` is dropped once the bounds are
+    made. The Euclidean box clips to the scalar ``±ρ`` (no bound tensors).
 
     Args:
         pieces: The perturbation's pieces.
@@ -79,7 +35,7 @@ class StepBox:
     def __init__(self, pieces: list[Piece], rho: float) -> None:
         self.pieces, self.rho = pieces, rho
         self._scale: list[tuple[Tensor, ...] | None] = [None] * len(pieces)
-        self._bounds: list[tuple[list[Tensor], list[Tensor]] | None] | None = None
+        self._bounds: list[tuple[list[Tensor], list[Tensor]] | None] = [None] * len(pieces)
 
     def _abs_w(self, k: int) -> tuple[Tensor, ...] | None:
         if self._scale[k] is None:
@@ -103,8 +59,6 @@ class StepBox:
         return out
 
     def _bounds_of(self, k: int) -> tuple[list[Tensor], list[Tensor]] | None:
-        if self._bounds is None:
-            self._bounds = [None] * len(self.pieces)
         if self._bounds[k] is None:
             scale = self._abs_w(k)
             if scale is None:

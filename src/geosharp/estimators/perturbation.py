@@ -482,14 +482,6 @@ class Perturbation:
                     torch._foreach_sub_(ts, ws)
 
     # -- the ℓ∞ box (SPEC §2) -----------------------------------------------------------------
-    def sign_direction(self, egrad: Xi) -> Xi:
-        """``sign(e) ⊙ |w|`` (adaptive) or ``sign(e)`` (euclidean): the ℓ∞ ascent direction."""
-        return linf.sign_direction(self.pieces, egrad)
-
-    def box(self, xi: Xi, rho: float) -> Xi:
-        """Projection onto the box ``|ξ_i| ≤ ρ|w_i|`` (adaptive) or ``|ξ_i| ≤ ρ``."""
-        return linf.box(self.pieces, xi, rho)
-
     def step_box(self, rho: float) -> linf.StepBox:
         """The ℓ∞ box of one ascent step (:class:`~geosharp.estimators.linf.StepBox`).
 
