@@ -20,6 +20,7 @@ from geosharp.geometry.flat import (
     views,
     widen_pair,
 )
+from geosharp.geometry.gl_execution import chunked_on
 
 SHAPES = [(3, 5), (7,), (2, 3, 4), (1,), (129,)]
 
@@ -100,6 +101,14 @@ def test_combine_into_declines_what_is_not_flat():
     assert combine_into_(fx, fv, 0.5, flatten(p)[:-1], 0.25, 1.0) is None  # another size
     half = flatten(tuple(t.double() for t in p))
     assert combine_into_(fx, fv, 0.5, half, 0.25, 1.0) is None  # another dtype
+
+
+def test_combine_into_runs_as_on_a_gpu_under_chunked_on():
+    """``chunked_on(())`` (``launches.py --path device``) counts a GPU's three whole passes."""
+    fx, fv, fp = (flatten(_parts(torch.float32, n)) for n in (7, 8, 9))
+    with chunked_on(()):
+        assert combine_into_(fx, fv, 0.5, fp, 0.25, 1.0) is None
+    assert combine_into_(fx, fv, 0.5, fp, 0.25, 1.0) is not None
 
 
 def test_clone_keeps_a_flat_tangent_flat():

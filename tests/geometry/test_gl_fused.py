@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from geosharp.geometry import GLSubgroupGeometry, gl_execution
+from geosharp.geometry import GLSubgroupGeometry, flat, gl_execution
 from geosharp.geometry.gl import GLGeometry
 from geosharp.geometry.gl_endpoint import _eye_like, eye_plus_mm, scaled_mm
 from geosharp.geometry.gl_execution import GLExecution, chunked_on
@@ -164,11 +164,13 @@ def test_chunked_on_sets_the_default_chunks_for_a_while():
     with chunked_on(()):
         one = GLGeometry(G, H, metric="inv", execution=GLExecution(chunk_elements=512))
         assert len(one._slices) == 1  # one batched pass, as on a GPU
-        assert gl_execution.CHUNK_DEVICES == ()
-    assert gl_execution.CHUNK_DEVICES == ("cpu",)
+        assert gl_execution.CHUNK_DEVICES == flat.COMBINE_DEVICES == ()
+    assert gl_execution.CHUNK_DEVICES == flat.COMBINE_DEVICES == ("cpu",)
     with pytest.raises(RuntimeError), chunked_on(()):
         raise RuntimeError
-    assert gl_execution.CHUNK_DEVICES == ("cpu",)  # put back on an error too
+    assert (
+        gl_execution.CHUNK_DEVICES == flat.COMBINE_DEVICES == ("cpu",)
+    )  # put back on an error too
     a, b = chunked.ascent_direction(xi), one.ascent_direction(xi)
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))  # head by head
     assert abs(float(a[1]) - float(b[1])) <= 1e-14 * abs(float(b[1]))  # a sum in chunks

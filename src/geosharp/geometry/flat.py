@@ -18,6 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "COMBINE_CHUNK",
+    "COMBINE_DEVICES",
     "FLAT_DTYPES",
     "axpy",
     "clone",
@@ -136,6 +137,13 @@ def axpy(x: Sequence[Tensor], v: Sequence[Tensor], c: float, reuse: bool) -> tup
 #: Elements per chunk of :func:`combine_into_` (a chunk's temporary stays in cache).
 COMBINE_CHUNK = 1 << 18
 
+#: Device types on which :func:`combine_into_` writes over the retired buffer chunk by chunk:
+#: the CPU, where a new parameter-sized buffer is fresh pages at every step. Elsewhere (a GPU,
+#: whose caching allocator hands back freed memory) the caller's three passes, a fixed number of
+#: launches. :func:`~geosharp.geometry.gl_execution.chunked_on` sets it for a while, with the GL
+#: products' chunking (``chunked_on(())``: a GPU's path and launches on the CPU).
+COMBINE_DEVICES: tuple[str, ...] = ("cpu",)
+
 
 def combine_into_(
     x: Sequence[Tensor], v: Sequence[Tensor], c1: float, p: Sequence[Tensor], c2: float, k: float
@@ -147,13 +155,14 @@ def combine_into_(
     :data:`COMBINE_CHUNK` elements at a time, the chunk's ``x + c1·v`` in one small temporary.
     So the combination needs no new parameter-sized buffer. On a CPU a new buffer that size is
     fresh pages at every step (glibc maps it anew), and their faults cost more than the
-    arithmetic; a GPU's caching allocator has no such cost, so ``None`` is returned there.
-    ``None`` also where ``x``, ``v`` and ``p`` are not each one flat buffer of one size and
-    dtype (:func:`flat_exact`); the caller then forms ``t`` as before. ``p`` is overwritten:
+    arithmetic; a GPU's caching allocator has no such cost, so ``None`` is returned there (on a
+    device type outside :data:`COMBINE_DEVICES`). ``None`` also where ``x``, ``v`` and ``p``
+    are not each one flat buffer of one size and dtype (:func:`flat_exact`); the caller then
+    forms ``t`` as before. ``p`` is overwritten:
     the caller must hold it alone.
     """
     fx, fv, fp = flat_exact(x), flat_exact(v), flat_exact(p)
-    if fx is None or fv is None or fp is None or fp.device.type != "cpu":
+    if fx is None or fv is None or fp is None or fp.device.type not in COMBINE_DEVICES:
         return None
     if not len(x) == len(v) == len(p) or not fx.numel() == fv.numel() == fp.numel():
         return None

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from geosharp.geometry import flat
 from geosharp.geometry.gl_rows import RowSum
 
 __all__ = [
@@ -74,16 +75,19 @@ def chunked_on(devices: tuple[str, ...]) -> Iterator[None]:
 
     ``chunked_on(())`` runs the products as on a GPU on every device, the CPU included: one
     batched pass per piece (at most :data:`DEVICE_MAX_CHUNKS` on a large one), the path and the
-    launches of a GPU (``benchmarks/launches.py --path device``).
+    launches of a GPU (``benchmarks/launches.py --path device``). Auto-PGD's combination
+    follows it (:data:`~geosharp.geometry.flat.COMBINE_DEVICES`): written over the retired
+    iterate chunk by chunk on ``devices`` only, in three whole passes elsewhere.
     Each head's products are the same either way; sums over heads (a pairing, a norm) add the
     chunks' partial sums in another order.
     """
     global CHUNK_DEVICES
-    saved, CHUNK_DEVICES = CHUNK_DEVICES, tuple(devices)
+    saved = CHUNK_DEVICES, flat.COMBINE_DEVICES
+    CHUNK_DEVICES = flat.COMBINE_DEVICES = tuple(devices)
     try:
         yield
     finally:
-        CHUNK_DEVICES = saved
+        CHUNK_DEVICES, flat.COMBINE_DEVICES = saved
 
 
 @dataclass(frozen=True)
