@@ -12,16 +12,18 @@ import torch
 
 from geosharp.models.transformer import Block
 from geosharp.studies.orbit_spread import (
-    LARGE_SPREAD,
-    SMALL_SPREAD,
     head_rows,
     model_stats,
     population_spread,
     read_rows,
     spread_level,
+    write_rows,
+)
+from geosharp.studies.orbit_spread_report import (
+    LARGE_SPREAD,
+    SMALL_SPREAD,
     spread_note,
     spread_sections,
-    write_rows,
 )
 from geosharp.studies.report import write_report
 

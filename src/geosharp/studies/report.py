@@ -334,12 +334,8 @@ def _orbit_spread(out: Path, analysis: _Analysis, lead: list[str]) -> list[Secti
 
     With their one-line note added to the headline.
     """
-    from geosharp.studies.orbit_spread import (
-        folder_rows,
-        population_spread,
-        spread_note,
-        spread_sections,
-    )
+    from geosharp.studies.orbit_spread import folder_rows, population_spread
+    from geosharp.studies.orbit_spread_report import spread_note, spread_sections
 
     rows = folder_rows(out)
     found = spread_sections(rows, analysis.gaps, analysis.paired)
