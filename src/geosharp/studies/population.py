@@ -20,7 +20,8 @@ sharpness only — never at a τ.
 
 :func:`geosharp.studies.population_call.study` is the same in one Python call; the radii
 are :mod:`geosharp.studies.population_radii`'s; under ``torchrun`` with ``--fsdp`` every model is
-sharded over the ranks (:mod:`geosharp.studies.population_fsdp`).
+sharded over the ranks (:mod:`geosharp.studies.population_fsdp`). What the study records beside
+its store (``manifest.json``, ``models.json``) is :mod:`geosharp.studies.population_records`'.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geosharp._io import atomic_write_text
 from geosharp.errors import MeasureError
 from geosharp.geometry.base import DEFAULT_RK4_STEPS
 from geosharp.measures import Measure, parse_measure
 from geosharp.studies.manifest import Manifest, ManifestRow, read_manifest
 from geosharp.studies.population_radii import RadiusPlan, parse_rho
-from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE, batches_used
+from geosharp.studies.population_records import (
+    read_json,
+    recorded_pilot,
+    write_manifest_record,
+    write_models,
+)
+from geosharp.studies.population_sections import MANIFEST_FILE
 from geosharp.studies.runner import (
     CellJudge,
     Prepared,
@@ -161,7 +167,7 @@ class PopulationStudy(Study):
         if plan.pilot is None:
             self.grids = {m.name: plan.grid_of(m) for m in with_rho}
             return
-        record = self.agree(_read_json(out / MANIFEST_FILE))
+        record = self.agree(read_json(out / MANIFEST_FILE))
         if record.get("rho_rule", {}).get("plan") == json.loads(json.dumps(asdict(plan))):
             self.grids = {k: tuple(v) for k, v in record["rho_rule"]["grids"].items()}
             if set(self.grids) == {m.name for m in with_rho}:
@@ -234,29 +240,10 @@ class PopulationStudy(Study):
     def _write_record(
         self, out: Path, pilot: str | None = None, choice: dict[str, Any] | None = None
     ) -> None:
+        """Write ``OUT/manifest.json`` if this process writes (``write_manifest_record``)."""
         if not self.writes:
             return
-        m = self.manifest
-        record = {
-            "manifest": str(m.path),
-            "gap_rule": m.gap_rule.key,
-            "gap": m.gap_line(),
-            "hyperparameters": m.hparam_names,
-            "skipped": [
-                {"row": line, "model": label, "why": why} for line, label, why in m.skipped
-            ],
-            "rho": self.cfg.rho.text(),
-        }
-        if self.cfg.rho.pilot is not None:
-            record["rho_rule"] = {
-                "plan": asdict(self.cfg.rho),
-                "pilot": pilot,
-                "grids": {k: list(v) for k, v in self.grids.items()},
-            }
-            if choice is not None:
-                record["rho_rule"]["pilot_choice"] = choice
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / MANIFEST_FILE, json.dumps(record, indent=1) + "\n")
+        write_manifest_record(out, self.manifest, self.cfg.rho, self.grids, pilot, choice)
 
     # -- the Study interface ------------------------------------------------------------------
     def config(self) -> dict[str, Any]:  # noqa: D102
@@ -418,36 +405,11 @@ class PopulationStudy(Study):
         """
         if not self.writes:
             return
-        old = _read_json(out / MODELS_FILE)
-        old.update(self._models)
-        atomic_write_text(out / MODELS_FILE, json.dumps(old, indent=1) + "\n")
-        o = self.options
-        used = batches_used(old, o.batch_size, o.samples, o.max_length)
-        if used is not None and (out / "study.sqlite").is_file():
-            from geosharp.studies.store import Store
-
-            with Store(out / "study.sqlite", None, None) as store:
-                info = json.loads(store.meta().get("report", "{}"))
-                info.setdefault("settings", {})["batches"] = used
-                with store.conn:
-                    store.conn.execute(
-                        "INSERT OR REPLACE INTO meta (key, value) VALUES ('report', ?)",
-                        (json.dumps(info, default=str),),
-                    )
+        write_models(out, self._models, self.options)
 
 
 #: The line of a symmetry summary that differs between models of the same architecture.
 _VERIFIED = re.compile(r"(symmetry claims verified on the example batch: .*?moved by ≤ )\S+")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def run_population(
@@ -502,7 +464,7 @@ def run_population(
     for line, label, why in m.skipped:
         say(f"skipped row {line} ({label}): {why}")
     study.decide_radii(out)
-    study._write_record(out, *_pilot_of(out))
+    study._write_record(out, *recorded_pilot(out))
     for name, grid in study.grids.items():
         say(f"radii of {name}: " + ", ".join(f"{r:g}" for r in grid))
     summary = study.measure_all(out, force=force, progress=progress, shard=shard)
@@ -515,9 +477,3 @@ def run_population(
     if shard is None and study.writes:
         summary.report = report_from_folder(out)
     return summary
-
-
-def _pilot_of(out: Path) -> tuple[str | None, dict[str, Any] | None]:
-    """The recorded pilot and how it was chosen (kept when the record is written again)."""
-    rule = _read_json(out / MANIFEST_FILE).get("rho_rule", {})
-    return rule.get("pilot"), rule.get("pilot_choice")
