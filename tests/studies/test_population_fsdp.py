@@ -205,3 +205,57 @@ def test_what_a_sharded_study_cannot_run_is_one_line(
 
     monkeypatch.setattr(FsdpRun, "start", never)
     assert says in _refused(capsys, tmp_path, command, *args)
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in check: what a sharded row was checked with is recorded."""
+
+
+def test_a_sharded_population_checks_exactly_the_measures_its_plan_lists(tmp_path, monkeypatch):
+    """The specs come from the plan: before and after the radii are decided, in its order."""
+    import geosharp.measuring.sharded as sharded
+    from geosharp.studies.population import PopulationSettings, curvature_rows, parse_rho
+    from geosharp.studies.population_fsdp import ShardedPopulation
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "m.csv").write_text("model,gap\na,0.1\nb,0.2\nc,0.3\n")
+    settings = PopulationSettings(
+        manifest=str(tmp_path / "m.csv"),
+        options={"data": "data.csv"},
+        measures=("adaptive-l2", "geodesic-inv-o2", "curvature-mix-trace"),
+        rho=parse_rho(["0.1", "1"]),
+        curvature=True,
+        curvature_iters=4,
+        curvature_probes=2,
+        seed=3,
+    )
+
+    class Run:  # rank 0 of a run that hands back a model without loading one
+        rank = 0
+
+        def load(self, source, options, say, warn):
+            return None, object(), [], None
+
+    checked: list[list[str]] = []
+
+    def check(model, batches, loss, specs, say):
+        checked.append([m.name for m in specs])
+        raise _Loaded
+
+    monkeypatch.setattr(sharded, "check_sharded", check)
+    study = ShardedPopulation(settings, Run(), log=lambda _: None)
+    with pytest.raises(_Loaded):  # the pilot is loaded before any grid is decided
+        study.prepare_row(study.manifest.rows[0])
+    study.decide_radii(tmp_path / "out")
+    with pytest.raises(_Loaded):
+        study.prepare_row(study.manifest.rows[1])
+    plan = study.plan()
+    assert checked == [[s.name for s in plan]] * 2
+    assert len(plan) == 3 + 8  # the given measures, then --curvature's 8 rows
+    curvature = plan[3:]  # with the study's iterations, probes and seed
+    assert [s.kwargs for s in curvature] == [s.kwargs for s in curvature_rows(4, 2, 3)]
+    for s in curvature:  # λ rows carry the iterations, trace rows the probes
+        assert s.kwargs["seed"] == 3 and s.kwargs.get("iters", 4) == 4, s.kwargs
+        assert s.kwargs.get("probes", 2) == 2, s.kwargs

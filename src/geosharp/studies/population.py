@@ -62,6 +62,7 @@ __all__ = [
     "PopulationSettings",
     "PopulationStudy",
     "RadiusPlan",
+    "curvature_rows",
     "parse_rho",
     "run_population",
 ]
@@ -315,20 +316,22 @@ class PopulationStudy(Study):
         """Unused: every model gets its own loss (:meth:`prepare`)."""
         raise NotImplementedError("a population's loss is per model: PopulationStudy.prepare")
 
-    def plan(self) -> list[StudyMeasure]:  # noqa: D102
-        specs = []
-        for m in self.measures:
-            rhos: tuple[float | None, ...] = self.grids[m.name] if m.uses_rho else (None,)
-            specs.append(StudyMeasure({**m.kwargs(), **self._run_kwargs(m)}, rhos))
-        if self.cfg.curvature:
-            from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
+    def plan(self) -> list[StudyMeasure]:
+        """Every measure at its grid (:meth:`decide_radii`), then ``--curvature``'s rows."""
+        return self._specs(lambda m: self.grids[m.name] if m.uses_rho else (None,))
 
-            plan = CurvaturePlan(
-                iters=self.cfg.curvature_iters,
-                probes=self.cfg.curvature_probes,
-                seed=self.cfg.seed,
-            )
-            specs += curvature_specs(plan)
+    def planned_measures(self) -> list[Measure]:
+        """The measures of :meth:`plan`, in its order: known before the radii are decided."""
+        return [s.measure for s in self._specs(lambda m: (None,))]
+
+    def _specs(self, rhos: Callable[[Measure], tuple[float | None, ...]]) -> list[StudyMeasure]:
+        """The plan's rows, every measure at ``rhos(measure)`` (the curvature rows: no ρ)."""
+        specs = [
+            StudyMeasure({**m.kwargs(), **self._run_kwargs(m)}, rhos(m)) for m in self.measures
+        ]
+        if self.cfg.curvature:
+            cfg = self.cfg
+            specs += curvature_rows(cfg.curvature_iters, cfg.curvature_probes, cfg.seed)
         return specs
 
     def _run_kwargs(self, m: Measure) -> dict[str, Any]:
@@ -410,6 +413,19 @@ class PopulationStudy(Study):
 
 #: The line of a symmetry summary that differs between models of the same architecture.
 _VERIFIED = re.compile(r"(symmetry claims verified on the example batch: .*?moved by ≤ )\S+")
+
+
+def curvature_rows(iters: int, probes: int, seed: int) -> list[StudyMeasure]:
+    """The rows ``--curvature`` adds to a population's plan (:meth:`PopulationStudy.plan`).
+
+    The curvature plan of the built-in studies (λ_max and the Hutchinson trace of geodesic inv
+    and mix, adaptive and Euclidean curvature; no ρ) with the study's Lanczos iterations per
+    batch, Hutchinson probes per batch and seed. ``geosharp study --fsdp`` checks these rows
+    before the manifest is read (:func:`geosharp.studies.population_fsdp.check_study_args`).
+    """
+    from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
+
+    return curvature_specs(CurvaturePlan(iters=iters, probes=probes, seed=seed))
 
 
 def run_population(

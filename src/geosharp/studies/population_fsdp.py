@@ -40,7 +40,7 @@ from typing import Any
 from geosharp.errors import MeasureError
 from geosharp.measuring.fsdp import FsdpRun, check_args
 from geosharp.studies.manifest import ManifestRow
-from geosharp.studies.population import PopulationSettings, PopulationStudy
+from geosharp.studies.population import PopulationSettings, PopulationStudy, curvature_rows
 from geosharp.studies.runner import Prepared, RunSummary, run_study
 from geosharp.studies.shards import Shard
 from geosharp.studies.store import Store
@@ -82,18 +82,11 @@ def check_study_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     if args.curvature:
         from geosharp.measuring.sharded import refusal
 
-        for spec in _curvature_specs(args.iters, args.probes, args.seed):
+        for spec in curvature_rows(args.iters, args.probes, args.seed):
             why = refusal(spec.measure, spec.kwargs)  # the measure says (its shard_refusal)
             if why is not None:
                 raise MeasureError(f"--fsdp with --curvature: {why}")
     return check_args(args, env, command=COMMAND)
-
-
-def _curvature_specs(iters: int, probes: int, seed: int) -> list[Any]:
-    """The rows ``--curvature`` adds (:meth:`PopulationStudy.plan`'s curvature plan)."""
-    from geosharp.studies.curvature_plan import CurvaturePlan, curvature_specs
-
-    return curvature_specs(CurvaturePlan(iters=iters, probes=probes, seed=seed))
 
 
 def _quiet(_msg: str) -> None:
@@ -133,13 +126,8 @@ class ShardedPopulation(PopulationStudy):
         self.say(f"{row.model_id}: loading {row.model}")
         source = ModelSource(row.model, weights=row.weights, base=row.base)
         ready, model, batches, loss = self.run.load(source, self.options, self.say, self.warn)
-        measures = list(self.measures)
-        if self.cfg.curvature:  # its geodesic rows use the blocks too
-            specs = _curvature_specs(
-                self.cfg.curvature_iters, self.cfg.curvature_probes, self.cfg.seed
-            )
-            measures += [s.measure for s in specs]
-        checked = check_sharded(model, batches, loss, measures, self.say)
+        # the plan's measures (--curvature's geodesic rows use the blocks too)
+        checked = check_sharded(model, batches, loss, self.planned_measures(), self.say)
         self._models[row.model_id] = {
             "model": ready.loaded.name,
             "kind": ready.loaded.kind,
