@@ -129,7 +129,8 @@ class Measure(ABC):
     ask of a measure has a default a new measure may keep: its cost (:meth:`step_cost`,
     :attr:`ascends`), the study settings it takes (:attr:`settings`, :meth:`run_settings`), its
     column of the paper's τ table (:attr:`paper_column`), its plot axis (:attr:`axis_label`),
-    and whether it runs on a sharded model (:meth:`shard_refusal`) or in the Trainer callback
+    whether it uses the symmetry blocks (:attr:`uses_blocks`: no by default), and whether it
+    runs on a sharded model (:meth:`shard_refusal`) or in the Trainer callback
     (:meth:`callback_refusal`): the defaults refuse both in one line.
     """
 
@@ -173,6 +174,16 @@ class Measure(ABC):
     def exact_geodesic(self) -> bool:
         """Whether it follows the exact (RK4) geodesic (its RK4 steps matter: ``exact_steps``)."""
         return self.kwargs().get("order") == "exact"
+
+    @property
+    def uses_blocks(self) -> bool:
+        """Whether it uses the model's symmetry blocks (a geometry or a perturbation of them).
+
+        Then ``gs.measure`` lays a sharded model's blocks out on the ranks' rows before any
+        measurement (:func:`geosharp.measuring.sharded.check_sharded`), so that a block row
+        split across ranks is refused first. ``False`` by default.
+        """
+        return False
 
     @property
     def ascends(self) -> bool:

@@ -142,6 +142,11 @@ class Curvature(Measure):
     def name(self) -> str:  # noqa: D102
         return curvature_name(self.of, self.metric, self.quantity)
 
+    @property
+    def uses_blocks(self) -> bool:
+        """Geodesic curvature: the Hessian on the quotient of the symmetry blocks."""
+        return self.of == "geodesic"
+
     def step_cost(self, steps: int, curv: Mapping[str, Any]) -> float:
         """The Hessian-vector products (``iters``, or ``probes`` for the trace) and a pass."""
         n = curv.get("iters", 50) if self.quantity != "trace" else curv.get("probes", 100)

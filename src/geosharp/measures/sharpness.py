@@ -164,6 +164,11 @@ class Sharpness(Measure):
         return self.measure == "geodesic" and self.metric == "mix" and self.corrected_norm
 
     @property
+    def uses_blocks(self) -> bool:
+        """Geodesic sharpness (its geometry) and the attention-only measures (``-blocks``)."""
+        return self.measure == "geodesic" or self.perturb == "blocks"
+
+    @property
     def ascends(self) -> bool:
         """The worst case: ``steps`` Auto-PGD steps per batch."""
         return self.kind == "worst"

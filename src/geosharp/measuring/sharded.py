@@ -12,7 +12,10 @@ across ranks: :func:`geosharp.shard_placement`), worst case and average case (ev
 draws its part of the noise one process would draw); so is every curvature
 measure (λ_max, λ_min and the trace by Hutchinson or Hutch++ of the geodesic, adaptive and
 Euclidean geometries; the exact trace is refused). Each measure says whether it runs sharded
-(:meth:`~geosharp.measures.Measure.shard_refusal`). What
+(:meth:`~geosharp.measures.Measure.shard_refusal`) and whether it uses the symmetry blocks
+(:attr:`~geosharp.measures.Measure.uses_blocks`: then they are laid out on the ranks' rows
+before any measurement); whether the model is sharded is the model's own state
+(:func:`~geosharp.estimators.sharded.check.is_sharded`). What
 :func:`~geosharp.measuring.core.measure` does around the measurements runs here without
 gathering the weights whole:
 
@@ -203,7 +206,8 @@ def check_sharded(
 
     The loss resolved, the rank's rows as a list on the shards' device, then
     :func:`prepare_sharded`, which lays the symmetry blocks out on the ranks' rows first when a
-    geodesic (sharpness or curvature) or attention-only measure is among ``specs``.
+    measure of ``specs`` uses them (:attr:`~geosharp.measures.Measure.uses_blocks`: geodesic
+    sharpness or curvature, the attention-only measures).
     ``geosharp study MANIFEST --fsdp`` runs it for every model. Every rank must call it
     (collective).
     """
@@ -212,18 +216,8 @@ def check_sharded(
 
     loss_fn, loss_name = resolve_loss(loss_fn)
     batches, loss_name = _prepare_batches(model, batches, loss_fn, loss_name)
-    blocks = any(_uses_blocks(m) for m in specs)
+    blocks = any(m.uses_blocks for m in specs)  # each measure says (Measure.uses_blocks)
     return prepare_sharded(model, batches, loss_fn, loss_name, say, blocks=blocks)
-
-
-def _uses_blocks(spec: Measure) -> bool:
-    """Whether ``spec`` uses the symmetry blocks, as its keyword arguments say.
-
-    Geodesic sharpness or curvature (``measure`` or, for curvature, ``of`` is ``"geodesic"``)
-    and the attention-only measures (``perturb="blocks"``).
-    """
-    kw = spec.kwargs()
-    return "geodesic" in (kw.get("measure"), kw.get("of")) or kw.get("perturb") == "blocks"
 
 
 def prepare_sharded(
