@@ -34,11 +34,10 @@ Example:
 """
 
 from geosharp.stats.granulated import CMIScore, cmi_score, granulated_kendall
+from geosharp.stats.summary import CorrelationSummary, correlation_summary
 from geosharp.stats.tau import (
-    CorrelationSummary,
     TauDifference,
     bootstrap_ci,
-    correlation_summary,
     kendall_tau_a,
     kendall_tau_b,
     permutation_pvalue,
