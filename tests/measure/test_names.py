@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from geosharp.estimators.sharpness import measure_name
+from geosharp.estimators.sharpness_settings import measure_name
 from geosharp.measures import Measure, curvature_name, parse_measure
 from geosharp.measuring import MeasureError, names
 from geosharp.measuring.names import default_paper_match, is_geodesic_main, measure_family

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from geosharp.errors import MeasureError
-from geosharp.estimators.sharpness import measure_name, sharpness
+from geosharp.estimators.sharpness import sharpness
+from geosharp.estimators.sharpness_settings import measure_name
 from geosharp.measures.base import FORWARD_COST, Measure, accepted, grammar, register
 
 __all__ = ["AVERAGE_SAMPLES", "STEP_COST", "Sharpness"]

@@ -4,11 +4,10 @@ A user writes a measure in the one grammar of :mod:`geosharp.measures`
 (:func:`geosharp.measures.parse_measure`); its :attr:`~geosharp.measures.Measure.name` is the
 canonical name every result carries:
 
-* sharpness (:func:`geosharp.estimators.sharpness.measure_name`): ``"geodesic-inv-o2 worst l2"``,
-  ``"adaptive worst linf"``, the attention-only measures with ``-blocks``
-  (``"geodesic-mix-o2-blocks worst l2"``, ``"adaptive-blocks worst l2"``) and the "no corrected
-  norm" ablation with ``-adaptivenorm``
-  (``"geodesic-inv-o2-adaptivenorm worst l2"``);
+* sharpness (:func:`geosharp.estimators.sharpness_settings.measure_name`):
+  ``"geodesic-inv-o2 worst l2"``, ``"adaptive worst linf"``, the attention-only measures with
+  ``-blocks`` (``"geodesic-mix-o2-blocks worst l2"``, ``"adaptive-blocks worst l2"``) and the "no
+  corrected norm" ablation with ``-adaptivenorm`` (``"geodesic-inv-o2-adaptivenorm worst l2"``);
 * curvature (:func:`geosharp.measures.curvature_name`): ``"geodesic-inv curvature lambda_max"``,
   ``"euclidean curvature trace"``;
 * relative flatness: ``"relative_flatness"``.
