@@ -4,8 +4,10 @@ The finder returns a :class:`ParameterSpace`: one flat coordinate vector ``θ`` 
 trainable parameters, split into symmetry blocks (:mod:`geosharp.symmetry.blocks`: GL(h) heads
 of attention, rotary Q/K heads, LoRA adapters, diagonal pairs ``u ⊙ v``, key-bias translations)
 and the rest (adaptive geometry).
-Architecture knowledge lives in small adapters (:mod:`geosharp.symmetry.adapters`); users can
-add their own or declare blocks by hand with :func:`declare_block`. The finder only claims
+Architecture knowledge lives in small adapters (:mod:`geosharp.symmetry.adapters`; further
+Hugging Face layouts in :mod:`~geosharp.symmetry.hf_adapters` and
+:mod:`~geosharp.symmetry.hf_decoders`); users can add their own or declare blocks by hand with
+:func:`declare_block`. The finder only claims
 blocks; :func:`prove` proves the claims of a space on a batch and drops those that fail.
 
 The modules depend one way: specs and positions ← blocks ← space ← group ← find (with the

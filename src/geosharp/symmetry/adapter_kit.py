@@ -1,11 +1,12 @@
 """The building blocks of attention adapters: claims, parameter slices and rotary detection.
 
-What every adapter of :mod:`geosharp.symmetry.adapters` and :mod:`geosharp.symmetry.hf_adapters`
-shares: :func:`attention_claim`, the one generic constructor of a Q/K/V/O claim (with grouped
-heads, rotary Q/K and key biases); the slices of heads in linear layers; the detection of rotary
-position embeddings (:func:`rotary_spec`) and of QK normalization (:func:`qk_norm_note`), which
-change the Q/K group or remove it; and small lookups of modules and configs. A new adapter is
-written from these (see the module docstring of :mod:`~geosharp.symmetry.adapters`).
+What every adapter of :mod:`geosharp.symmetry.adapters`, :mod:`geosharp.symmetry.hf_adapters`
+and :mod:`geosharp.symmetry.hf_decoders` shares: :func:`attention_claim`, the one generic
+constructor of a Q/K/V/O claim (with grouped heads, rotary Q/K and key biases); the slices of
+heads in linear layers; the detection of rotary position embeddings (:func:`rotary_spec`) and of
+QK normalization (:func:`qk_norm_note`), which change the Q/K group or remove it; and small
+lookups of modules (their class name, children, configs). A new adapter is written from these
+(see the module docstring of :mod:`~geosharp.symmetry.adapters`).
 """
 
 from __future__ import annotations
@@ -194,6 +195,10 @@ def _first_int(*candidates: object) -> int | None:
         if isinstance(c, int) and not isinstance(c, bool) and c > 0:
             return c
     return None
+
+
+def _name(module: nn.Module) -> str:
+    return type(module).__name__
 
 
 def _config(m: nn.Module) -> object:
