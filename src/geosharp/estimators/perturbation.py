@@ -22,7 +22,10 @@ The pieces and the layout helpers are in :mod:`geosharp.estimators.pieces`; the 
 (:mod:`~geosharp.estimators.linf`), the memory accounting (:mod:`~geosharp.estimators.memory`),
 the cut to the rows a batch reaches (:mod:`~geosharp.estimators.rows`) and the sums over pieces
 (:mod:`~geosharp.estimators.reductions`) are functions of the pieces in their own modules, which
-the methods of the one class :class:`Perturbation` call.
+the methods of the one class :class:`Perturbation` call. Its tangent-vector arithmetic (the
+combinations, the ball's norm and inner product, the projection, the Riemannian gradient and the
+ascent direction, the Gaussian draw) is the mixin
+:class:`~geosharp.estimators.tangent_arithmetic.TangentArithmetic`.
 
 Every piece, index and buffer is made on the device of the parameters it serves (a model split
 across devices, ``device_map="auto"``): a batched block geometry holds blocks of one device,
@@ -52,9 +55,8 @@ from geosharp.estimators.pieces import (
     _base_params,
     build_pieces,
 )
-from geosharp.estimators.reductions import ascent_sums, scalar_sum
 from geosharp.estimators.table_rows import RowsWritten
-from geosharp.geometry.draws import generator_for
+from geosharp.estimators.tangent_arithmetic import TangentArithmetic
 from geosharp.symmetry import ParameterSpace
 
 __all__ = [
@@ -68,7 +70,7 @@ __all__ = [
 ]
 
 
-class Perturbation:
+class Perturbation(TangentArithmetic):
     """Geometry of the perturbation set of one sharpness measure at the base point ``θ₀``.
 
     Args:
@@ -158,108 +160,6 @@ class Perturbation:
         self._assembly = Assembly(
             space, self.pieces, self._rest_piece, self._layout, devices, built.plans
         )
-
-    # -- tangent-vector arithmetic -------------------------------------------------------------
-    def zeros(self) -> Xi:
-        """The zero perturbation."""
-        return [p.geometry.zeros() for p in self.pieces]
-
-    @staticmethod
-    def combine(a: Xi, b: Xi, alpha: float = 1.0, beta: float = 1.0) -> Xi:
-        """``alpha·a + beta·b`` piece by piece (multi-tensor ops: one dispatch each per piece)."""
-        out = []
-        for ta, tb in zip(a, b, strict=True):
-            if len(ta) != len(tb):
-                raise ValueError(f"combine: {len(ta)} components and {len(tb)}")
-            same = all(x.dtype == y.dtype for x, y in zip(ta, tb, strict=True))
-            graph = torch.is_grad_enabled() and any(t.requires_grad for t in (*ta, *tb))
-            if not ta or not same or graph:  # (mixed dtypes promote, as alpha·x + beta·y does)
-                out.append(tuple(alpha * x + beta * y for x, y in zip(ta, tb, strict=True)))
-                continue
-            sa = torch._foreach_mul(list(ta), alpha)
-            sb = torch._foreach_mul(list(tb), beta)
-            torch._foreach_add_(sa, sb)
-            out.append(tuple(sa))
-        return out
-
-    def norm_sq(self, xi: Xi) -> Tensor:
-        """Squared norm of the whole perturbation: the sum over pieces (one global ball)."""
-        pairs = zip(self.pieces, xi, strict=True)
-        total = scalar_sum(p.norm_geometry.norm_sq(x).sum() for p, x in pairs)
-        return total if self.reduce is None else self.reduce(torch.as_tensor(total))
-
-    def inner(self, a: Xi | None, b: Xi | None) -> float:
-        """The metric inner product ``⟨a, b⟩`` summed over pieces (``None``: the zero tangent)."""
-        if a is None or b is None:
-            return 0.0
-        pairs = zip(self.pieces, a, b, strict=True)
-        total = scalar_sum(p.norm_geometry.inner(x, y).sum() for p, x, y in pairs)
-        return float(total if self.reduce is None else self.reduce(torch.as_tensor(total)))
-
-    def norm(self, xi: Xi) -> float:
-        """Norm ``‖ξ‖`` as a float."""
-        return float(self.norm_sq(xi).clamp_min(0).sqrt())
-
-    def project(self, xi: Xi) -> Xi:
-        """Horizontal projection of every piece, in the ball's metric (frozen ones zeroed)."""
-        return [p.norm_geometry.project(x) for p, x in zip(self.pieces, xi, strict=True)]
-
-    def riemannian_grad(self, egrad: Xi, inplace: bool = False) -> Xi:
-        """Riemannian gradient in the ball's metric, projected horizontally (SPEC §6, step 3).
-
-        With ``inplace=True`` the element-wise pieces of ``egrad`` are overwritten (``e ⊙ w²``
-        is already zero on frozen coordinates, so it needs no projection).
-        """
-        out = []
-        for p, e in zip(self.pieces, egrad, strict=True):
-            g = p.norm_geometry
-            out.append(
-                g.horizontal_grad_(e) if inplace and p.geometry is g else g.horizontal_grad(e)
-            )
-        return out
-
-    def ascent_direction(
-        self, egrad: Xi, pairs: Sequence[Xi | None] = (), inplace: bool = False
-    ) -> tuple[Xi, float, list[float]]:
-        """The ascent direction ``d`` (:meth:`riemannian_grad`) with ``‖d‖²`` and ``⟨ξ, d⟩``.
-
-        Wherever a piece's projection is metric-orthogonal
-        (:attr:`~geosharp.geometry.Geometry.orthogonal_projection`) these numbers are
-        Euclidean pairings with the gradient: ``⟨d, d⟩ = e·d`` and, ``ξ`` being horizontal,
-        ``⟨ξ, d⟩ = ⟨ξ, g⁻¹e⟩ = e·ξ`` (one pass each, no metric products). Other pieces use
-        their metric. Auto-PGD needs them for the norms of its combinations of ``ξ_k``,
-        ``ξ_{k−1}`` and ``d`` without forming them.
-
-        Args:
-            egrad: ``∂L/∂ξ`` at ``ξ``.
-            pairs: Horizontal tangents ``ξ`` whose ``⟨ξ, d⟩`` is wanted (``None``: ``ξ = 0``).
-            inplace: Let the element-wise pieces of ``egrad`` be overwritten (as in
-                :meth:`riemannian_grad`).
-
-        Returns:
-            ``(d, ‖d‖², [⟨ξ, d⟩ for ξ in pairs])``, the numbers as floats.
-        """
-        out, sums = ascent_sums(self.pieces, egrad, pairs, inplace)
-        if self.reduce is not None:  # one collective for every number of the step
-            dev = next((v.device for v in sums if v is not None), None)
-            zero = torch.zeros((), dtype=torch.float64, device=dev)
-            stacked = torch.stack([zero if v is None else v.to(dev) for v in sums])
-            sums = list(self.reduce(stacked).unbind())
-        dd, *inner = (0.0 if v is None else float(v) for v in sums)
-        return out, dd, inner
-
-    def random(self, generator: torch.Generator | None, scale: float) -> Xi:
-        """Isotropic Gaussian in the metric of every piece, projected horizontally (SPEC §6)."""
-        if self.draws is not None:
-            return self.draws.random(self, generator, scale)
-        out = []
-        for p in self.pieces:  # each piece's noise made on its device
-            point = p.geometry.point
-            gen = generator_for(generator, point[0].device) if point else generator
-            xi = p.norm_geometry.random_tangent(gen, scale)
-            dtype = p.geometry.tangent_dtype
-            out.append(tuple(t.to(dtype) for t in xi))
-        return out
 
     # -- the perturbed parameters -------------------------------------------------------------
     def _moved(self, xi: Xi, skip: int | None = None) -> list[tuple[Tensor, ...]]:
