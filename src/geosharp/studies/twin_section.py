@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import os
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -78,19 +79,37 @@ def _text(rows: Sequence[Mapping[str, Any]]) -> str:
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """Hold the folder's twin-check lock (shards writing into one folder); none off POSIX."""
+    """Hold the folder's twin-check lock (shards writing into one folder); none off POSIX.
+
+    The lock file exists only while it is held: the holder removes it before it lets go (also
+    on an error or Ctrl-C), so a study folder keeps no ``.twin_check.lock``. A waiter that got
+    the lock of a file removed meanwhile (its name now free, or another file's) lets go and
+    locks the file the name holds now, so two writers never hold two different files.
+    """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: one writer per folder
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)
-    with (folder / _LOCK).open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    path = folder / _LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the file was removed by the holder before us: lock the name's new file
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # before the lock is let go: no waiter can lock this file for good
+        os.close(fd)
 
 
 def add_rows(folder: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path:
