@@ -124,6 +124,27 @@ def test_a_missing_shard_is_reported(runs, tmp_path, capsys):
     assert "this folder holds part 1/2 of the population" in (part / "report.html").read_text()
 
 
+def test_not_measured_lines_read_as_missing_values(runs, tmp_path):
+    """The csv module and pandas read a not-measured line's empty cells as missing, and the
+    recipe of docs/examples/study.md (skip empty values) keeps the measured cells alone."""
+    import csv
+
+    root, _ = runs
+    merge_shards(tmp_path, [root / "shard1"], log=lambda m: None)
+    lines = list(csv.DictReader((tmp_path / "results.csv").open(newline="")))
+    missing = [r for r in lines if r["flags"] == "not-measured"]
+    assert [r["model_id"] for r in missing] == ["diag-001", "diag-003"]
+    assert all(v == "" for r in missing for k, v in r.items() if k not in ("model_id", "flags"))
+    measured = [r for r in lines if r["value"] != ""]
+    assert len(measured) == 2 * N_MEASURES and all(float(r["value"]) > 0 for r in measured)
+    pd = pytest.importorskip("pandas")
+    df = pd.read_csv(tmp_path / "results.csv")
+    gone = df[df["flags"] == "not-measured"]  # df.flags is pandas' own attribute
+    assert list(gone.model_id) == ["diag-001", "diag-003"]
+    assert gone.drop(columns=["model_id", "flags"]).isna().all().all()
+    assert len(df.dropna(subset=["value"])) == 2 * N_MEASURES
+
+
 def test_conflicting_rows_are_named_and_nothing_is_written(runs, tmp_path, capsys):
     root, _ = runs
     bad = tmp_path / "bad"
