@@ -118,13 +118,22 @@ def test_merge_names_the_model_no_shard_measured(tmp_path):
     owner = shard_of("new-a", 2)
     other = 3 - owner
     run(GROWN, folders[other - 1], Shard(other, 2))  # only the other part
+    # The parts read two manifests: refused in one line naming the model, whichever clock ran
+    # later, and before anything is written.
+    with pytest.raises(StudyMismatchError, match=r"different manifests: .* lists new-a, which "):
+        merge_shards(tmp_path / "merged", folders, report=False, log=print)
+    assert not (tmp_path / "merged").exists()
+    # The owner rerun with the new manifest but not finished (new-a not recorded yet).
+    run(GROWN, folders[owner - 1], Shard(owner, 2))
+    with sqlite3.connect(folders[owner - 1] / "study.sqlite") as conn:
+        conn.execute("DELETE FROM models WHERE model_id = 'new-a'")
+    conn.close()
     said = []
     summary = merge_shards(tmp_path / "merged", folders, report=False, log=said.append)
     assert summary.missing == ["new-a"] and summary.population == GROWN
     line = next(w for w in said if "measured by no shard" in w)
     assert line.startswith("warning: 1 of the 13 models of the population were measured by no ")
     assert f"part {owner}/2 owns new-a: rerun it, then merge again" in line
-    assert "different manifests" in " ".join(said)  # the shards read two manifests
     # results.csv says so rather than ranking fewer models silently.
     with Store(tmp_path / "merged" / "study.sqlite", None, None) as store:
         store.export_csv(tmp_path / "results.csv")

@@ -5,7 +5,11 @@ runs in WAL mode, so several processes may write to it) or into one folder per s
 machines without a shared file system. :func:`merge_shards` puts per-shard folders together:
 
 1. every shard must record the same study and configuration as the others (and as ``OUT``, if
-   it already holds a database) — otherwise nothing is written;
+   it already holds a database), the same report settings (the data, the batches asked, …) and
+   the same population (the manifest's models, in any order) — otherwise nothing is written,
+   and one line names the folder, the setting and both values (or the models that differ);
+   what ran each shard (versions, threads, CPUs, device, platform) is kept for every shard
+   (:func:`~geosharp.studies.shards.merged_report`);
 2. every model row and every measurement row is copied once. A row found in more than one
    place must agree — same hyperparameters, metrics and gap for a model; same value, per-batch
    values, clean losses and settings for a measurement (wall times and dates may differ) — or
@@ -45,8 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from geosharp.studies.report import ReportPaths
-from geosharp.studies.shards import SHARD_RULE, SHARDS_META, shard_of, shard_record
-from geosharp.studies.store import Store, StudyMismatchError
+from geosharp.studies.shards import (
+    SHARD_RULE,
+    SHARDS_META,
+    merged_report,
+    shard_of,
+    shard_record,
+)
+from geosharp.studies.store import Store, StudyMismatchError, report_info
 from geosharp.studies.study_report import report_from_folder
 from geosharp.studies.twin_section import TWIN_FILE, merge_twin_files
 
@@ -77,8 +87,8 @@ class MergeSummary:
         missing: Models of the study's population with no row in the merged database (no shard
             measured them; the report and ``results.csv`` list them as not measured).
         measured_twice: Models recorded by more than one shard folder → those folders.
-        population: The models of the study's population (the newest manifest the shards
-            were run with).
+        population: The models of the study's population (the manifest every shard was run
+            with).
         warnings: Anything a user should know (missing checkpoint files, models no shard
             measured, models two shards measured, shards split differently).
         report: The report written, if any.
@@ -130,53 +140,47 @@ def _study_of(folder: Path) -> tuple[str | None, str | None, dict[str, str]]:
     return meta.get("study"), meta.get("config"), meta
 
 
-def _config_difference(a: str | None, b: str | None) -> str:
+def _flat(config: str | None) -> dict[str, Any]:
+    """A recorded configuration with its nested dicts spelled out (``options.dtype``)."""
     try:
-        da, db = json.loads(a or "{}"), json.loads(b or "{}")
+        cfg = json.loads(config or "{}")
     except json.JSONDecodeError:
-        return f"{a} vs {b}"
+        return {"configuration": config}
+    flat: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v:
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    return flat
+
+
+def _config_difference(a: str | None, b: str | None, where_a: str, where_b: str) -> str:
+    """``"OTHER was run with seed=3 but FIRST with seed=0 (and 1 more setting: steps)"``."""
+    da, db = _flat(a), _flat(b)
     keys = sorted(k for k in set(da) | set(db) if da.get(k, "∅") != db.get(k, "∅"))
-    return ", ".join(f"{k}={da.get(k, '∅')!r} vs {db.get(k, '∅')!r}" for k in keys)
+    if not keys:
+        return f"{where_b} and {where_a} record the same configuration"
 
+    def shown(v: Any) -> str:
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
 
-def _report_info(meta: dict[str, str]) -> dict[str, Any]:
-    try:
-        info = json.loads(meta.get("report", "{}"))
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _population(
-    infos: Sequence[tuple[str, dict[str, Any]]], warnings: list[str]
-) -> list[str] | None:
-    """The population the merged study covers: the newest manifest the shards were run with.
-
-    ``infos``: ``(folder, report info)`` of every shard (and of ``OUT`` if it held a study).
-    Shards run with different manifests (it grew or shrank between their runs) are said in one
-    line; without the time of their runs (folders of an older geosharp) it is their union.
-    """
-    listed = [(where, info) for where, info in infos if info.get("population") is not None]
-    if not listed:
-        return None
-    pops = [list(info["population"]) for _, info in listed]
-    if all(p == pops[0] for p in pops):
-        return pops[0]
-    union = list(dict.fromkeys(mid for p in pops for mid in p))
-    timed = [(info.get("recorded"), i) for i, (_, info) in enumerate(listed)]
-    if any(t is not None for t, _ in timed):
-        _, newest = max((t or 0.0, i) for t, i in timed)
-        chosen, how = pops[newest], f"the newest, {listed[newest][0]}'s"
-    else:
-        chosen, how = union, "their union"
-    gone = [mid for mid in union if mid not in chosen]
-    sizes = ", ".join(f"{where}: {len(p)}" for (where, _), p in zip(listed, pops, strict=True))
-    warnings.append(
-        f"the shards were run with different manifests ({sizes} models): the population is "
-        f"{how} ({len(chosen)} models)"
-        + (f"; no longer listed: {', '.join(gone[:10])}" if gone else "")
+    k = keys[0]
+    more = f" (and {len(keys) - 1} more: {', '.join(keys[1:4])})" if len(keys) > 1 else ""
+    return (
+        f"{where_b} was run with {k}={shown(db.get(k, '∅'))} but {where_a} with "
+        f"{k}={shown(da.get(k, '∅'))}{more}"
     )
-    return chosen
+
+
+def _own(owned: dict[str, list[str]], counted: set[Path], folder: Path, ids: Sequence[str]) -> None:
+    """Count the models of a folder once (a folder given twice, or OUT among the shards)."""
+    if folder.resolve() in counted:
+        return
+    counted.add(folder.resolve())
+    for mid in ids:
+        owned.setdefault(mid, []).append(str(folder))
 
 
 def _split_of(meta: dict[str, str]) -> tuple[str, int] | None:
@@ -225,8 +229,8 @@ def merge_shards(
 
     Raises:
         FileNotFoundError: If a shard folder holds no ``study.sqlite``.
-        StudyMismatchError: If the shards (or ``out_dir``) record different studies or
-            configurations.
+        StudyMismatchError: If the shards (or ``out_dir``) record different studies,
+            configurations, report settings or populations.
         MergeConflictError: If a row appears twice with different results.
         ValueError: If no shard folder is given.
     """
@@ -236,7 +240,7 @@ def merge_shards(
         raise ValueError("give at least one shard folder to merge")
     shards = [Path(s) for s in shard_dirs]
     metas = [_study_of(s) for s in shards]
-    study, config, meta0 = metas[0]
+    study, config, _ = metas[0]
     for s, (other_study, other_config, _) in zip(shards[1:], metas[1:], strict=True):
         if other_study != study:
             raise StudyMismatchError(
@@ -245,32 +249,33 @@ def merge_shards(
             )
         if other_config != config:
             raise StudyMismatchError(
-                f"{s} and {shards[0]} hold study {study!r} with different configurations "
-                f"({_config_difference(config, other_config)}): they are not shards of one run; "
-                "merge each configuration into its own folder"
+                f"{_config_difference(config, other_config, str(shards[0]), str(s))}: they are "
+                f"not shards of one run of study {study!r}; merge each configuration into its "
+                "own folder"
             )
-    if (out / "study.sqlite").is_file() and out.resolve() not in {s.resolve() for s in shards}:
-        out_study, out_config, _ = _study_of(out)
-        if (out_study, out_config) != (study, config):
+    in_shards = out.resolve() in {s.resolve() for s in shards}
+    records = [(str(s), report_info(m)) for s, (_, _, m) in zip(shards, metas, strict=True)]
+    if (out / "study.sqlite").is_file() and not in_shards:
+        out_study, out_config, out_meta = _study_of(out)
+        if out_study != study:
             raise StudyMismatchError(
-                f"{out} already holds study {out_study!r} with another configuration than the "
-                f"shards ({_config_difference(out_config, config)}); merge into a new folder"
+                f"{out} already holds study {out_study!r}, not the shards' {study!r}; merge "
+                "into a new folder"
             )
+        if out_config != config:
+            raise StudyMismatchError(
+                f"{_config_difference(out_config, config, str(out), str(shards[0]))}: {out} "
+                "already holds another configuration than the shards; merge into a new folder"
+            )
+        records.insert(0, (str(out), report_info(out_meta)))
+    # The shards' records (population, settings, what ran them) as one, or a refusal in one
+    # line, before OUT is touched.
+    info = merged_report(records)
+    population = info.get("population")
     summary = MergeSummary(out)
     # Opening OUT with the shards' study and configuration refuses a folder of another study.
     with Store(out / "study.sqlite", study, json.loads(config or "{}")) as dest:
         dest_meta = dest.meta()
-        in_shards = out.resolve() in {s.resolve() for s in shards}
-        infos = [(str(s), _report_info(m)) for s, (_, _, m) in zip(shards, metas, strict=True)]
-        if "report" in dest_meta and not in_shards:
-            infos.insert(0, (str(out), _report_info(dest_meta)))
-        population = _population(infos, summary.warnings)
-        info = _report_info(dest_meta) or _report_info(meta0)
-        if population is not None:
-            info["population"] = population
-            newest = [i.get("recorded") for _, i in infos if i.get("recorded") is not None]
-            if newest:
-                info["recorded"] = max(newest)
         splits = {split for _, _, m in metas if (split := _split_of(m)) is not None}
         # OUT holds the parts merged, not one part: its report says so, and a study resumed
         # in it (unsharded, or a part) takes the stable rule, not a folder's from before it.
@@ -292,20 +297,14 @@ def merge_shards(
         sources: dict[str, Path] = {}
         # 1. Read everything and check for conflicts before writing anything.
         for s in shards:
-            if s.resolve() == out.resolve():
-                if s.resolve() not in counted:  # OUT is one of the shards: its own models
-                    counted.add(s.resolve())
-                    for r in existing_models:
-                        owned.setdefault(r[0], []).append(str(s))
+            if s.resolve() == out.resolve():  # OUT is one of the shards: its own models
+                _own(owned, counted, s, [r[0] for r in existing_models])
                 continue
             with sqlite3.connect(s / "study.sqlite") as conn:
                 cols, rows = _rows(conn, "models")
                 if cols != model_cols:
                     raise StudyMismatchError(f"{s}/study.sqlite has another schema: {cols}")
-                if s.resolve() not in counted:  # a folder given twice counts once
-                    counted.add(s.resolve())
-                    for r in rows:
-                        owned.setdefault(r[0], []).append(str(s))
+                _own(owned, counted, s, [r[0] for r in rows])  # a folder given twice: once
                 for r in rows:
                     row = dict(zip(cols, r, strict=True))
                     if r[0] in models:

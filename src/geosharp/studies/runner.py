@@ -35,7 +35,7 @@ from geosharp.measuring.flags import reference_loss
 from geosharp.measuring.results import MeasureRow
 from geosharp.studies.report import ReportPaths
 from geosharp.studies.shards import Shard, settle_shard
-from geosharp.studies.store import Store
+from geosharp.studies.store import Store, report_info
 from geosharp.studies.study_report import make_report
 
 
@@ -477,7 +477,7 @@ def environment() -> dict[str, Any]:
 
 def _record_report_meta(store: Store, study: Study) -> None:
     included = [mid for mid, _ in study.population()]
-    old = json.loads(store.meta().get("report", "{}"))
+    old = report_info(store.meta())
     environments = [e for e in old.get("environments", []) if e != environment()]
     info = {
         "title": study.title,
@@ -488,7 +488,7 @@ def _record_report_meta(store: Store, study: Study) -> None:
         "population": included,
         "notes": study.notes(),
         "environments": [*environments, environment()],
-        "recorded": time.time(),  # when this population was read (geosharp merge: the newest)
+        "recorded": time.time(),  # when this population was read (said, never compared)
     }
     with store.conn:
         store.conn.execute(

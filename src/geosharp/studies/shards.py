@@ -18,12 +18,14 @@ from typing import Any
 from geosharp.studies.store import Store, StudyMismatchError
 
 __all__ = [
+    "PER_SHARD_SETTINGS",
     "POSITION_RULE",
     "SHARDS_META",
     "SHARD_HELP",
     "SHARD_RULE",
     "SHARD_RULES",
     "Shard",
+    "merged_report",
     "settle_shard",
     "shard_of",
     "shard_record",
@@ -235,3 +237,128 @@ def _write_shard_record(conn: Any, rec: dict[str, Any]) -> None:
         "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
         (SHARDS_META, json.dumps(rec, sort_keys=True)),
     )
+
+
+#: Report settings that a folder records of its own models (a manifest study's ``batches``, as
+#: cut for the models it measured: a model may accept a shorter length than asked), so parts of
+#: one run may differ in them; the merged record keeps each folder's (``per_shard``).
+PER_SHARD_SETTINGS = ("batches",)
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _names(ids: Sequence[str], shown: int = 5) -> str:
+    return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def _check_population(records: Sequence[tuple[str, dict[str, Any]]]) -> list[str] | None:
+    """The one population of the records (the first's order), or a refusal naming the models."""
+    listed = [(w, list(i["population"])) for w, i in records if i.get("population") is not None]
+    if not listed:
+        return None
+    first, pop = listed[0]
+    for where, other in listed[1:]:
+        extra = [m for m in other if m not in set(pop)]
+        lacks = [m for m in pop if m not in set(other)]
+        if extra or lacks:
+            said = [f"{first} lists {_names(lacks)}, which {where} does not"] if lacks else []
+            said += [f"{where} lists {_names(extra)}, which {first} does not"] if extra else []
+            raise StudyMismatchError(
+                f"the folders were run with different manifests: {'; '.join(said)}. Rerun the "
+                "part(s) run with the old manifest with the current one (a resume measures only "
+                "the models a part lacks; the name rule moves none), then merge again (into a new "
+                "folder if OUT was merged from the old manifest)"
+            )
+    return pop
+
+
+def merged_report(records: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The report record (meta ``report``) of study folders merged, checked to be of one run.
+
+    Every folder records what its run was (:func:`geosharp.studies.store.report_info`); ``geosharp
+    merge`` puts them into one, deciding by their content alone (never by a machine's clock):
+
+    * the population (the manifest's models) must be the same set in every folder, else the
+      merge is refused, naming the models one lists and the other does not;
+    * every setting that decides the values (the study's report ``settings``: measures, radii,
+      steps, batches asked, seed, data, …) must agree wherever two folders record it, else
+      refused naming the folder, the setting and both values; the settings of
+      :data:`PER_SHARD_SETTINGS` are kept per folder;
+    * what ran each folder (``environments``: versions, threads, CPUs, device, platform, none
+      of which changes a value beyond rounding) is kept for every folder, each with the
+      folders it ran (``folders``), and the notes of every folder are joined.
+
+    Args:
+        records: ``(folder, report record)`` of every folder merged, ``OUT``'s first when it
+            already holds a study; empty records (folders of an older geosharp) are skipped.
+
+    Returns:
+        The merged record (``{}`` when no folder recorded one).
+
+    Raises:
+        StudyMismatchError: If two folders record another population or another setting.
+
+    Example:
+        >>> a = {"settings": {"seed": 0, "batches": "8 per batch"}, "population": ["m1", "m2"]}
+        >>> b = {"settings": {"seed": 0, "batches": "4 per batch"}, "population": ["m2", "m1"]}
+        >>> merged = merged_report([("s1", a), ("s2", b)])
+        >>> merged["settings"]["batches"], merged["population"]
+        ('8 per batch (s1); 4 per batch (s2)', ['m1', 'm2'])
+        >>> merged_report([("s1", a), ("s3", {**b, "settings": {"seed": 1}})])
+        Traceback (most recent call last):
+        ...
+        geosharp.studies.store.StudyMismatchError: s3 was run with seed=1 but s1 with seed=0: not
+        parts of one run; merge each into its own folder
+    """
+    records = [(where, info) for where, info in records if info]
+    if not records:
+        return {}
+    population = _check_population(records)
+    base = records[0][1]
+    settings: dict[str, Any] = dict(base.get("settings") or {})
+    per_shard: dict[str, dict[str, Any]] = {}
+    for where, info in records:
+        theirs = info.get("settings") or {}
+        for key, value in theirs.items():
+            if key in PER_SHARD_SETTINGS:
+                known = (info.get("per_shard") or {}).get(key) or {where: value}
+                per_shard.setdefault(key, {}).update(known)
+                continue
+            if key not in settings:
+                settings[key] = value
+            elif settings[key] != value:
+                was = next(w for w, i in records if key in (i.get("settings") or {}))
+                raise StudyMismatchError(
+                    f"{where} was run with {key}={_shown(value)} but {was} with "
+                    f"{key}={_shown(settings[key])}: not parts of one run; merge each into its "
+                    "own folder"
+                )
+    merged = {k: v for k, v in base.items() if k not in ("recorded", "per_shard")}
+    for key, by_folder in per_shard.items():
+        groups: dict[str, list[str]] = {}  # each value (as text) → the folders that recorded it
+        for where, value in by_folder.items():
+            groups.setdefault(str(value), []).append(where)
+        if len(groups) > 1:
+            settings[key] = "; ".join(f"{v} ({', '.join(ws)})" for v, ws in groups.items())
+            merged.setdefault("per_shard", {})[key] = by_folder
+        else:
+            settings[key] = next(iter(by_folder.values()))
+    envs: dict[str, dict[str, Any]] = {}
+    for where, info in records:
+        for env in info.get("environments") or []:
+            bare = {k: v for k, v in env.items() if k != "folders"}
+            entry = envs.setdefault(
+                json.dumps(bare, sort_keys=True, default=str), {**bare, "folders": []}
+            )
+            for w in env.get("folders") or [where]:
+                if w not in entry["folders"]:
+                    entry["folders"].append(w)
+    merged["settings"] = settings
+    merged["environments"] = list(envs.values())
+    merged["notes"] = list(dict.fromkeys(n for _, i in records for n in i.get("notes") or []))
+    if population is not None:
+        merged["population"] = population
+    return merged

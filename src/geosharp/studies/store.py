@@ -73,6 +73,19 @@ class StudyMismatchError(ValueError):
     """The output folder holds the database of a different study."""
 
 
+def report_info(meta: Mapping[str, str]) -> dict[str, Any]:
+    """What a run recorded for its report (meta ``report``), as a dict.
+
+    Its title, settings, population, environments, …; ``{}`` when none was recorded or it
+    does not parse.
+    """
+    try:
+        info = json.loads(meta.get("report") or "{}")
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def versions() -> dict[str, str]:
     """Versions recorded with every measurement."""
     return {"geosharp": __version__, "torch": torch.__version__}
@@ -410,7 +423,7 @@ class Store:
                 + [m["hparams"].get(k) for k in hp_keys]
                 + [r["time_s"], len(pb), std, _flags_cell(r)]
             )
-        listed = json.loads(self.meta().get("report", "{}")).get("population") or []
+        listed = report_info(self.meta()).get("population") or []
         for mid in listed:  # a model of the population without a row: said, not left out
             if mid not in models:
                 w.writerow([mid, "", "", "", ""] + [""] * (len(header) - 6) + [NOT_MEASURED])

@@ -19,7 +19,7 @@ import numpy as np
 from geosharp._io import atomic_write_bytes
 from geosharp.studies.report import ReportPaths, write_report
 from geosharp.studies.sections import RESULT_FILES
-from geosharp.studies.store import Store
+from geosharp.studies.store import Store, report_info
 
 __all__ = ["export_study", "make_report", "report_from_folder"]
 
@@ -33,7 +33,7 @@ def make_report(out_dir: str | Path, store: Store, notes: Sequence[str] = ()) ->
     runner knows none of them.
     """
     out = Path(out_dir)
-    info = json.loads(store.meta().get("report", "{}"))
+    info = report_info(store.meta())
     models, excluded = [], []
     for m in store.models():
         if m["gap"] is None or not math.isfinite(m["gap"]) or m.get("excluded"):
@@ -148,9 +148,10 @@ def _is_number(x: Any) -> bool:
 
 def _environment_text(env: dict[str, Any]) -> str:
     device = env.get("cuda") or f"CPU ({env.get('cpus')} cores, {env.get('threads')} threads)"
+    ran = f" (ran {', '.join(env['folders'])})" if env.get("folders") else ""  # geosharp merge
     return (
         f"geosharp {env.get('geosharp')}, torch {env.get('torch')}, Python {env.get('python')}, "
-        f"{device}, {env.get('platform')}"
+        f"{device}, {env.get('platform')}{ran}"
     )
 
 
