@@ -126,3 +126,34 @@ def test_the_population_is_decided_by_content_not_by_clocks(tmp_path, monkeypatc
     assert report_info(merged)["population"] == V1[::-1]  # nothing written
     summary = merge_shards(tmp_path / "m2", [s1, s2], report=False, log=lambda m: None)
     assert summary.population == grown and not summary.missing
+
+
+def test_the_heads_and_a_manifest_studys_records_are_merged(tmp_path):
+    """The ``orbit`` table (the heads the runner records of each model loaded), ``models.json``
+    and ``manifest.json`` were left in the shards: the merged report lost its orbit spread and a
+    manifest study's model and hyperparameter sections."""
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    run(s1, 1, Recorded(V1))
+    run(s2, 2, Recorded(V1))
+    record = {"manifest": "m.csv", "rho": "0.05", "hyperparameters": ["lr"]}
+    for s in (s1, s2):
+        with Store(s / "study.sqlite", None, None) as store:
+            for m in store.models():  # as runner._record_orbit stores them
+                store.put_orbit(m["model_id"], [{"model_id": m["model_id"], "head": 0}])
+            ids = [m["model_id"] for m in store.models()]
+        (s / "models.json").write_text(json.dumps({mid: {"kind": "bert"} for mid in ids}))
+        (s / "manifest.json").write_text(json.dumps(record))
+    merged = tmp_path / "m"
+    said = []
+    merge_shards(merged, [s1, s2], report=False, log=said.append)
+    with Store(merged / "study.sqlite", None, None) as store:
+        assert sorted(store.orbit_rows()) == sorted(V1)
+    assert sorted(json.loads((merged / "models.json").read_text())) == sorted(V1)
+    assert json.loads((merged / "manifest.json").read_text()) == record
+    assert not any("manifest.json" in line for line in said)
+    # A manifest record that differs is said in one line (the first folder's is kept).
+    (s2 / "manifest.json").write_text(json.dumps({**record, "rho": "auto"}))
+    summary = merge_shards(tmp_path / "m2", [s1, s2], report=False, log=lambda m: None)
+    assert [w for w in summary.warnings if "manifest.json" in w] == [
+        f"manifest.json differs between {s1} and {s2} (rho): {tmp_path / 'm2'} keeps {s1}'s"
+    ]

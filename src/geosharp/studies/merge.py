@@ -15,7 +15,9 @@ machines without a shared file system. :func:`merge_shards` puts per-shard folde
    values, clean losses and settings for a measurement (wall times and dates may differ) — or
    the merge stops before writing anything, naming the row;
 3. the checkpoints are copied (before the rows that refer to them are written);
-4. the shards' ``twin_check.csv`` (``--twin-check``) are joined, every model once;
+4. the shards' ``twin_check.csv`` (``--twin-check``), the heads of their models (the ``orbit``
+   table) and a manifest study's ``models.json`` are joined, every model once, and its
+   ``manifest.json`` copied;
 5. ``results.csv`` and the report are rebuilt from the merged database.
 
 The merge is idempotent: merging the same shards again changes nothing, and a shard finished
@@ -48,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geosharp._io import atomic_write_text
+from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE
 from geosharp.studies.report import ReportPaths
 from geosharp.studies.shards import (
     SHARD_RULE,
@@ -183,6 +187,54 @@ def _own(owned: dict[str, list[str]], counted: set[Path], folder: Path, ids: Seq
         owned.setdefault(mid, []).append(str(folder))
 
 
+def _orbit_rows(conn: sqlite3.Connection) -> list[tuple[str, list[dict[str, Any]]]]:
+    """A shard's ``orbit`` table (:meth:`Store.put_orbit`; absent in most studies)."""
+    if not conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='orbit'"
+    ).fetchone():
+        return []
+    rows = conn.execute("SELECT model_id, heads FROM orbit ORDER BY model_id").fetchall()
+    return [(mid, json.loads(heads)) for mid, heads in rows]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _merge_json_records(out: Path, shards: Sequence[Path]) -> list[str]:
+    """Put a manifest study's ``models.json`` and ``manifest.json`` into ``out``.
+
+    ``models.json``: every model once (``out``'s entry, else the first folder's);
+    ``manifest.json``: the same in every folder, else the first folder's is kept and the
+    warning returned names the folders and the keys that differ.
+    """
+    warnings = []
+    folders = [out, *(s for s in shards if s.resolve() != out.resolve())]
+    models: dict[str, Any] = {}
+    for f in folders:
+        for mid, rec in (_read_json(f / MODELS_FILE) or {}).items():
+            models.setdefault(mid, rec)
+    if models and models != _read_json(out / MODELS_FILE):
+        atomic_write_text(out / MODELS_FILE, json.dumps(models, indent=1) + "\n")
+    found = [(f, rec) for f in folders if (rec := _read_json(f / MANIFEST_FILE)) is not None]
+    if found:
+        first, kept = found[0]
+        for f, rec in found[1:]:
+            if rec != kept:
+                keys = sorted(k for k in {*rec, *kept} if rec.get(k) != kept.get(k))
+                warnings.append(
+                    f"{MANIFEST_FILE} differs between {first} and {f} ({', '.join(keys)}): "
+                    f"{out} keeps {first}'s"
+                )
+        if first != out:
+            atomic_write_text(out / MANIFEST_FILE, json.dumps(kept, indent=1) + "\n")
+    return warnings
+
+
 def _split_of(meta: dict[str, str]) -> tuple[str, int] | None:
     rec = shard_record(meta)
     if rec is None or rec.get("n") is None:
@@ -295,6 +347,8 @@ def merge_shards(
         new_models: dict[str, tuple] = {}
         new_meas: dict[tuple, tuple] = {}
         sources: dict[str, Path] = {}
+        orbit = dest.orbit_rows()  # model → the heads recorded (OUT's first)
+        had_orbit = set(orbit)
         # 1. Read everything and check for conflicts before writing anything.
         for s in shards:
             if s.resolve() == out.resolve():  # OUT is one of the shards: its own models
@@ -339,6 +393,8 @@ def merge_shards(
                         continue
                     meas[key] = (row, s)
                     new_meas[key] = r
+                for mid, heads in _orbit_rows(conn):  # the heads of its models (issue 44)
+                    orbit.setdefault(mid, heads)
             conn.close()
         # 2. Checkpoints first, so that no merged row ever refers to a missing file.
         for mid in new_models:
@@ -374,10 +430,13 @@ def merge_shards(
                 f"INSERT INTO measurements VALUES ({marks})",
                 list(new_meas.values()),
             )
+        for mid in orbit.keys() - had_orbit:  # extras of the rows: after them, model by model
+            dest.put_orbit(mid, orbit[mid])
         summary.new_models, summary.new_measurements = len(new_models), len(new_meas)
         summary.models, summary.measurements = len(models), len(meas)
         summary.population = population or []
         summary.missing = [mid for mid in summary.population if mid not in models]
+    summary.warnings += _merge_json_records(out, shards)  # manifest.json, models.json
     summary.measured_twice = {mid: ws for mid, ws in owned.items() if len(ws) > 1}
     if len(splits) > 1:
         shown = "; ".join(
