@@ -176,8 +176,9 @@ def _parser() -> argparse.ArgumentParser:
         help="merge the output folders of the shards of one study, then write its report",
         description=(
             "Copy the rows and checkpoints of per-shard study folders (--shard k/n) into OUT. "
-            "Shards of different configurations, or a row with different values in two "
-            "shards, are refused before anything is written."
+            "Shards of different configurations, settings or manifests, or a row with different "
+            "values in two shards, are refused in one line before anything is written; what ran "
+            "each shard (threads, device, machine) is kept for each."
         ),
     )
     m.add_argument("out", type=Path, help="the merged folder (created if missing)")
