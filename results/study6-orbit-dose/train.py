@@ -267,8 +267,13 @@ def save(model: nn.Module, out: Path, rel: str) -> str:
     return rel
 
 
-def restore(out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor]) -> None:
+def restore(
+    out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor], shard: tuple[int, int] = (1, 1)
+) -> None:
     """Retrain every model of ``out/manifest.csv`` whose file is missing, checking its row.
+
+    ``shard = (k, n)``: the manifest's rows k−1, k−1+n, … only, so that n processes restore a
+    folder side by side.
 
     Training is deterministic on one CPU thread (the same draw, seed and data order give the
     same weights bit for bit), so a study folder can be committed without its models and its
@@ -277,7 +282,8 @@ def restore(out: Path, recipe: str, prefix: str, d: dict[str, torch.Tensor]) -> 
     """
     with (out / "manifest.csv").open(newline="") as fh:
         rows = list(csv.DictReader(fh))
-    for row in rows:
+    k, n = shard
+    for row in rows[k - 1 :: n]:
         path = out / row["model"]
         if path.is_file():
             continue
@@ -320,7 +326,7 @@ def main() -> None:
     d = data()
     write_sharpness(out, d)
     if args.restore:
-        restore(out, args.recipe, args.prefix, d)
+        restore(out, args.recipe, args.prefix, d, (k, n))
         return
     t0 = time.perf_counter()
     for i in range(k - 1, args.models, n):
