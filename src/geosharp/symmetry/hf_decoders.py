@@ -29,6 +29,7 @@ from geosharp.symmetry.adapter_kit import (
     AttentionSlices,
     _all_linear,
     _check_width,
+    _config,
     _first_int,
     _join,
     _linear_out,
@@ -48,10 +49,6 @@ __all__ = [
     "phi3_attention",
     "phi_attention",
 ]
-
-
-def _cfg(module: nn.Module) -> object:
-    return getattr(module, "config", None)
 
 
 def _fused_claim(
@@ -172,7 +169,7 @@ def gpt_neox_attention(path: str, module: nn.Module) -> Claim | None:
         return None
     if not _all_linear(module, ("query_key_value", "dense")):
         return None
-    cfg = _cfg(module)
+    cfg = _config(module)
     heads = _first_int(
         getattr(module, "num_attention_heads", None), getattr(cfg, "num_attention_heads", None)
     )
@@ -211,7 +208,7 @@ def falcon_attention(path: str, module: nn.Module) -> Claim | None:
     h = _first_int(getattr(module, "head_dim", None))
     if heads is None or h is None:
         return None
-    cfg = _cfg(module)
+    cfg = _config(module)
     rotary = None
     if not getattr(cfg, "alibi", False):
         rotary = RotarySpec(h, "half")  # FalconRotaryEmbedding rotates the whole head
@@ -242,7 +239,7 @@ def phi_attention(path: str, module: nn.Module) -> Claim | None:
     names = ("q_proj", "k_proj", "v_proj", "dense")
     if not _name(module).startswith("Phi") or not _all_linear(module, names):
         return None
-    cfg = _cfg(module)
+    cfg = _config(module)
     heads = _first_int(
         getattr(module, "num_heads", None), getattr(cfg, "num_attention_heads", None)
     )
@@ -282,7 +279,7 @@ def phi3_attention(path: str, module: nn.Module) -> Claim | None:
     """
     if not _name(module).startswith("Phi3") or not _all_linear(module, ("qkv_proj", "o_proj")):
         return None
-    cfg = _cfg(module)
+    cfg = _config(module)
     heads = _first_int(getattr(cfg, "num_attention_heads", None))
     h = _first_int(getattr(module, "head_dim", None))
     kv = _first_int(
