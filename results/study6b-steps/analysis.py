@@ -5,6 +5,9 @@ Committed before the study measured anything. Reads ``results.csv`` of Study 6's
 ``analysis.md`` and ``analysis.json`` into the latter's parent:
 
     .venv/bin/python results/study6b-steps/analysis.py runs/study6b/sgd-wd0/measure
+    .venv/bin/python results/study6b-steps/analysis.py runs/study6b/adamw/measure --level adamw
+
+(``--level``: which of Study 6's levels the 80-step folder measured again; Amendment 1.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 from geosharp.stats import correlation_summary, tau_difference
 
 HERE = Path(__file__).resolve().parent
-BEFORE = HERE.parent / "study6-orbit-dose" / "run" / "sgd-wd0" / "measure"
+STUDY6 = HERE.parent / "study6-orbit-dose" / "run"  # <level>/measure: the 20-step folders
 ADA, INV = "adaptive worst l2", "geodesic-inv-o2 worst l2"
 #: grid position → (adaptive ρ, geodesic ρ), Study 6's pairing
 PAIRS = {"middle": (0.316, 0.1), "largest": (1.0, 0.316)}
@@ -85,14 +88,15 @@ def main() -> None:
     """Decide H1 and H2 and write analysis.md and analysis.json."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("after", help="this study's merged folder (80 steps)")
+    ap.add_argument("--level", default="sgd-wd0", help="Study 6's level (default sgd-wd0)")
     args = ap.parse_args()
     after = Path(args.after)
-    v20, f20, gap20 = load(BEFORE)
+    v20, f20, gap20 = load(STUDY6 / args.level / "measure")
     v80, f80, gap80 = load(after)
     if set(gap80) - set(gap20):
         raise SystemExit(f"models not in Study 6: {sorted(set(gap80) - set(gap20))}")
     gap = {m: gap20[m] for m in gap80}
-    rec: dict = {"models": len(gap), "positions": {}, "cells": {}}
+    rec: dict = {"level": args.level, "models": len(gap), "positions": {}, "cells": {}}
     for pos in PAIRS:
         a20, a80 = paired(v20, gap, pos), paired(v80, gap, pos)
         a_rho, g_rho = PAIRS[pos]
@@ -150,7 +154,7 @@ def report(rec: dict) -> str:
     out = [
         "# Study 6b — Study 6's rising cells at four times the ascent steps: analysis",
         "",
-        f"{rec['models']} models of the `sgd-wd0` level (PREREGISTRATION.md).",
+        f"{rec['models']} models of the `{rec['level']}` level (PREREGISTRATION.md).",
         "",
         f"- **H1** (largest ρ, Δτ CI above 0 at 80 steps): **{rec['H1']}**.",
         f"- **H2** (middle ρ, Δτ CI contains 0 at 80 steps): **{rec['H2']}**.",
