@@ -51,16 +51,18 @@ from pathlib import Path
 from typing import Any
 
 from geosharp._io import atomic_write_text
+from geosharp.studies.population_records import read_json
 from geosharp.studies.population_sections import MANIFEST_FILE, MODELS_FILE
 from geosharp.studies.report import ReportPaths
 from geosharp.studies.shards import (
     SHARD_RULE,
     SHARDS_META,
     merged_report,
+    ran_with,
     shard_of,
     shard_record,
 )
-from geosharp.studies.store import Store, StudyMismatchError, report_info
+from geosharp.studies.store import Store, StudyMismatchError, orbit_rows, report_info
 from geosharp.studies.study_report import report_from_folder
 from geosharp.studies.twin_section import TWIN_FILE, merge_twin_files
 
@@ -165,17 +167,9 @@ def _config_difference(a: str | None, b: str | None, where_a: str, where_b: str)
     keys = sorted(k for k in set(da) | set(db) if da.get(k, "∅") != db.get(k, "∅"))
     if not keys:
         return f"{where_b} and {where_a} record the same configuration"
-
-    def shown(v: Any) -> str:
-        text = repr(v)
-        return text if len(text) <= 60 else text[:57] + "..."
-
     k = keys[0]
     more = f" (and {len(keys) - 1} more: {', '.join(keys[1:4])})" if len(keys) > 1 else ""
-    return (
-        f"{where_b} was run with {k}={shown(db.get(k, '∅'))} but {where_a} with "
-        f"{k}={shown(da.get(k, '∅'))}{more}"
-    )
+    return ran_with(where_b, k, db.get(k, "∅"), where_a, da.get(k, "∅")) + more
 
 
 def _own(owned: dict[str, list[str]], counted: set[Path], folder: Path, ids: Sequence[str]) -> None:
@@ -185,24 +179,6 @@ def _own(owned: dict[str, list[str]], counted: set[Path], folder: Path, ids: Seq
     counted.add(folder.resolve())
     for mid in ids:
         owned.setdefault(mid, []).append(str(folder))
-
-
-def _orbit_rows(conn: sqlite3.Connection) -> list[tuple[str, list[dict[str, Any]]]]:
-    """A shard's ``orbit`` table (:meth:`Store.put_orbit`; absent in most studies)."""
-    if not conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='orbit'"
-    ).fetchone():
-        return []
-    rows = conn.execute("SELECT model_id, heads FROM orbit ORDER BY model_id").fetchall()
-    return [(mid, json.loads(heads)) for mid, heads in rows]
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _merge_json_records(out: Path, shards: Sequence[Path]) -> list[str]:
@@ -216,11 +192,11 @@ def _merge_json_records(out: Path, shards: Sequence[Path]) -> list[str]:
     folders = [out, *(s for s in shards if s.resolve() != out.resolve())]
     models: dict[str, Any] = {}
     for f in folders:
-        for mid, rec in (_read_json(f / MODELS_FILE) or {}).items():
+        for mid, rec in read_json(f / MODELS_FILE).items():
             models.setdefault(mid, rec)
-    if models and models != _read_json(out / MODELS_FILE):
+    if models and models != read_json(out / MODELS_FILE):
         atomic_write_text(out / MODELS_FILE, json.dumps(models, indent=1) + "\n")
-    found = [(f, rec) for f in folders if (rec := _read_json(f / MANIFEST_FILE)) is not None]
+    found = [(f, rec) for f in folders if (rec := read_json(f / MANIFEST_FILE))]
     if found:
         first, kept = found[0]
         for f, rec in found[1:]:
@@ -393,7 +369,7 @@ def merge_shards(
                         continue
                     meas[key] = (row, s)
                     new_meas[key] = r
-                for mid, heads in _orbit_rows(conn):  # the heads of its models (issue 44)
+                for mid, heads in orbit_rows(conn).items():  # its models' heads (issue 44)
                     orbit.setdefault(mid, heads)
             conn.close()
         # 2. Checkpoints first, so that no merged row ever refers to a missing file.

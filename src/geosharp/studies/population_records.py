@@ -85,10 +85,10 @@ def write_models(out: Path, models: Mapping[str, dict[str, Any]], options: Any) 
     o = options
     used = batches_used(old, o.batch_size, o.samples, o.max_length)
     if used is not None and (out / "study.sqlite").is_file():
-        from geosharp.studies.store import Store
+        from geosharp.studies.store import Store, report_info
 
         with Store(out / "study.sqlite", None, None) as store:
-            info = json.loads(store.meta().get("report", "{}"))
+            info = report_info(store.meta())
             info.setdefault("settings", {})["batches"] = used
             with store.conn:
                 store.conn.execute(

@@ -488,7 +488,6 @@ def _record_report_meta(store: Store, study: Study) -> None:
         "population": included,
         "notes": study.notes(),
         "environments": [*environments, environment()],
-        "recorded": time.time(),  # when this population was read (said, never compared)
     }
     with store.conn:
         store.conn.execute(

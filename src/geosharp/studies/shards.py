@@ -26,6 +26,7 @@ __all__ = [
     "SHARD_RULES",
     "Shard",
     "merged_report",
+    "ran_with",
     "settle_shard",
     "shard_of",
     "shard_record",
@@ -250,6 +251,11 @@ def _shown(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def ran_with(where: str, key: str, value: Any, was: str, was_value: Any) -> str:
+    """``"S2 was run with seed=1 but S1 with seed=0"``: a setting two folders disagree on."""
+    return f"{where} was run with {key}={_shown(value)} but {was} with {key}={_shown(was_value)}"
+
+
 def _names(ids: Sequence[str], shown: int = 5) -> str:
     return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
@@ -332,9 +338,8 @@ def merged_report(records: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
             elif settings[key] != value:
                 was = next(w for w, i in records if key in (i.get("settings") or {}))
                 raise StudyMismatchError(
-                    f"{where} was run with {key}={_shown(value)} but {was} with "
-                    f"{key}={_shown(settings[key])}: not parts of one run; merge each into its "
-                    "own folder"
+                    f"{ran_with(where, key, value, was, settings[key])}: not parts of one run; "
+                    "merge each into its own folder"
                 )
     merged = {k: v for k, v in base.items() if k not in ("recorded", "per_shard")}
     for key, by_folder in per_shard.items():

@@ -86,6 +86,21 @@ def report_info(meta: Mapping[str, str]) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def orbit_rows(conn: sqlite3.Connection) -> dict[str, list[dict[str, Any]]]:
+    """Model id → its recorded head rows of a study database (:meth:`Store.put_orbit`).
+
+    Empty when none was recorded (no ``orbit`` table). :meth:`Store.orbit_rows` of an open
+    store; ``geosharp merge`` reads the shards' databases with it.
+    """
+    found = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'orbit'"
+    ).fetchone()
+    if found is None:
+        return {}
+    cur = conn.execute("SELECT model_id, heads FROM orbit ORDER BY model_id")
+    return {mid: json.loads(heads) for mid, heads in cur.fetchall()}
+
+
 def versions() -> dict[str, str]:
     """Versions recorded with every measurement."""
     return {"geosharp": __version__, "torch": torch.__version__}
@@ -376,13 +391,7 @@ class Store:
 
     def orbit_rows(self) -> dict[str, list[dict[str, Any]]]:
         """Model id → its recorded head rows (empty when none was recorded)."""
-        found = self.conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'orbit'"
-        ).fetchone()
-        if found is None:
-            return {}
-        cur = self.conn.execute("SELECT model_id, heads FROM orbit ORDER BY model_id")
-        return {mid: json.loads(heads) for mid, heads in cur.fetchall()}
+        return orbit_rows(self.conn)
 
     # -- export ---------------------------------------------------------------------------------
     def export_csv(self, path: str | Path) -> Path:
